@@ -1,0 +1,104 @@
+"""Wiring for `relay run`: settings in, threads and servers up, clean shutdown out."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType
+
+from relay import __version__, metrics
+from relay.lease import Elector, Lease
+from relay.logging import get_logger
+from relay.metrics import Health, MetricsServer
+from relay.settings import Settings
+from relay.shutdown import Shutdown
+from relay.sinks import create_sink
+from relay.worker import Drainer
+
+log = get_logger("relay.app")
+
+
+class RelayApp:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.shutdown = Shutdown(settings.shutdown_timeout_seconds)
+        self.lease = Lease(
+            settings.lease_name,
+            settings.replica_id,
+            settings.lease_ttl_seconds,
+            settings.safety_margin,
+            time.monotonic,
+        )
+        # The loop beats at least every poll; a publish waiting on a dead broker beats
+        # from its wait loop too. Minutes of silence means it is truly stuck.
+        self.health = Health(stale_after=max(60.0, settings.kafka_delivery_timeout_ms / 500))
+        self.sink = create_sink(settings)
+        self.elector = Elector(settings, self.lease)
+        self.health.db_ok = self._db_recently_ok
+        self.drainer = Drainer(
+            settings, self.sink, self.lease, self.elector, self.shutdown, self.health
+        )
+        self.metrics_server: MetricsServer | None = None
+
+    def _db_recently_ok(self) -> bool:
+        window = max(3 * self.settings.standby_poll_seconds, self.settings.lease_ttl_seconds)
+        return time.monotonic() - self.elector.last_db_ok < window
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("relay.stopping", signal=signal.Signals(signum).name)
+            self.shutdown.request()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def run(self) -> int:
+        s = self.settings
+        metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
+        metrics.LEASE_HELD.labels(s.lease_name).set(0)
+        if s.metrics_enabled:
+            self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)
+            self.metrics_server.start()
+        log.info(
+            "relay.started",
+            version=__version__,
+            replica=s.replica_id,
+            lease=s.lease_name,
+            sink=s.sink,
+            batch_size=s.batch_size,
+            ttl=s.lease_ttl_seconds,
+            metrics=f"{s.metrics_host}:{self.metrics_server.port}" if self.metrics_server else None,
+        )
+        self.elector.start()
+        try:
+            while not self.shutdown.requested:
+                self.health.beat()
+                if self.lease.wait_held(timeout=0.25) is None:
+                    continue
+                self.drainer.drain()
+        finally:
+            self._stop()
+        return 0
+
+    def _stop(self) -> None:
+        # Order matters: no new batches, then flush the sink, then give the lease up
+        # so a standby takes over at its next poll instead of after a whole ttl.
+        left = self.sink.flush(min(5.0, self.settings.shutdown_timeout_seconds))
+        if left:
+            log.warning("sink.flush_incomplete", messages=left)
+        self.elector.stop()
+        self.elector.join(timeout=5.0)
+        self.elector.release()
+        self.drainer.close()
+        self.sink.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        log.info("relay.stopped", replica=self.settings.replica_id)
+
+
+def run(settings: Settings) -> int:
+    app = RelayApp(settings)
+    if threading.current_thread() is threading.main_thread():
+        app.install_signal_handlers()
+    return app.run()

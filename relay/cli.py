@@ -1,0 +1,224 @@
+"""Command line: `relay run|migrate|status|check|dead-letter|purge` (also `python -m relay`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from relay import __version__, db, repository
+from relay.errors import MigrationError
+from relay.logging import configure
+from relay.settings import CommonSettings, Settings, SettingsError, load_settings
+
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`90`, `45s`, `30m`, `12h`, `7d` -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
+    return float(match[1]) * _UNIT_SECONDS[match[2]]
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, default=_json_default, indent=2))
+
+
+def _json_default(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+# --- commands ---
+
+
+def cmd_run(_args: argparse.Namespace) -> int:
+    from relay.app import run
+
+    settings = load_settings(Settings)
+    configure(settings.log_format, settings.log_level)
+    return run(settings)
+
+
+def cmd_migrate(_args: argparse.Namespace) -> int:
+    from relay.migrate import migrate
+
+    settings = load_settings(CommonSettings)
+    configure(settings.log_format, settings.log_level)
+    applied = migrate(settings)
+    print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = load_settings(CommonSettings)
+    with db.connect(settings, purpose="status") as conn:
+        leases = repository.lease_status(conn)
+        stats = repository.outbox_stats(conn)
+        version = repository.schema_version(conn)
+    if args.json:
+        _print_json({"schema_version": version, "leases": leases, "outbox": stats})
+        return EXIT_OK
+    print(f"schema version: {version}")
+    for lease in leases:
+        state = "held" if lease["live"] else "free (expired or released)"
+        print(
+            f"lease {lease['name']!r}: {state}; holder={lease['holder']} epoch={lease['epoch']}"
+            f" expires_at={lease['expires_at']}"
+            f" seconds_to_expiry={max(0.0, lease['seconds_to_expiry'] or 0.0):.1f}"
+        )
+    if not leases:
+        print("no lease rows yet (no relay has run)")
+    age = stats["oldest_unsent_age_seconds"]
+    print(
+        f"unsent rows: {stats['unsent']}; oldest unsent age: "
+        f"{'-' if age is None else f'{age:.1f}s'}; dead-lettered rows: {stats['dead_lettered']}"
+    )
+    return EXIT_OK
+
+
+def cmd_check(_args: argparse.Namespace) -> int:
+    from relay.sinks import create_sink
+
+    settings = load_settings(Settings)
+    print(f"settings: ok (sink={settings.sink}, lease={settings.lease_name})")
+    try:
+        with db.connect(settings, purpose="check") as conn:
+            version = repository.schema_version(conn)
+            repository.outbox_stats(conn)
+    except psycopg.Error as exc:
+        print(f"database: FAILED: {db.describe_error(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"database: ok (schema version {version})")
+    sink = create_sink(settings)
+    try:
+        print(sink.check(timeout=5.0))
+    except Exception as exc:
+        print(f"sink: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        sink.close()
+    return EXIT_OK
+
+
+def cmd_dead_letter_list(args: argparse.Namespace) -> int:
+    settings = load_settings(CommonSettings)
+    with db.connect(settings, purpose="dead-letter") as conn:
+        rows = repository.dead_letters(conn, topic=args.topic, key=args.key, limit=args.limit)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    for row in rows:
+        print(
+            f"{row['id']}\t{row['message_id']}\ttopic={row['topic']}\tkey={row['key']}"
+            f"\tattempts={row['attempts']}\tat={row['dead_lettered_at']:%Y-%m-%dT%H:%M:%S%z}"
+            f"\treason={row['dead_letter_reason']}"
+        )
+    print(f"{len(rows)} dead-lettered row(s)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
+    settings = load_settings(CommonSettings)
+    with db.connect(settings, purpose="dead-letter") as conn, conn.transaction():
+        ids = repository.requeue_dead_letters(
+            conn, ids=args.id or (), key=args.key, everything=args.all
+        )
+        if args.dry_run:
+            raise_rollback()
+    verb = "would requeue" if args.dry_run else "requeued"
+    print(f"{verb} {len(ids)} row(s)" + (f": {' '.join(map(str, ids))}" if ids else ""))
+    return EXIT_OK
+
+
+def raise_rollback() -> None:
+    raise psycopg.Rollback
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    settings = load_settings(CommonSettings)
+    total = 0
+    with db.connect(settings, purpose="purge") as conn:
+        while True:
+            count = repository.purge_sent(conn, args.older_than, args.batch_size)
+            total += count
+            if count < args.batch_size:
+                break
+    print(f"purged {total} sent row(s) older than {args.older_than:g}s")
+    return EXIT_OK
+
+
+# --- parser ---
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relay",
+        description="Transactional outbox relay. Configuration comes from RELAY_* variables.",
+    )
+    parser.add_argument("--version", action="version", version=f"relay {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help_: str
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    add("run", cmd_run, "run the relay daemon (one replica of many)")
+    add("migrate", cmd_migrate, "apply pending schema migrations (safe from several replicas)")
+    status = add("status", cmd_status, "show lease holder, epoch, expiry and backlog")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    add("check", cmd_check, "validate settings and connect to the database and the sink")
+
+    dead = sub.add_parser("dead-letter", help="list or requeue dead-lettered rows")
+    dead_sub = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
+    listing = dead_sub.add_parser("list", help="list dead-lettered rows, oldest first")
+    listing.set_defaults(func=cmd_dead_letter_list)
+    listing.add_argument("--topic")
+    listing.add_argument("--key")
+    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--json", action="store_true")
+    requeue = dead_sub.add_parser("requeue", help="put dead-lettered rows back in the drain")
+    requeue.set_defaults(func=cmd_dead_letter_requeue)
+    which = requeue.add_mutually_exclusive_group(required=True)
+    which.add_argument("--id", type=int, nargs="+", help="row ids")
+    which.add_argument("--key", help="every dead letter of this key")
+    which.add_argument("--all", action="store_true", help="every dead letter")
+    requeue.add_argument("--dry-run", action="store_true")
+
+    purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
+    purge.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
+    purge.add_argument("--batch-size", type=int, default=1000)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except SettingsError as exc:
+        print(f"relay: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except MigrationError as exc:
+        print(f"relay: migration failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except psycopg.OperationalError as exc:
+        print(f"relay: database unavailable: {db.describe_error(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130

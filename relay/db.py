@@ -1,0 +1,76 @@
+"""Opening relay sessions: credentials, TLS, and the session timeouts DESIGN.md asks for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import IsolationLevel
+from psycopg.rows import dict_row
+
+from relay.queries import QUERIES
+from relay.settings import CommonSettings
+
+
+def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
+    """libpq keyword arguments layered over RELAY_DATABASE_URL."""
+    kwargs: dict[str, Any] = {
+        "connect_timeout": settings.database_connect_timeout_seconds,
+        # Dead peers are noticed in seconds rather than after the kernel's two hours.
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+    }
+    if settings.database_password is not None:
+        kwargs["password"] = settings.database_password.get_secret_value()
+    if settings.database_sslmode is not None:
+        kwargs["sslmode"] = settings.database_sslmode
+    if settings.database_sslrootcert is not None:
+        kwargs["sslrootcert"] = settings.database_sslrootcert
+    return kwargs
+
+
+def connect(
+    settings: CommonSettings,
+    *,
+    purpose: str,
+    isolation_level: IsolationLevel | None = None,
+) -> psycopg.Connection[dict[str, Any]]:
+    """A new autocommit session; transactions are explicit `conn.transaction()` blocks.
+
+    Autocommit keeps the session out of "idle in transaction" between our own short
+    transactions, so no relay session ever holds a snapshot or a lock while it waits
+    on the sink.
+    """
+    conn = psycopg.connect(
+        settings.database_url.get_secret_value(),
+        autocommit=True,
+        row_factory=dict_row,
+        **connect_kwargs(settings),
+    )
+    try:
+        conn.execute(
+            QUERIES.set_session_timeouts,
+            {
+                "statement_timeout": f"{settings.database_statement_timeout_ms}ms",
+                "lock_timeout": f"{settings.database_lock_timeout_ms}ms",
+                "idle_timeout": f"{settings.database_idle_in_transaction_timeout_ms}ms",
+                "application_name": f"relay:{purpose}",
+            },
+        )
+        if isolation_level is not None:
+            conn.isolation_level = isolation_level
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line about a database failure without echoing the connection string."""
+    if isinstance(exc, psycopg.Error):
+        sqlstate = getattr(exc, "sqlstate", None)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{type(exc).__name__}[{sqlstate}]: {text}" if sqlstate else text
+    return f"{type(exc).__name__}: {exc}"

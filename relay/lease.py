@@ -1,0 +1,356 @@
+"""The lease: which replica may publish, until when, under which fencing epoch.
+
+The protocol (DESIGN.md, "The lease"):
+
+1. `BEGIN ISOLATION LEVEL REPEATABLE READ`; read the lease row.
+2. Held by someone else and not expired (by the DATABASE clock): stay standby.
+3. Otherwise compare-and-swap: `UPDATE ... epoch = epoch + 1 ... WHERE epoch = seen`.
+   A concurrent winner shows as SQLSTATE 40001 or as zero rows updated: we lost.
+4. The holder trusts its lease only until a LOCAL monotonic deadline: the moment before
+   the acquiring (or renewing) transaction began, plus ttl, minus a safety margin.
+5. Every transaction that settles rows re-checks holder and epoch first (`lease_fence`
+   in queries.sql, used by the repository); no match means roll back and stand by.
+6. On shutdown the holder expires its lease at once so a standby takes over quickly.
+
+`Lease` is this replica's belief; `Elector` is the thread that keeps it true.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import IsolationLevel, errors
+
+from relay import db, metrics
+from relay.backoff import jittered
+from relay.logging import get_logger
+from relay.queries import QUERIES
+from relay.settings import Settings
+
+log = get_logger("relay.lease")
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseToken:
+    """Proof of holding: every fenced statement carries all three."""
+
+    name: str
+    holder: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    token: LeaseToken
+
+
+@dataclass(frozen=True, slots=True)
+class HeldByOther:
+    holder: str | None
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class LostRace:
+    detail: str
+
+
+Attempt = Acquired | HeldByOther | LostRace
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+# --- the SQL steps of the protocol -------------------------------------------------
+
+
+def ensure_row(conn: Conn, name: str) -> None:
+    conn.execute(QUERIES.lease_ensure, {"name": name})
+
+
+def try_acquire(conn: Conn, name: str, holder: str, ttl: float) -> Attempt:
+    """One compare-and-swap attempt. `conn` must be autocommit with REPEATABLE READ."""
+    try:
+        with conn.transaction():
+            row = conn.execute(QUERIES.lease_read, {"name": name}).fetchone()
+            if row is None:
+                return LostRace("lease row missing")
+            if row["live"] and row["holder"] != holder:
+                return HeldByOther(row["holder"], row["epoch"])
+            taken = conn.execute(
+                QUERIES.lease_take,
+                {"name": name, "holder": holder, "ttl": ttl, "seen_epoch": row["epoch"]},
+            ).fetchone()
+            if taken is None:
+                # Zero rows: someone moved the epoch between our read and our write.
+                return LostRace("epoch changed under us")
+            return Acquired(LeaseToken(name, holder, int(taken["epoch"])))
+    except (errors.SerializationFailure, errors.LockNotAvailable) as exc:
+        return LostRace(f"SQLSTATE {exc.sqlstate}")
+
+
+def renew(conn: Conn, token: LeaseToken, ttl: float) -> bool:
+    row = conn.execute(
+        QUERIES.lease_renew,
+        {"name": token.name, "holder": token.holder, "epoch": token.epoch, "ttl": ttl},
+    ).fetchone()
+    return row is not None
+
+
+def release(conn: Conn, token: LeaseToken) -> bool:
+    cur = conn.execute(
+        QUERIES.lease_release,
+        {"name": token.name, "holder": token.holder, "epoch": token.epoch},
+    )
+    return cur.rowcount == 1
+
+
+# --- this replica's belief -----------------------------------------------------------
+
+
+class Lease:
+    """Thread-safe local view: the token, and the monotonic deadline it is good until."""
+
+    def __init__(self, name: str, holder: str, ttl: float, margin: float, clock: Clock) -> None:
+        self.name = name
+        self.holder = holder
+        self.ttl = ttl
+        self.margin = margin
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._token: LeaseToken | None = None
+        self._deadline = 0.0
+        self._renewed_at = 0.0
+        self._changed = threading.Condition(self._lock)
+
+    def token(self) -> LeaseToken | None:
+        """The token if we may still publish under it; None once the deadline passed."""
+        with self._lock:
+            if self._token is not None and self._clock() < self._deadline:
+                return self._token
+            return None
+
+    def held_token(self) -> LeaseToken | None:
+        """The token we believe in, even if its local deadline has passed."""
+        with self._lock:
+            return self._token
+
+    def seconds_left(self) -> float:
+        with self._lock:
+            return max(0.0, self._deadline - self._clock()) if self._token else 0.0
+
+    def since_renewal(self) -> float:
+        with self._lock:
+            return self._clock() - self._renewed_at
+
+    def acquired(self, token: LeaseToken, started_at: float) -> None:
+        with self._lock:
+            self._token = token
+            self._deadline = started_at + self.ttl - self.margin
+            self._renewed_at = started_at
+            self._changed.notify_all()
+
+    def renewed(self, token: LeaseToken, started_at: float) -> None:
+        # `started_at` is taken before the renewing transaction began: the DB's now()
+        # inside it is at least that late, so our deadline can never outlive the row's.
+        with self._lock:
+            if self._token == token:
+                self._deadline = max(self._deadline, started_at + self.ttl - self.margin)
+                self._renewed_at = max(self._renewed_at, started_at)
+
+    def lose(self, token: LeaseToken | None = None) -> LeaseToken | None:
+        """Forget the lease (only `token`'s, if given). Returns what was dropped."""
+        with self._lock:
+            dropped = self._token
+            if dropped is None or (token is not None and token != dropped):
+                return None
+            self._token = None
+            self._deadline = 0.0
+            self._changed.notify_all()
+            return dropped
+
+    def wait_held(self, timeout: float) -> LeaseToken | None:
+        """Block until we hold the lease or `timeout` passes."""
+        end = self._clock() + timeout
+        with self._lock:
+            while self._token is None:
+                remaining = end - self._clock()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+        return self.token()
+
+
+# --- the loop that keeps it true -------------------------------------------------------
+
+
+class Elector(threading.Thread):
+    """Standby: try to acquire every `standby_poll_seconds` (jittered).
+    Leader: renew when no settle transaction has renewed for `renew_interval`.
+    """
+
+    def __init__(self, settings: Settings, lease: Lease, clock: Clock = time.monotonic) -> None:
+        super().__init__(name="relay-elector", daemon=True)
+        self._settings = settings
+        self._lease = lease
+        self._clock = clock
+        self._stop_event = threading.Event()
+        self._conn: Conn | None = None
+        self._last_other: tuple[str | None, int] | None = None
+        self._standby_since = clock()
+        self.last_db_ok = 0.0
+
+    # -- public --
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def release(self) -> None:
+        """Give the lease up (after the drain stopped and the sink was flushed)."""
+        token = self._lease.lose()
+        if token is None:
+            return
+        metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="released")
+        try:
+            conn = self._connection()
+            released = release(conn, token)
+        except psycopg.Error as exc:
+            log.warning(
+                "lease.release_failed",
+                lease=token.name,
+                holder=token.holder,
+                epoch=token.epoch,
+                error=db.describe_error(exc),
+            )
+            return
+        finally:
+            self._close()
+        log.info(
+            "lease.released",
+            lease=token.name,
+            holder=token.holder,
+            epoch=token.epoch,
+            released=released,
+        )
+
+    # -- loop --
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                if self._lease.held_token() is None:
+                    self._attempt()
+                else:
+                    self._keep()
+                self.last_db_ok = self._clock()
+            except psycopg.Error as exc:
+                log.warning(
+                    "lease.db_error",
+                    lease=self._lease.name,
+                    holder=self._lease.holder,
+                    error=db.describe_error(exc),
+                )
+                self._close()
+                self._expire_if_past_deadline()
+            self._stop_event.wait(self._next_wait())
+
+    def _next_wait(self) -> float:
+        if self._lease.held_token() is None:
+            return jittered(self._settings.standby_poll_seconds)
+        # Wake often enough to renew on time and to notice our own deadline passing.
+        return max(0.05, min(self._settings.renew_interval / 2, self._lease.seconds_left()))
+
+    def _attempt(self) -> None:
+        conn = self._connection()
+        started = self._clock()
+        outcome = try_acquire(
+            conn, self._lease.name, self._lease.holder, self._settings.lease_ttl_seconds
+        )
+        if isinstance(outcome, Acquired):
+            self._lease.acquired(outcome.token, started)
+            self._last_other = None
+            metrics.lease_transition(outcome.token.name, held=True, epoch=outcome.token.epoch)
+            log.info(
+                "lease.acquired",
+                lease=outcome.token.name,
+                holder=outcome.token.holder,
+                epoch=outcome.token.epoch,
+                waited_seconds=round(started - self._standby_since, 3),
+            )
+        elif isinstance(outcome, HeldByOther):
+            seen = (outcome.holder, outcome.epoch)
+            if seen != self._last_other:
+                self._last_other = seen
+                metrics.lease_observed(self._lease.name, outcome.epoch)
+                log.info(
+                    "lease.standby",
+                    lease=self._lease.name,
+                    holder=self._lease.holder,
+                    leader=outcome.holder,
+                    epoch=outcome.epoch,
+                )
+        else:
+            log.debug(
+                "lease.lost_race",
+                lease=self._lease.name,
+                holder=self._lease.holder,
+                detail=outcome.detail,
+            )
+
+    def _keep(self) -> None:
+        if self._expire_if_past_deadline():
+            return
+        if self._lease.since_renewal() < self._settings.renew_interval:
+            return
+        token = self._lease.held_token()
+        if token is None:
+            return
+        conn = self._connection()
+        started = self._clock()
+        if renew(conn, token, self._settings.lease_ttl_seconds):
+            self._lease.renewed(token, started)
+        elif self._lease.lose(token) is not None:
+            self._on_lost(token, "fenced")
+
+    def _expire_if_past_deadline(self) -> bool:
+        token = self._lease.held_token()
+        if token is None or self._lease.token() is not None:
+            return False
+        if self._lease.lose(token) is not None:
+            self._on_lost(token, "expired")
+        return True
+
+    def _on_lost(self, token: LeaseToken, reason: str) -> None:
+        self._standby_since = self._clock()
+        metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason=reason)
+        log.warning(
+            "lease.lost", lease=token.name, holder=token.holder, epoch=token.epoch, reason=reason
+        )
+
+    def lost_by_fencing(self, token: LeaseToken) -> None:
+        """Called by the drain loop when its fenced settle matched no lease row."""
+        if self._lease.lose(token) is not None:
+            self._on_lost(token, "fenced")
+
+    # -- connection --
+
+    def _connection(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = db.connect(
+                self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
+            )
+            ensure_row(self._conn, self._lease.name)
+        return self._conn
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None

@@ -1,0 +1,54 @@
+"""One outbox row as the relay carries it from the database to a sink."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+RESERVED_HEADERS = ("message-id", "created-at")
+
+
+class MalformedRow(ValueError):
+    """The row cannot be published as it is; retrying will not help (dead-letter it)."""
+
+
+@dataclass(slots=True)
+class OutboxMessage:
+    id: int
+    message_id: UUID
+    topic: str
+    key: str | None
+    payload: bytes | None
+    headers: Any
+    created_at: datetime
+    attempts: int
+
+    def header_pairs(self) -> list[tuple[str, str | bytes | None]]:
+        """Row headers plus `message-id` and `created-at`, as (name, bytes) pairs.
+
+        Row headers must be a JSON object of scalars; strings are sent as UTF-8, other
+        scalars in their JSON form. The relay's own headers always win over the row's.
+        """
+        pairs: list[tuple[str, str | bytes | None]] = []
+        if self.headers is not None:
+            if not isinstance(self.headers, dict):
+                raise MalformedRow(
+                    f"headers must be a JSON object, got {type(self.headers).__name__}"
+                )
+            for name, value in self.headers.items():
+                if name.lower() in RESERVED_HEADERS or value is None:
+                    continue
+                if isinstance(value, str):
+                    pairs.append((name, value.encode()))
+                elif isinstance(value, bool | int | float):
+                    pairs.append((name, json.dumps(value).encode()))
+                else:
+                    raise MalformedRow(
+                        f"header {name!r} must be a string or scalar, got {type(value).__name__}"
+                    )
+        pairs.append(("message-id", str(self.message_id).encode()))
+        pairs.append(("created-at", self.created_at.isoformat().encode()))
+        return pairs

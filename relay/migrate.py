@@ -1,0 +1,92 @@
+"""`relay migrate`: apply migrations/*.sql in order, once each, from any number of replicas."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import psycopg
+
+from relay import db
+from relay.errors import MigrationError
+from relay.logging import get_logger
+from relay.queries import QUERIES
+from relay.settings import CommonSettings
+
+log = get_logger("relay.migrate")
+
+_FILE = re.compile(r"^(?P<version>\d{4})_[a-z0-9_]+\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: str
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def migrations_dir() -> Path:
+    """Inside an installed wheel the files ship as relay/migrations; in a checkout they
+    live at the top of the repository, where a DBA finds them."""
+    packaged = Path(str(resources.files("relay"))) / "migrations"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "migrations"
+
+
+def load(directory: Path | None = None) -> list[Migration]:
+    folder = directory or migrations_dir()
+    found = []
+    for path in sorted(folder.glob("*.sql")):
+        match = _FILE.match(path.name)
+        if match:  # grants.sql and other helpers are not migrations
+            found.append(Migration(match["version"], path.name, path.read_text("utf-8")))
+    if not found:
+        raise MigrationError(f"no migrations found in {folder}")
+    return found
+
+
+def migrate(settings: CommonSettings, directory: Path | None = None) -> list[str]:
+    """Apply what is pending; return the names applied. Safe to run concurrently."""
+    migrations = load(directory)
+    applied_now: list[str] = []
+    with db.connect(settings, purpose="migrate") as conn:
+        # DDL may wait behind the app's traffic; do not let the relay's own timeouts
+        # (meant for the hot path) cut a migration short.
+        conn.execute(QUERIES.migrations_no_timeout)
+        conn.execute(QUERIES.migrations_lock)
+        try:
+            conn.execute(QUERIES.migrations_table)
+            applied = {
+                r["version"]: r["checksum"] for r in conn.execute(QUERIES.migrations_applied)
+            }
+            for migration in migrations:
+                if migration.version in applied:
+                    if applied[migration.version] != migration.checksum:
+                        raise MigrationError(
+                            f"{migration.name} was changed after it was applied; "
+                            "add a new migration instead"
+                        )
+                    continue
+                with conn.transaction():
+                    # A migration file is trusted SQL shipped with the relay.
+                    conn.execute(migration.sql)
+                    conn.execute(
+                        QUERIES.migrations_record,
+                        {"version": migration.version, "checksum": migration.checksum},
+                    )
+                applied_now.append(migration.name)
+                log.info("migration.applied", name=migration.name)
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute(QUERIES.migrations_unlock)
+    return applied_now

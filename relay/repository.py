@@ -1,0 +1,124 @@
+"""The drain loop's database operations, each one named statement from queries.sql."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg.rows import class_row
+
+from relay.lease import LeaseToken
+from relay.message import OutboxMessage
+from relay.queries import QUERIES
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class Settlement:
+    """What to write back for one published batch."""
+
+    sent: list[int] = field(default_factory=list)
+    retry_ids: list[int] = field(default_factory=list)
+    retry_delays: list[float] = field(default_factory=list)
+    retry_errors: list[str] = field(default_factory=list)
+    dead_ids: list[int] = field(default_factory=list)
+    dead_attempted: list[int] = field(default_factory=list)
+    dead_reasons: list[str] = field(default_factory=list)
+
+    def retry(self, row_id: int, delay: float, error: str) -> None:
+        self.retry_ids.append(row_id)
+        self.retry_delays.append(delay)
+        self.retry_errors.append(error)
+
+    def dead(self, row_id: int, reason: str, *, attempted: bool = True) -> None:
+        self.dead_ids.append(row_id)
+        self.dead_attempted.append(1 if attempted else 0)
+        self.dead_reasons.append(reason)
+
+    def __bool__(self) -> bool:
+        return bool(self.sent or self.retry_ids or self.dead_ids)
+
+
+def fetch_batch(conn: Conn, limit: int) -> list[OutboxMessage]:
+    with conn.cursor(row_factory=class_row(OutboxMessage)) as cur:
+        return cur.execute(QUERIES.fetch_batch, {"limit": limit}).fetchall()
+
+
+def settle(
+    conn: Conn, token: LeaseToken, ttl: float, settlement: Settlement, *, delete_sent: bool
+) -> bool:
+    """Write a batch's outcomes in ONE fenced transaction; False if we were fenced out.
+
+    The lease check comes first and renews the lease; if it matches no row a newer
+    holder exists, and the whole transaction rolls back: a zombie marks nothing.
+    """
+    with conn.transaction():
+        fenced = conn.execute(
+            QUERIES.lease_fence,
+            {"name": token.name, "holder": token.holder, "epoch": token.epoch, "ttl": ttl},
+        ).fetchone()
+        if fenced is None:
+            raise psycopg.Rollback  # nothing of this batch may land
+        if settlement.sent:
+            query = QUERIES.delete_sent if delete_sent else QUERIES.mark_sent
+            conn.execute(query, {"ids": settlement.sent})
+        if settlement.retry_ids:
+            conn.execute(
+                QUERIES.record_failures,
+                {
+                    "ids": settlement.retry_ids,
+                    "delays": settlement.retry_delays,
+                    "errors": settlement.retry_errors,
+                },
+            )
+        if settlement.dead_ids:
+            conn.execute(
+                QUERIES.dead_letter,
+                {
+                    "ids": settlement.dead_ids,
+                    "attempted": settlement.dead_attempted,
+                    "reasons": settlement.dead_reasons,
+                },
+            )
+        return True
+    return False
+
+
+def purge_sent(conn: Conn, older_than_seconds: float, limit: int) -> int:
+    cur = conn.execute(QUERIES.purge_sent, {"older_than": older_than_seconds, "limit": limit})
+    return cur.rowcount
+
+
+def outbox_stats(conn: Conn) -> dict[str, Any]:
+    row = conn.execute(QUERIES.outbox_stats).fetchone()
+    assert row is not None
+    return row
+
+
+def dead_letters(
+    conn: Conn, *, topic: str | None, key: str | None, limit: int
+) -> list[dict[str, Any]]:
+    return conn.execute(
+        QUERIES.dead_letter_list, {"topic": topic, "key": key, "limit": limit}
+    ).fetchall()
+
+
+def requeue_dead_letters(
+    conn: Conn, *, ids: Sequence[int] = (), key: str | None = None, everything: bool = False
+) -> list[int]:
+    rows = conn.execute(
+        QUERIES.dead_letter_requeue, {"ids": list(ids), "key": key, "all": everything}
+    ).fetchall()
+    return sorted(int(r["id"]) for r in rows)
+
+
+def lease_status(conn: Conn) -> list[dict[str, Any]]:
+    return conn.execute(QUERIES.lease_status).fetchall()
+
+
+def schema_version(conn: Conn) -> str | None:
+    row = conn.execute(QUERIES.schema_version).fetchone()
+    return None if row is None else row["version"]

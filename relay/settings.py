@@ -1,0 +1,246 @@
+"""Every setting the relay reads, validated once at start-up.
+
+The rest of the code receives a `Settings` object and never looks at the environment:
+a bad value fails here, with the name of the variable, before any connection is made.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+ENV_PREFIX = "RELAY_"
+
+# Secret settings may also be given as a path in RELAY_<NAME>_FILE (Kubernetes Secret
+# volumes, Docker secrets), so the secret never has to sit in the process environment.
+SECRET_FIELDS = ("database_url", "database_password", "kafka_sasl_password")
+
+
+class _FileSecretsSource(PydanticBaseSettingsSource):
+    """Reads `RELAY_<NAME>_FILE` for the secret fields."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name in SECRET_FIELDS:
+            env_name = f"{ENV_PREFIX}{name.upper()}_FILE"
+            path = os.environ.get(env_name)
+            if not path:
+                continue
+            try:
+                values[name] = Path(path).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise SettingsError(env_name, f"cannot read file: {exc.strerror}") from None
+        return values
+
+
+class SettingsError(Exception):
+    """A setting is missing or invalid; `name` is the environment variable to fix."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+        self.message = message
+
+
+def default_replica_id() -> str:
+    # The pod name is the hostname in Kubernetes; pid and a random suffix keep two
+    # processes on one host (and a restarted process) distinct as lease holders.
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class CommonSettings(BaseSettings):
+    """What every command needs: the database, the lease name, logging.
+
+    `relay migrate` and the operator commands use only these, so a migration Job does
+    not have to carry sink settings.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="ignore",
+        case_sensitive=False,
+        validate_default=True,
+    )
+
+    # --- database ---
+    database_url: SecretStr = Field(
+        description="libpq URL or DSN of the PostgreSQL database that holds the outbox."
+    )
+    database_password: SecretStr | None = Field(
+        default=None, description="Overrides the password in RELAY_DATABASE_URL."
+    )
+    database_sslmode: (
+        Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] | None
+    ) = None
+    database_sslrootcert: str | None = None
+    database_connect_timeout_seconds: int = Field(default=5, ge=1, le=300)
+    database_statement_timeout_ms: int = Field(default=10_000, ge=0)
+    database_lock_timeout_ms: int = Field(default=2_000, ge=0)
+    database_idle_in_transaction_timeout_ms: int = Field(default=30_000, ge=0)
+
+    lease_name: str = Field(default="default", min_length=1, max_length=200)
+    log_format: Literal["json", "console"] | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_shape(cls, value: SecretStr) -> SecretStr:
+        raw = value.get_secret_value().strip()
+        if not raw:
+            raise ValueError("must not be empty")
+        if "://" in raw and not raw.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL or a key=value DSN")
+        return SecretStr(raw)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _FileSecretsSource(settings_cls))
+
+
+class Settings(CommonSettings):
+    """Everything `relay run` needs, from `RELAY_*` environment variables (12-factor)."""
+
+    # --- sink ---
+    sink: Literal["kafka", "http"] = "kafka"
+    kafka_bootstrap_servers: str | None = None
+    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "lz4"
+    kafka_linger_ms: int = Field(default=5, ge=0, le=60_000)
+    kafka_delivery_timeout_ms: int = Field(default=30_000, ge=1_000, le=900_000)
+    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] | None = None
+    kafka_sasl_mechanism: str | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_topic_map: dict[str, str] = Field(
+        default_factory=dict,
+        description='JSON: outbox topic -> Kafka topic, e.g. {"orders": "prod.orders"}.',
+    )
+    kafka: dict[str, str] = Field(
+        default_factory=dict,
+        description="librdkafka pass-through: RELAY_KAFKA__SSL_CA_LOCATION sets ssl.ca.location.",
+    )
+    http_url: str | None = None
+
+    # --- lease ---
+    lease_ttl_seconds: float = Field(default=10.0, ge=1.0, le=3600.0)
+    lease_renew_interval_seconds: float | None = Field(default=None, gt=0)
+    lease_safety_margin_seconds: float | None = Field(default=None, ge=0)
+    standby_poll_seconds: float = Field(default=0.5, gt=0, le=60)
+    replica_id: str = Field(default_factory=default_replica_id, min_length=1, max_length=200)
+
+    # --- draining ---
+    batch_size: int = Field(default=500, ge=1, le=50_000)
+    poll_interval_min_seconds: float = Field(default=0.005, gt=0, le=10)
+    poll_interval_max_seconds: float = Field(default=0.1, gt=0, le=60)
+    max_attempts: int = Field(default=10, ge=1)
+    retry_base_seconds: float = Field(default=0.5, gt=0)
+    retry_max_seconds: float = Field(default=300.0, gt=0)
+    retention_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="0 deletes rows once sent; above 0 keeps them (sent_at set) that long.",
+    )
+    purge_interval_seconds: float = Field(default=60.0, gt=0)
+    purge_batch_size: int = Field(default=1_000, ge=1, le=100_000)
+    shutdown_timeout_seconds: float = Field(default=20.0, gt=0)
+
+    # --- operations ---
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9108, ge=0, le=65535)
+    metrics_enabled: bool = True
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Settings:
+        if self.sink == "kafka" and not self.kafka_bootstrap_servers:
+            raise SettingsError(
+                "RELAY_KAFKA_BOOTSTRAP_SERVERS", "is required when RELAY_SINK=kafka"
+            )
+        if self.sink == "http" and not self.http_url:
+            raise SettingsError("RELAY_HTTP_URL", "is required when RELAY_SINK=http")
+        if self.poll_interval_min_seconds > self.poll_interval_max_seconds:
+            raise SettingsError(
+                "RELAY_POLL_INTERVAL_MIN_SECONDS", "must not exceed RELAY_POLL_INTERVAL_MAX_SECONDS"
+            )
+        if self.renew_interval >= self.lease_ttl_seconds - self.safety_margin:
+            raise SettingsError(
+                "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
+                "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
+            )
+        return self
+
+    # --- derived values, so no caller re-derives them differently ---
+
+    @property
+    def safety_margin(self) -> float:
+        """Time subtracted from the ttl for the local deadline (clock drift, slow commits)."""
+        if self.lease_safety_margin_seconds is not None:
+            return self.lease_safety_margin_seconds
+        return min(2.0, self.lease_ttl_seconds * 0.2)
+
+    @property
+    def renew_interval(self) -> float:
+        if self.lease_renew_interval_seconds is not None:
+            return self.lease_renew_interval_seconds
+        return self.lease_ttl_seconds / 3
+
+    @property
+    def keep_sent_rows(self) -> bool:
+        return self.retention_seconds > 0
+
+    def librdkafka_config(self) -> dict[str, str]:
+        """Pass-through librdkafka settings with their dotted names restored."""
+        return {key.lower().replace("_", "."): value for key, value in self.kafka.items()}
+
+
+S = TypeVar("S", bound=CommonSettings)
+
+
+def _env_name(loc: tuple[int | str, ...]) -> str:
+    parts = [str(p) for p in loc if not isinstance(p, int)]
+    if not parts:
+        return "RELAY_*"
+    head = f"{ENV_PREFIX}{parts[0].upper()}"
+    if len(parts) > 1:
+        head += "__" + "__".join(p.upper() for p in parts[1:])
+    return head
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """Build the settings or raise `SettingsError` naming the first bad variable.
+
+    The message never carries the offending value: it might be a password.
+    """
+    try:
+        return cls(**overrides)
+    except SettingsError:
+        raise
+    except ValidationError as exc:
+        first = exc.errors(include_input=False, include_url=False)[0]
+        message = str(first.get("msg", "invalid value"))
+        ctx_error = (first.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, SettingsError):
+            raise ctx_error from None
+        if first.get("type") == "missing":
+            message = "is required"
+        raise SettingsError(_env_name(first["loc"]), message) from None

@@ -1,0 +1,16 @@
+"""Sinks: where outbox rows go. `create_sink` picks one by RELAY_SINK."""
+
+from __future__ import annotations
+
+from relay.settings import Settings, SettingsError
+from relay.sinks.base import Outcome, Result, Sink
+
+__all__ = ["Outcome", "Result", "Sink", "create_sink"]
+
+
+def create_sink(settings: Settings) -> Sink:
+    if settings.sink == "kafka":
+        from relay.sinks.kafka import KafkaSink
+
+        return KafkaSink(settings)
+    raise SettingsError("RELAY_SINK", f"sink {settings.sink!r} is not available in this version")

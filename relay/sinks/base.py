@@ -1,0 +1,62 @@
+"""The sink interface: publish a batch, report one outcome per message.
+
+A sink owns its client and its concurrency; the drain loop owns the database. Adding a
+sink (NATS, RabbitMQ, ...) means one module implementing `Sink` and one line in
+`relay.sinks.create_sink`.
+
+The one ordering rule a sink must keep: within a batch, it must not deliver a message
+of a key after an earlier message of the same key failed. It reports such later
+messages as `SKIPPED`; they stay unsent and go out after the failed one is settled.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from relay.message import OutboxMessage
+
+
+class Outcome(enum.Enum):
+    ACKED = "acked"  # the sink confirmed it: mark the row sent
+    RETRY = "retry"  # this message failed, may work later: count an attempt, back off
+    DEAD = "dead"  # this message can never succeed as it is: dead-letter it
+    UNAVAILABLE = "unavailable"  # the sink as a whole is down: the row is untouched
+    SKIPPED = "skipped"  # not attempted (key blocked earlier in the batch, or abandoned)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    outcome: Outcome
+    error: str | None = None
+    retry_after: float | None = None  # seconds the sink asked us to wait (HTTP 429)
+
+
+ACKED = Result(Outcome.ACKED)
+SKIPPED = Result(Outcome.SKIPPED)
+
+
+class Sink(Protocol):
+    name: str
+
+    def publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> list[Result]:
+        """Deliver `messages`, wait for each acknowledgement, return results in order.
+
+        `abandon()` turning true (shutdown past its grace, lease lost) means stop
+        waiting: messages without an outcome yet are reported `SKIPPED`.
+        """
+        ...
+
+    def check(self, timeout: float) -> str:
+        """Connect and return a one-line description; raise on failure."""
+        ...
+
+    def flush(self, timeout: float) -> int:
+        """Wait for anything still queued; return how many are left."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,209 @@
+"""Kafka sink on confluent-kafka (librdkafka): idempotent producer, acks=all.
+
+Delivery reports, not `produce()` returning, are what let the drain loop mark a row.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from relay.logging import get_logger
+from relay.message import MalformedRow, OutboxMessage
+from relay.settings import Settings
+from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
+
+log = get_logger("relay.sinks.kafka")
+
+# Kafka's own rule for topic names (kafka.common.internals.Topic).
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+# Errors about this message that no retry can fix.
+_PERMANENT = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.INVALID_MSG,
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.TOPIC_EXCEPTION,
+        KafkaError._INVALID_ARG,
+    }
+)
+
+# Errors that say the cluster (or our path to it) is down, not that this message is bad:
+# the row is left untouched, attempts are not spent, the drain loop backs off as a whole.
+# _MSG_TIMED_OUT may have been written ("possibly persisted"): a retry is a possible
+# duplicate, never a loss.
+_UNAVAILABLE = frozenset(
+    {
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TIMED_OUT_QUEUE,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._QUEUE_FULL,
+        KafkaError._PURGE_QUEUE,
+        KafkaError._PURGE_INFLIGHT,
+        KafkaError._FATAL,
+        KafkaError._FENCED,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NETWORK_EXCEPTION,
+        KafkaError.NOT_ENOUGH_REPLICAS,
+        KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+    }
+)
+
+
+def classify(error: KafkaError) -> Result:
+    text = f"{error.name()}: {error.str()}"
+    if error.fatal() or error.code() in _UNAVAILABLE:
+        return Result(Outcome.UNAVAILABLE, text)
+    if error.code() in _PERMANENT:
+        return Result(Outcome.DEAD, text)
+    # Unknown topic, authorization and anything unexpected: retried per row with
+    # backoff and dead-lettered after RELAY_MAX_ATTEMPTS, so an operator can fix and
+    # requeue without the relay spinning.
+    return Result(Outcome.RETRY, text)
+
+
+def producer_config(settings: Settings) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap_servers,
+        "client.id": f"relay-{settings.lease_name}",
+        # Off by default in librdkafka: without it a retried batch can be duplicated or
+        # reordered inside the partition.
+        "enable.idempotence": True,
+        "acks": "all",
+        "compression.type": settings.kafka_compression,
+        "linger.ms": settings.kafka_linger_ms,
+        # Every produced message gets a delivery report within this time, success or
+        # _MSG_TIMED_OUT, so a publish never waits forever on a dead broker.
+        "message.timeout.ms": settings.kafka_delivery_timeout_ms,
+    }
+    if settings.kafka_security_protocol:
+        config["security.protocol"] = settings.kafka_security_protocol
+    if settings.kafka_sasl_mechanism:
+        config["sasl.mechanism"] = settings.kafka_sasl_mechanism
+    if settings.kafka_sasl_username:
+        config["sasl.username"] = settings.kafka_sasl_username
+    if settings.kafka_sasl_password is not None:
+        config["sasl.password"] = settings.kafka_sasl_password.get_secret_value()
+    config.update(settings.librdkafka_config())
+    return config
+
+
+class KafkaSink:
+    name = "kafka"
+
+    def __init__(self, settings: Settings) -> None:
+        self._config = producer_config(settings)
+        self._config["error_cb"] = self._on_client_error
+        self._topic_map = settings.kafka_topic_map
+        # librdkafka reports every message by message.timeout.ms; the margin covers
+        # the report travelling back to us.
+        self._max_wait = settings.kafka_delivery_timeout_ms / 1000 + 5.0
+        self._producer = Producer(self._config)
+        self._needs_new_producer = False
+
+    def _on_client_error(self, error: KafkaError) -> None:
+        if error.fatal():
+            self._needs_new_producer = True
+        log.warning("kafka.client_error", code=error.name(), error=error.str(), fatal=error.fatal())
+
+    def topic_for(self, message: OutboxMessage) -> str:
+        topic = self._topic_map.get(message.topic, message.topic)
+        if not _TOPIC_NAME.match(topic) or topic in {".", ".."}:
+            raise MalformedRow(f"invalid Kafka topic name {topic!r}")
+        return topic
+
+    def publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> list[Result]:
+        if self._needs_new_producer:
+            self._replace_producer()
+        results: list[Result | None] = [None] * len(messages)
+        pending = [0]
+        blocked: set[str] = set()
+        producer = self._producer
+
+        def report(index: int, error: KafkaError | None, _msg: Message) -> None:
+            results[index] = ACKED if error is None else classify(error)
+            pending[0] -= 1
+
+        for index, message in enumerate(messages):
+            if message.key is not None and message.key in blocked:
+                results[index] = SKIPPED
+                continue
+            try:
+                topic = self.topic_for(message)
+                headers = message.header_pairs()
+            except MalformedRow as exc:
+                results[index] = Result(Outcome.DEAD, str(exc))
+                if message.key is not None:
+                    blocked.add(message.key)
+                continue
+            pending[0] += 1
+            if not self._produce(producer, topic, message, headers, index, report, abandon):
+                pending[0] -= 1
+                break  # abandoned while the local queue was full: the rest stay unsent
+            if results[index] is not None and message.key is not None:
+                blocked.add(message.key)  # produce() refused it (too large, bad argument)
+        producer.poll(0)
+
+        deadline = time.monotonic() + self._max_wait
+        while pending[0] > 0 and not abandon() and time.monotonic() < deadline:
+            producer.poll(0.05)
+        return [SKIPPED if result is None else result for result in results]
+
+    @staticmethod
+    def _produce(
+        producer: Producer,
+        topic: str,
+        message: OutboxMessage,
+        headers: list[tuple[str, str | bytes | None]],
+        index: int,
+        report: Callable[[int, KafkaError | None, Message], None],
+        abandon: Callable[[], bool],
+    ) -> bool:
+        """Hand one message to librdkafka; False if we gave up waiting for queue room."""
+        while True:
+            try:
+                producer.produce(
+                    topic,
+                    value=message.payload,
+                    key=message.key,
+                    headers=headers,
+                    on_delivery=lambda err, msg: report(index, err, msg),
+                )
+                return True
+            except BufferError:
+                # Local queue full: serve delivery reports to make room.
+                producer.poll(0.05)
+                if abandon():
+                    return False
+            except KafkaException as exc:
+                report(index, exc.args[0], None)  # type: ignore[arg-type]
+                return True
+
+    def _replace_producer(self) -> None:
+        log.warning("kafka.producer_recreated", reason="fatal error")
+        self._producer.flush(1.0)
+        self._producer = Producer(self._config)
+        self._needs_new_producer = False
+
+    def check(self, timeout: float) -> str:
+        metadata = self._producer.list_topics(timeout=timeout)
+        return f"kafka: ok ({len(metadata.brokers)} broker(s), {len(metadata.topics)} topic(s))"
+
+    def flush(self, timeout: float) -> int:
+        return int(self._producer.flush(timeout))
+
+    def close(self) -> None:
+        self._producer.flush(0)

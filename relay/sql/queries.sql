@@ -1,0 +1,225 @@
+-- Every statement the relay runs, by name. Python asks for them as QUERIES.<name>.
+-- Parameters are named: %(name)s. Nothing here is built by string concatenation.
+
+-- name: set_session_timeouts
+-- Bound every statement, lock wait and idle transaction of a relay session, so a stuck
+-- relay can never hold a lock on the lease row or the outbox for long.
+SELECT set_config('statement_timeout', %(statement_timeout)s, false),
+       set_config('lock_timeout', %(lock_timeout)s, false),
+       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, false),
+       set_config('application_name', %(application_name)s, false);
+
+------------------------------------------------------------------------------------
+-- Lease (see relay/lease.py for the protocol)
+------------------------------------------------------------------------------------
+
+-- name: lease_ensure
+-- Create the lease row on first use; expired and unheld, epoch 0.
+INSERT INTO leases (name) VALUES (%(name)s)
+ON CONFLICT (name) DO NOTHING;
+
+-- name: lease_read
+-- First half of the compare-and-swap, under REPEATABLE READ. Time is the database's.
+SELECT holder, epoch, expires_at, expires_at > now() AS live
+FROM leases
+WHERE name = %(name)s;
+
+-- name: lease_take
+-- Second half of the CAS: succeeds only if nobody changed the epoch since lease_read.
+-- Under REPEATABLE READ a concurrent winner makes this fail with SQLSTATE 40001 or
+-- update zero rows; the caller treats both as a lost race.
+UPDATE leases
+SET holder      = %(holder)s,
+    epoch       = epoch + 1,
+    expires_at  = now() + make_interval(secs => %(ttl)s),
+    acquired_at = now(),
+    renewed_at  = now(),
+    released_at = NULL,
+    updated_at  = now()
+WHERE name = %(name)s
+  AND epoch = %(seen_epoch)s
+RETURNING epoch;
+
+-- name: lease_renew
+-- Extend the lease we hold. Matches no row once someone else took it (fencing).
+UPDATE leases
+SET expires_at = now() + make_interval(secs => %(ttl)s),
+    renewed_at = now(),
+    updated_at = now()
+WHERE name = %(name)s
+  AND holder = %(holder)s
+  AND epoch = %(epoch)s
+RETURNING epoch;
+
+-- name: lease_release
+-- Expire our lease now so a standby takes over at its next poll, not after a whole ttl.
+UPDATE leases
+SET expires_at  = now(),
+    released_at = now(),
+    updated_at  = now()
+WHERE name = %(name)s
+  AND holder = %(holder)s
+  AND epoch = %(epoch)s;
+
+-- name: lease_status
+-- All lease rows with the database's view of their expiry.
+SELECT name, holder, epoch, expires_at, expires_at > now() AS live,
+       extract(epoch FROM expires_at - now())::float8 AS seconds_to_expiry,
+       acquired_at, renewed_at, released_at
+FROM leases
+ORDER BY name;
+
+------------------------------------------------------------------------------------
+-- Draining
+------------------------------------------------------------------------------------
+
+-- name: fetch_batch
+-- The next unsent rows in id order, through outbox_unsent_idx. No "id > last seen"
+-- cursor: a row that commits late with a lower id is still found. A row of a key whose
+-- earlier row is waiting out a retry backoff is skipped, so that key keeps its order
+-- while other keys flow.
+SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at, o.attempts
+FROM outbox AS o
+WHERE o.sent_at IS NULL
+  AND o.dead_lettered_at IS NULL
+  AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+  AND NOT EXISTS (
+      SELECT 1
+      FROM outbox AS blocker
+      WHERE blocker.key = o.key
+        AND blocker.id < o.id
+        AND blocker.sent_at IS NULL
+        AND blocker.dead_lettered_at IS NULL
+        AND blocker.next_attempt_at IS NOT NULL
+        AND blocker.next_attempt_at > now()
+  )
+ORDER BY o.id
+LIMIT %(limit)s;
+
+-- name: lease_fence
+-- First statement of every transaction that settles rows: renews our lease only if we
+-- still hold it at our epoch. Zero rows means a newer holder exists: roll back.
+UPDATE leases
+SET expires_at = now() + make_interval(secs => %(ttl)s),
+    renewed_at = now(),
+    updated_at = now()
+WHERE name = %(name)s
+  AND holder = %(holder)s
+  AND epoch = %(epoch)s
+RETURNING epoch;
+
+-- name: mark_sent
+-- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).
+UPDATE outbox
+SET sent_at = now(),
+    next_attempt_at = NULL
+WHERE id = ANY(%(ids)s::bigint[])
+  AND sent_at IS NULL;
+
+-- name: delete_sent
+-- Acknowledged rows, deleted at once (default: no history to bloat).
+DELETE FROM outbox
+WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: record_failures
+-- Transient failures: count the attempt and schedule the next one.
+UPDATE outbox AS o
+SET attempts        = o.attempts + 1,
+    next_attempt_at = now() + make_interval(secs => f.delay),
+    last_error      = f.error
+FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS f (id, delay, error)
+WHERE o.id = f.id;
+
+-- name: dead_letter
+-- Permanent failures and rows out of attempts: out of the drain, kept with the reason.
+UPDATE outbox AS o
+SET attempts           = o.attempts + f.attempted,
+    dead_lettered_at   = now(),
+    dead_letter_reason = f.reason,
+    last_error         = f.reason,
+    next_attempt_at    = NULL
+FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]) AS f (id, attempted, reason)
+WHERE o.id = f.id;
+
+-- name: purge_sent
+-- Retention: delete one small batch of rows sent before the cutoff. Small batches keep
+-- locks and WAL bursts short; call repeatedly until it deletes nothing.
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id
+    FROM outbox
+    WHERE sent_at IS NOT NULL
+      AND sent_at < now() - make_interval(secs => %(older_than)s)
+    ORDER BY id
+    LIMIT %(limit)s
+);
+
+------------------------------------------------------------------------------------
+-- Operations (status, dead letters)
+------------------------------------------------------------------------------------
+
+-- name: outbox_stats
+-- Backlog size and lag. Reads only the partial indexes' rows (the backlog).
+SELECT
+    (SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL)
+        AS unsent,
+    (SELECT extract(epoch FROM now() - min(created_at))::float8
+       FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL)
+        AS oldest_unsent_age_seconds,
+    (SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL)
+        AS dead_lettered;
+
+-- name: dead_letter_list
+-- Dead-lettered rows, oldest first, optionally for one topic or key.
+SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+  AND (%(key)s::text IS NULL OR key = %(key)s::text)
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: dead_letter_requeue
+-- Put dead letters back in the drain with fresh attempts. They keep their id, so they
+-- are sent in their original order relative to each other.
+UPDATE outbox
+SET dead_lettered_at   = NULL,
+    dead_letter_reason = NULL,
+    attempts           = 0,
+    next_attempt_at    = NULL
+WHERE dead_lettered_at IS NOT NULL
+  AND (%(all)s OR id = ANY(%(ids)s::bigint[]) OR key = %(key)s::text)
+RETURNING id;
+
+-- name: schema_version
+-- Latest applied migration, for `relay check` and `relay status`.
+SELECT max(version) AS version FROM schema_migrations;
+
+------------------------------------------------------------------------------------
+-- Migrations (relay/migrate.py)
+------------------------------------------------------------------------------------
+
+-- name: migrations_no_timeout
+-- DDL may queue behind the application's traffic: the hot-path statement timeout
+-- must not cut a migration short.
+SET statement_timeout = 0;
+
+-- name: migrations_lock
+-- Session advisory lock: N replicas running `relay migrate` at once apply each file once.
+SELECT pg_advisory_lock(hashtext('relay.schema_migrations'));
+
+-- name: migrations_unlock
+SELECT pg_advisory_unlock(hashtext('relay.schema_migrations'));
+
+-- name: migrations_table
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version    text        PRIMARY KEY,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_applied
+SELECT version, checksum FROM schema_migrations ORDER BY version;
+
+-- name: migrations_record
+INSERT INTO schema_migrations (version, checksum) VALUES (%(version)s, %(checksum)s);

@@ -1,0 +1,218 @@
+"""The drain loop (DESIGN.md, "Draining"), run while this replica holds the lease.
+
+    fetch the next unsent rows in id order (never a last-seen-id cursor)
+    publish them and wait for every acknowledgement
+    settle: in ONE transaction fenced on our lease epoch, mark the acknowledged rows
+            sent (or delete them), back off the failed ones, dead-letter the hopeless
+    repeat; when there is nothing to do, poll adaptively
+
+A failed row blocks later rows of its key only (the fetch query skips them); the
+lease check inside `settle` is what makes a paused or partitioned ex-leader harmless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+
+import psycopg
+
+from relay import db, metrics, repository
+from relay.backoff import Backoff, Retrying
+from relay.lease import Elector, Lease, LeaseToken
+from relay.logging import get_logger
+from relay.message import OutboxMessage
+from relay.metrics import Health
+from relay.repository import Settlement
+from relay.settings import Settings
+from relay.shutdown import Shutdown
+from relay.sinks import Outcome, Result, Sink
+
+log = get_logger("relay.worker")
+
+
+class Drainer:
+    def __init__(
+        self,
+        settings: Settings,
+        sink: Sink,
+        lease: Lease,
+        elector: Elector,
+        shutdown: Shutdown,
+        health: Health,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._sink = sink
+        self._lease = lease
+        self._elector = elector
+        self._shutdown = shutdown
+        self._health = health
+        self._clock = clock
+        self._conn: repository.Conn | None = None
+        self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
+        self._sink_retry = Retrying(Backoff(0.2, 10.0))
+        self._db_retry = Retrying(Backoff(0.2, 5.0))
+        self._next_purge = 0.0
+        self._idle_polls = 0
+
+    # --- the loop ---
+
+    def drain(self) -> None:
+        """Drain until the lease is lost or shutdown is requested."""
+        token = self._lease.token()
+        while token is not None and not self._shutdown.requested:
+            self._health.beat()
+            try:
+                self._step(token)
+                self._db_retry.reset()
+            except psycopg.Error as exc:
+                # Rows of a batch published but not settled stay unsent: they will be
+                # published again (a duplicate, never a loss).
+                delay = self._db_retry.next_delay()
+                log.warning(
+                    "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
+                )
+                self._close()
+                self._shutdown.wait(delay)
+            token = self._lease.token()
+
+    def _step(self, token: LeaseToken) -> None:
+        conn = self._connection()
+        self._purge_if_due(conn)
+        batch = repository.fetch_batch(conn, self._settings.batch_size)
+        if not batch:
+            self._idle_wait()
+            return
+        self._idle_polls = 0
+        if self._lease.token() != token:
+            return  # our deadline passed while we read: publish nothing
+        metrics.BATCH_SIZE.observe(len(batch))
+
+        started = self._clock()
+        results = self._sink.publish(batch, lambda: self._abandon(token))
+        metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(self._clock() - started)
+
+        settlement, unavailable = self._plan(batch, results)
+        if settlement:
+            settle_started = self._clock()
+            if not repository.settle(
+                conn,
+                token,
+                self._settings.lease_ttl_seconds,
+                settlement,
+                delete_sent=not self._settings.keep_sent_rows,
+            ):
+                self._elector.lost_by_fencing(token)
+                return
+            self._lease.renewed(token, settle_started)
+            metrics.SETTLE_SECONDS.observe(self._clock() - settle_started)
+
+        if unavailable is not None:
+            delay = self._sink_retry.next_delay()
+            log.warning(
+                "sink.unavailable",
+                sink=self._sink.name,
+                error=unavailable,
+                retry_in=round(delay, 3),
+            )
+            self._shutdown.wait(delay)
+        else:
+            self._sink_retry.reset()
+
+    def _abandon(self, token: LeaseToken) -> bool:
+        """Stop waiting on the sink: lease gone, or shutdown grace used up."""
+        self._health.beat()
+        return self._lease.token() != token or self._shutdown.grace_over()
+
+    # --- deciding what each outcome means for its row ---
+
+    def _plan(
+        self, batch: Sequence[OutboxMessage], results: Sequence[Result]
+    ) -> tuple[Settlement, str | None]:
+        settlement = Settlement()
+        unavailable: str | None = None
+        counts: Counter[tuple[str, str]] = Counter()
+        now = datetime.now(UTC)
+        e2e = metrics.END_TO_END_SECONDS.labels(self._sink.name)
+        for message, result in zip(batch, results, strict=True):
+            counts[(message.topic, result.outcome.value)] += 1
+            if result.outcome is Outcome.ACKED:
+                settlement.sent.append(message.id)
+                e2e.observe((now - message.created_at).total_seconds())
+            elif result.outcome is Outcome.RETRY:
+                attempts = message.attempts + 1
+                error = result.error or "unknown error"
+                if attempts >= self._settings.max_attempts:
+                    self._dead_letter(
+                        settlement, message, f"gave up after {attempts} attempts: {error}"
+                    )
+                else:
+                    delay = max(self._row_backoff.delay(attempts), result.retry_after or 0.0)
+                    settlement.retry(message.id, delay, error)
+            elif result.outcome is Outcome.DEAD:
+                self._dead_letter(settlement, message, result.error or "permanent failure")
+            elif result.outcome is Outcome.UNAVAILABLE:
+                unavailable = result.error or "sink unavailable"
+        for (topic, outcome), count in counts.items():
+            metrics.MESSAGES.labels(self._sink.name, topic, outcome).inc(count)
+        return settlement, unavailable
+
+    def _dead_letter(self, settlement: Settlement, message: OutboxMessage, reason: str) -> None:
+        settlement.dead(message.id, reason)
+        metrics.DEAD_LETTERED.labels(self._sink.name, message.topic).inc()
+        log.warning(
+            "outbox.dead_lettered",
+            id=message.id,
+            message_id=str(message.message_id),
+            topic=message.topic,
+            key=message.key,
+            attempts=message.attempts + 1,
+            reason=reason,
+        )
+
+    # --- idle and housekeeping ---
+
+    def _idle_wait(self) -> None:
+        # Adaptive polling: right after traffic we look again within milliseconds; a
+        # quiet outbox settles at one cheap index probe per poll_interval_max.
+        delay = min(
+            self._settings.poll_interval_max_seconds,
+            self._settings.poll_interval_min_seconds * (2 ** min(self._idle_polls, 16)),
+        )
+        self._idle_polls += 1
+        self._shutdown.wait(delay)
+
+    def _purge_if_due(self, conn: repository.Conn) -> None:
+        if not self._settings.keep_sent_rows or self._clock() < self._next_purge:
+            return
+        deleted = 0
+        for _ in range(10):  # bounded: purging must not starve the drain
+            count = repository.purge_sent(
+                conn, self._settings.retention_seconds, self._settings.purge_batch_size
+            )
+            deleted += count
+            if count < self._settings.purge_batch_size:
+                break
+        if deleted:
+            log.info("outbox.purged", rows=deleted)
+        self._next_purge = self._clock() + self._settings.purge_interval_seconds
+
+    # --- connection ---
+
+    def _connection(self) -> repository.Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = db.connect(self._settings, purpose="drain")
+        return self._conn
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    def close(self) -> None:
+        self._close()
