@@ -46,7 +46,7 @@ CREATE TABLE leases (
     name         text        PRIMARY KEY,
     holder       text,
     epoch        bigint      NOT NULL DEFAULT 0,
-    expires_at   timestamptz NOT NULL DEFAULT '-infinity',
+    expires_at   timestamptz NOT NULL DEFAULT now(),  -- born expired
     acquired_at  timestamptz,
     renewed_at   timestamptz,
     released_at  timestamptz,

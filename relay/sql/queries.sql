@@ -20,7 +20,7 @@ ON CONFLICT (name) DO NOTHING;
 
 -- name: lease_read
 -- First half of the compare-and-swap, under REPEATABLE READ. Time is the database's.
-SELECT holder, epoch, expires_at, expires_at > now() AS live
+SELECT holder, epoch, expires_at > now() AS live
 FROM leases
 WHERE name = %(name)s;
 

@@ -1,0 +1,1 @@
+"""The quickstart demo: `./dev demo`."""

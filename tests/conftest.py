@@ -1,0 +1,136 @@
+"""Real servers for the suite: one PostgreSQL and one Tansu broker per session, a fresh
+database per test (cloned from a migrated template), a fresh topic per test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from tests.harness.kafka import TansuBroker
+from tests.harness.postgres import PostgresServer
+
+from relay.migrate import migrate, migrations_dir
+from relay.settings import CommonSettings, Settings
+
+TEMPLATE_DB = "relay_template"
+RELAY_ROLE = "relay"
+RELAY_ROLE_PASSWORD = "relay-secret-pw"
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PostgresServer]:
+    base = Path(tempfile.mkdtemp(prefix="relay-pg-"))
+    server = PostgresServer(base)
+    server.start()
+    try:
+        _prepare_template(server)
+        yield server
+    finally:
+        server.stop("immediate")
+
+
+def _prepare_template(server: PostgresServer) -> None:
+    dsn = server.create_database(TEMPLATE_DB)
+    migrate(CommonSettings(database_url=dsn))
+    server.execute(f"CREATE ROLE {RELAY_ROLE} LOGIN PASSWORD '{RELAY_ROLE_PASSWORD}'")
+    grants = (migrations_dir() / "grants.sql").read_text()
+    server.execute(grants, dbname=TEMPLATE_DB)
+
+
+@pytest.fixture(scope="session")
+def kafka() -> Iterator[TansuBroker]:
+    broker = TansuBroker()
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def database(pg: PostgresServer) -> Iterator[str]:
+    """DSN (superuser) of a fresh, migrated database for this test."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    dsn = pg.create_database(name, template=TEMPLATE_DB)
+    yield dsn
+    pg.drop_database(name)
+
+
+@pytest.fixture
+def relay_dsn(pg: PostgresServer, database: str) -> str:
+    """The same database, as the least-privilege relay role."""
+    dbname = database.rsplit("/", 1)[1]
+    return pg.dsn(dbname, user=RELAY_ROLE, password=RELAY_ROLE_PASSWORD)
+
+
+@pytest.fixture
+def topic(kafka: TansuBroker) -> str:
+    name = f"orders-{uuid.uuid4().hex[:8]}"
+    kafka.create_topic(name, partitions=3)
+    return name
+
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture
+def make_settings(relay_dsn: str, kafka: TansuBroker) -> SettingsFactory:
+    """Settings for an in-process relay; fast timings so tests stay short."""
+
+    def factory(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": relay_dsn,
+            "kafka_bootstrap_servers": kafka.bootstrap_servers,
+            "metrics_enabled": False,
+            "lease_ttl_seconds": 3.0,
+            "standby_poll_seconds": 0.2,
+            "batch_size": 100,
+            "kafka_delivery_timeout_ms": 5_000,
+            "retry_base_seconds": 0.1,
+            "retry_max_seconds": 1.0,
+            "log_format": "json",
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    return factory
+
+
+def relay_env(dsn: str, bootstrap: str, **extra: str) -> dict[str, str]:
+    """Environment for a `relay` subprocess: only RELAY_* from here, nothing inherited."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(
+        {
+            "RELAY_DATABASE_URL": dsn,
+            "RELAY_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+            "RELAY_LOG_FORMAT": "json",
+            "RELAY_METRICS_ENABLED": "false",
+            "PYTHONPATH": str(REPO),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def relay_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "relay", *args]
+
+
+def start_relay(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    log_file = log_path.open("ab")
+    return subprocess.Popen(
+        relay_command("run"), env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO
+    )
+
+
+def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
+    return psycopg.connect(dsn, autocommit=True)

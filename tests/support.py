@@ -1,0 +1,110 @@
+"""Helpers the tests share: waiting on conditions, writing outbox rows, reading history."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import psycopg
+from tests.harness.kafka import Record
+
+from relay.app import RelayApp
+from relay.settings import Settings
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float, interval: float = 0.02, message: str = ""
+) -> T:
+    """Poll `condition` until it returns something truthy; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message or condition}")
+        time.sleep(interval)
+
+
+def insert_rows(
+    dsn: str,
+    topic: str,
+    rows: Iterable[tuple[str | None, bytes | None]],
+    headers: dict[str, Any] | None = None,
+) -> list[int]:
+    """Insert (key, payload) rows in one transaction; return their ids in order."""
+    with psycopg.connect(dsn, autocommit=False) as conn:
+        ids = []
+        for key, payload in rows:
+            row = conn.execute(
+                "INSERT INTO outbox (topic, key, payload, headers) VALUES (%s, %s, %s, %s)"
+                " RETURNING id",
+                (topic, key, payload, None if headers is None else json.dumps(headers)),
+            ).fetchone()
+            assert row is not None
+            ids.append(int(row[0]))
+        conn.commit()
+    return ids
+
+
+def keyed_rows(keys: int, per_key: int) -> list[tuple[str, bytes]]:
+    """Interleaved keys; the payload says which key and which step: `k3:17`."""
+    return [(f"k{k}", f"k{k}:{i}".encode()) for i in range(per_key) for k in range(keys)]
+
+
+def scalar(dsn: str, sql: str, params: Sequence[Any] = ()) -> Any:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
+        return None if row is None else row[0]
+
+
+def unsent_count(dsn: str) -> int:
+    return int(
+        scalar(
+            dsn, "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        )
+    )
+
+
+def dedup_by_message_id(records: Sequence[Record]) -> list[Record]:
+    """Keep each message's first delivery, in consumption order."""
+    seen: set[bytes] = set()
+    unique = []
+    for record in records:
+        mid = record.headers["message-id"]
+        if mid not in seen:
+            seen.add(mid)
+            unique.append(record)
+    return unique
+
+
+def assert_per_key_order(records: Sequence[Record]) -> None:
+    """After dedup, each key's steps (payload `k:i`) arrive as 0, 1, 2, ... without gaps."""
+    by_key: dict[str, list[int]] = {}
+    for record in dedup_by_message_id(records):
+        assert record.value is not None
+        key, step = record.value.decode().split(":")
+        assert record.key == key
+        by_key.setdefault(key, []).append(int(step))
+    for key, steps in by_key.items():
+        assert steps == sorted(steps), f"key {key} out of order: {steps}"
+
+
+@contextmanager
+def running_relay(settings: Settings) -> Iterator[RelayApp]:
+    """An in-process relay on a thread; stopped the way SIGTERM stops it."""
+    app = RelayApp(settings)
+    thread = threading.Thread(target=app.run, name=f"relay-{settings.replica_id}", daemon=True)
+    thread.start()
+    try:
+        yield app
+    finally:
+        app.shutdown.request()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "relay did not stop within 30 s"

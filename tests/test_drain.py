@@ -1,0 +1,264 @@
+"""The drain loop against real PostgreSQL and a real Kafka-protocol broker."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import psycopg
+import pytest
+from prometheus_client import REGISTRY
+from tests.harness.kafka import TansuBroker, consume
+
+from relay.message import OutboxMessage
+from relay.sinks.base import ACKED, Outcome, Result
+from tests.conftest import SettingsFactory
+from tests.support import (
+    assert_per_key_order,
+    dedup_by_message_id,
+    insert_rows,
+    keyed_rows,
+    running_relay,
+    scalar,
+    unsent_count,
+    wait_until,
+)
+
+
+def test_rows_across_keys_are_all_delivered_in_key_order(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    ids = insert_rows(database, topic, keyed_rows(keys=10, per_key=60), headers={"trace": "t-1"})
+    message_ids = {
+        str(r[0])
+        for r in psycopg.connect(database).execute("SELECT message_id FROM outbox").fetchall()
+    }
+    with running_relay(make_settings(batch_size=50)):
+        wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=30)
+    records = consume(kafka.bootstrap_servers, topic, min_count=len(ids), timeout=30)
+    unique = dedup_by_message_id(records)
+    assert {r.headers["message-id"].decode() for r in unique} == message_ids
+    assert all(r.headers["trace"] == b"t-1" and "created-at" in r.headers for r in unique)
+    assert_per_key_order(records)
+
+
+def test_a_row_that_commits_late_is_still_delivered(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """The cursor-poller bug: a lower id committed after higher ids were sent."""
+    with psycopg.connect(database) as slow, running_relay(make_settings()):
+        late = slow.execute(
+            "INSERT INTO outbox (topic, key, payload) VALUES (%s, 'late', 'late:0') RETURNING id",
+            (topic,),
+        ).fetchone()
+        assert late is not None
+        ids = insert_rows(database, topic, keyed_rows(keys=3, per_key=10))
+        assert late[0] < min(ids)
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+            timeout=20,
+            message="the early committers to be sent",
+        )
+        slow.commit()
+        wait_until(
+            lambda: (
+                scalar(database, "SELECT count(*) FROM outbox") == 0
+                and scalar(database, "SELECT 1") == 1
+            ),
+            timeout=20,
+        )
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM outbox WHERE key = 'late'") == 0,
+            timeout=20,
+            message="the late row to be sent",
+        )
+    records = consume(kafka.bootstrap_servers, topic, min_count=31, timeout=30)
+    assert b"late:0" in {r.value for r in records}
+
+
+def test_poison_rows_are_dead_lettered_and_the_rest_flow(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload) VALUES ('no spaces allowed', 'k0', 'x')"
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, headers) VALUES (%s, 'k1', 'x', '[1, 2]')",
+            (topic,),
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k2', %s)", (topic, b"x" * 20_000)
+        )
+    good = insert_rows(database, topic, keyed_rows(keys=3, per_key=5))
+    settings = make_settings(kafka={"message_max_bytes": "10000"}, retention_seconds=3600)
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+    with psycopg.connect(database) as conn:
+        dead = conn.execute(
+            "SELECT key, dead_letter_reason FROM outbox WHERE dead_lettered_at IS NOT NULL ORDER BY id"
+        ).fetchall()
+        sent = conn.execute("SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL").fetchone()
+    assert [k for k, _ in dead] == ["k0", "k1", "k2"]
+    assert "invalid Kafka topic name" in dead[0][1]
+    assert "headers must be a JSON object" in dead[1][1]
+    assert "MSG_SIZE_TOO_LARGE" in dead[2][1]
+    assert sent == (len(good),)
+    records = consume(kafka.bootstrap_servers, topic, min_count=len(good), timeout=30)
+    assert len(dedup_by_message_id(records)) == len(good)
+    assert_per_key_order(records)  # k0..k2's later rows flowed after their poison row
+
+
+class ScriptedSink:
+    """A sink that fails chosen keys a set number of times: the drain loop's unit under
+    test is the database side (per-key blocking, backoff, dead-lettering), for real."""
+
+    name = "scripted"
+
+    def __init__(self, failures: dict[str, int]) -> None:
+        self.failures = dict(failures)
+        self.delivered: list[tuple[str | None, bytes | None]] = []
+        self.lock = threading.Lock()
+
+    def publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> list[Result]:
+        results = []
+        blocked: set[str | None] = set()
+        for m in messages:
+            if m.key in blocked:
+                results.append(Result(Outcome.SKIPPED))
+            elif self.failures.get(m.key or "", 0) > 0:
+                self.failures[m.key or ""] -= 1
+                blocked.add(m.key)
+                results.append(Result(Outcome.RETRY, "HTTP 503 from scripted sink"))
+            else:
+                with self.lock:
+                    self.delivered.append((m.key, m.payload))
+                results.append(ACKED)
+        return results
+
+    def check(self, timeout: float) -> str:
+        return "scripted"
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, int]], ScriptedSink]:
+    def install(failures: dict[str, int]) -> ScriptedSink:
+        sink = ScriptedSink(failures)
+        monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
+        return sink
+
+    return install
+
+
+def test_a_failing_key_waits_in_backoff_while_other_keys_flow(
+    make_settings: SettingsFactory,
+    database: str,
+    scripted: Callable[[dict[str, int]], ScriptedSink],
+) -> None:
+    sink = scripted({"k0": 3})
+    insert_rows(database, "t", keyed_rows(keys=4, per_key=5))
+    settings = make_settings(retry_base_seconds=0.3, retry_max_seconds=0.3, max_attempts=10)
+    with running_relay(settings):
+        # Other keys finish while k0 is still backing off.
+        wait_until(lambda: sum(1 for k, _ in sink.delivered if k != "k0") == 15, timeout=10)
+        assert not any(k == "k0" for k, _ in sink.delivered)
+        row = (
+            psycopg.connect(database)
+            .execute(
+                "SELECT attempts, last_error, next_attempt_at IS NOT NULL FROM outbox"
+                " WHERE key = 'k0' ORDER BY id LIMIT 1"
+            )
+            .fetchone()
+        )
+        assert row is not None and row[0] >= 1 and "503" in row[1] and row[2]
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+    k0 = [p for k, p in sink.delivered if k == "k0"]
+    assert k0 == [f"k0:{i}".encode() for i in range(5)]
+
+
+def test_a_row_past_max_attempts_is_dead_lettered_and_its_key_moves_on(
+    make_settings: SettingsFactory,
+    database: str,
+    scripted: Callable[[dict[str, int]], ScriptedSink],
+) -> None:
+    sink = scripted({"k0": 1_000})
+    insert_rows(database, "t", [("k0", b"k0:0")])
+    scripted_tail = insert_rows(database, "t", [("k1", b"k1:0")])
+    settings = make_settings(retry_base_seconds=0.05, retry_max_seconds=0.05, max_attempts=3)
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+    reason, attempts = psycopg.connect(database).execute(
+        "SELECT dead_letter_reason, attempts FROM outbox WHERE key = 'k0'"
+    ).fetchone() or (None, None)
+    assert attempts == 3
+    assert reason == "gave up after 3 attempts: HTTP 503 from scripted sink"
+    assert ("k1", b"k1:0") in sink.delivered and scripted_tail
+
+
+def test_retention_keeps_sent_rows_then_purges_them(
+    make_settings: SettingsFactory, database: str, topic: str
+) -> None:
+    insert_rows(database, topic, keyed_rows(keys=2, per_key=10))
+    settings = make_settings(retention_seconds=1.0, purge_interval_seconds=0.2, purge_batch_size=3)
+    with running_relay(settings):
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") == 20,
+            timeout=20,
+            message="rows kept with sent_at",
+        )
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+            timeout=20,
+            message="the purge to delete them after the retention",
+        )
+
+
+def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """SIGSTOP the broker mid-drain: rows stay unsent (never marked without an ack),
+    then everything arrives once it is back."""
+    settings = make_settings(kafka_delivery_timeout_ms=2_000, retention_seconds=3600, batch_size=20)
+    total = 0
+    with running_relay(settings):
+        total += len(insert_rows(database, topic, keyed_rows(keys=4, per_key=10)))
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+        kafka.pause()
+        try:
+            total += len(insert_rows(database, topic, keyed_rows(keys=4, per_key=10)))
+            # Wait until the relay has had deliveries time out against the dead broker.
+            wait_until(
+                lambda: _unavailable(topic) >= 1,
+                timeout=15,
+                message="delivery timeouts while the broker is stopped",
+            )
+            assert unsent_count(database) == 40, "a row was marked sent while the broker was down"
+        finally:
+            kafka.resume()
+        wait_until(lambda: unsent_count(database) == 0, timeout=30)
+        marked = {
+            str(r[0])
+            for r in psycopg.connect(database)
+            .execute("SELECT message_id FROM outbox WHERE sent_at IS NOT NULL")
+            .fetchall()
+        }
+    records = consume(kafka.bootstrap_servers, topic, min_count=total, timeout=30)
+    delivered = {r.headers["message-id"].decode() for r in records}
+    assert marked == delivered
+    assert len(marked) == total == 80
+    assert_per_key_order(records)
+
+
+def _unavailable(topic: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "relay_messages_total", {"sink": "kafka", "topic": topic, "outcome": "unavailable"}
+    )
+    return value or 0.0

@@ -1,0 +1,169 @@
+"""The lease protocol on a real PostgreSQL: mutual exclusion, expiry, races, fencing."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import IsolationLevel
+from psycopg.rows import dict_row
+
+from relay import lease as protocol
+from relay.lease import Acquired, HeldByOther, LeaseToken, LostRace
+from relay.repository import Settlement, settle
+from tests.support import insert_rows, scalar, wait_until
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+def rr_conn(dsn: str) -> Conn:
+    conn = psycopg.connect(dsn, autocommit=True, row_factory=dict_row)
+    conn.isolation_level = IsolationLevel.REPEATABLE_READ
+    return conn
+
+
+def test_eight_contenders_never_share_the_lease_or_an_epoch(relay_dsn: str) -> None:
+    """The mutual-exclusion test: 8 threads race for a 1 s lease for ~6 s. Each winner
+    records its local validity window; no two windows of different epochs overlap."""
+    ttl, margin = 1.0, 0.2
+    windows: list[tuple[int, str, float, float]] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + 6.0
+    errors: list[BaseException] = []
+
+    def contender(n: int) -> None:
+        holder = f"contender-{n}"
+        try:
+            with rr_conn(relay_dsn) as conn:
+                protocol.ensure_row(conn, "mutex")
+                while time.monotonic() < stop:
+                    started = time.monotonic()
+                    outcome = protocol.try_acquire(conn, "mutex", holder, ttl)
+                    if isinstance(outcome, Acquired):
+                        acquired = time.monotonic()
+                        deadline = started + ttl - margin
+                        time.sleep(0.3)  # "publish" for part of the window
+                        valid_until = deadline
+                        if n % 2 == 0:  # half release early, half let the lease lapse
+                            valid_until = time.monotonic()
+                            assert valid_until < deadline
+                            protocol.release(conn, outcome.token)
+                        with lock:
+                            windows.append((outcome.token.epoch, holder, acquired, valid_until))
+                    time.sleep(0.01 + (n % 3) * 0.005)
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contender, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    epochs = [w[0] for w in windows]
+    assert len(windows) >= 5, "the race should produce several acquisitions"
+    assert len(epochs) == len(set(epochs)), "an epoch was granted twice"
+    final_epoch = scalar(relay_dsn, "SELECT epoch FROM leases WHERE name = 'mutex'")
+    assert sorted(epochs) == list(range(1, final_epoch + 1)), "every epoch has one winner"
+    ordered = sorted(windows, key=lambda w: w[0])
+    for earlier, later in itertools.pairwise(ordered):
+        # Mutual exclusion: nobody acquires while an earlier holder may still trust
+        # its lease (until it released, or until its local deadline passed).
+        assert later[2] >= earlier[3], f"{later[1]} overlapped {earlier[1]}: {later} {earlier}"
+
+
+def test_lost_cas_shows_as_serialization_failure_and_is_treated_as_lost(relay_dsn: str) -> None:
+    """Two replicas read the same expired lease; the second UPDATE hits SQLSTATE 40001."""
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, "race")
+        # Interleave by hand: B takes its snapshot, A wins and commits, B tries to win.
+        with b.transaction():
+            row = b.execute("SELECT epoch FROM leases WHERE name = 'race'").fetchone()
+            assert row is not None
+            assert isinstance(protocol.try_acquire(a, "race", "A", 5.0), Acquired)
+            with pytest.raises(psycopg.errors.SerializationFailure):
+                b.execute(
+                    "UPDATE leases SET holder = 'B', epoch = epoch + 1 WHERE name = 'race'"
+                    " AND epoch = %s",
+                    (row["epoch"],),
+                )
+        outcome = protocol.try_acquire(b, "race", "B", 5.0)
+        assert isinstance(outcome, HeldByOther)
+        assert outcome.holder == "A"
+        assert outcome.epoch == 1
+
+
+def test_zero_row_cas_is_a_lost_race(relay_dsn: str) -> None:
+    """Under READ COMMITTED-like timing the CAS can simply match nothing: also a loss."""
+    with rr_conn(relay_dsn) as a, psycopg.connect(relay_dsn, autocommit=True) as other:
+        protocol.ensure_row(a, "zero")
+        a.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        row = a.execute("SELECT epoch FROM leases WHERE name = 'zero'").fetchone()
+        assert row is not None
+        a.execute("ROLLBACK")
+        other.execute("UPDATE leases SET epoch = epoch + 1 WHERE name = 'zero'")
+        cur = a.execute(
+            "UPDATE leases SET holder = 'A', epoch = epoch + 1 WHERE name = 'zero' AND epoch = %s",
+            (row["epoch"],),
+        )
+        assert cur.rowcount == 0
+    assert isinstance(LostRace("x"), LostRace)
+
+
+def test_expired_lease_is_taken_over_with_a_new_epoch(relay_dsn: str) -> None:
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, "expiry")
+        first = protocol.try_acquire(a, "expiry", "A", 1.0)
+        assert isinstance(first, Acquired)
+        assert isinstance(protocol.try_acquire(b, "expiry", "B", 1.0), HeldByOther)
+        # A stops renewing (paused, partitioned...). B gets it once the DB clock says so.
+        taken = wait_until(
+            lambda: (
+                (o := protocol.try_acquire(b, "expiry", "B", 1.0)) and isinstance(o, Acquired) and o
+            ),
+            timeout=5,
+            message="B to take the expired lease",
+        )
+        assert taken.token.epoch == first.token.epoch + 1
+        assert not protocol.renew(a, first.token, 1.0), "the old holder cannot renew"
+
+
+def test_released_lease_is_free_at_once(relay_dsn: str) -> None:
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, "handover")
+        first = protocol.try_acquire(a, "handover", "A", 60.0)
+        assert isinstance(first, Acquired)
+        assert protocol.release(a, first.token)
+        second = protocol.try_acquire(b, "handover", "B", 60.0)
+        assert isinstance(second, Acquired)
+        assert second.token.epoch == 2
+
+
+def test_a_stale_holder_cannot_mark_rows(relay_dsn: str, database: str) -> None:
+    """Fencing: A's lease is taken by B; A's settle (mark sent) rolls back entirely."""
+    ids = insert_rows(database, "t", [("k", b"1"), ("k", b"2")])
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, "fence")
+        old = protocol.try_acquire(a, "fence", "A", 1.0)
+        assert isinstance(old, Acquired)
+        wait_until(
+            lambda: isinstance(protocol.try_acquire(b, "fence", "B", 30.0), Acquired), timeout=5
+        )
+        stale = Settlement(sent=list(ids))
+        stale.dead(ids[0], "zombie says so")
+        assert settle(a, old.token, 1.0, stale, delete_sent=True) is False
+        assert (
+            scalar(
+                database,
+                "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+            )
+            == 2
+        )
+        # The rightful holder can.
+        token = LeaseToken("fence", "B", old.token.epoch + 1)
+        assert settle(b, token, 30.0, Settlement(sent=list(ids)), delete_sent=True) is True
+        assert scalar(database, "SELECT count(*) FROM outbox") == 0

@@ -1,0 +1,108 @@
+"""A bad setting stops start-up with one line that names it, exit code 2, no secret."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from relay.settings import Settings, SettingsError, load_settings
+from tests.conftest import REPO, relay_command
+
+URL = "postgresql://app:s3cr3t-pw@127.0.0.1:1/db"
+
+
+def env_for(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    for name in list(__import__("os").environ):
+        if name.startswith("RELAY_"):
+            monkeypatch.delenv(name)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("RELAY_BATCH_SIZE", "0", "greater than or equal to 1"),
+        ("RELAY_BATCH_SIZE", "lots", "valid integer"),
+        ("RELAY_LEASE_TTL_SECONDS", "-3", "greater than or equal to 1"),
+        ("RELAY_SINK", "carrier-pigeon", "'kafka' or 'http'"),
+        ("RELAY_LOG_FORMAT", "xml", "'json' or 'console'"),
+        ("RELAY_METRICS_PORT", "70000", "less than or equal to 65535"),
+    ],
+)
+def test_invalid_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, fragment: str
+) -> None:
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL, RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == variable
+    assert fragment in caught.value.message
+    assert "s3cr3t-pw" not in str(caught.value)
+
+
+def test_missing_database_url_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    env_for(monkeypatch, RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == "RELAY_DATABASE_URL"
+    assert caught.value.message == "is required"
+
+
+def test_kafka_sink_requires_bootstrap_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == "RELAY_KAFKA_BOOTSTRAP_SERVERS"
+
+
+def test_secret_from_file_and_librdkafka_passthrough(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secret = tmp_path / "url"
+    secret.write_text(URL + "\n")
+    env_for(
+        monkeypatch,
+        RELAY_DATABASE_URL_FILE=str(secret),
+        RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092",
+        RELAY_KAFKA__SSL_CA_LOCATION="/etc/ca.pem",
+        RELAY_KAFKA__QUEUE_BUFFERING_MAX_MESSAGES="5000",
+    )
+    settings = load_settings(Settings)
+    assert settings.database_url.get_secret_value() == URL
+    assert "s3cr3t-pw" not in repr(settings)
+    assert settings.librdkafka_config() == {
+        "ssl.ca.location": "/etc/ca.pem",
+        "queue.buffering.max.messages": "5000",
+    }
+
+
+def test_unreadable_secret_file_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    env_for(monkeypatch, RELAY_DATABASE_URL_FILE=str(tmp_path / "missing"))
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == "RELAY_DATABASE_URL_FILE"
+
+
+def test_cli_exits_2_with_one_clear_line_and_no_password() -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "RELAY_DATABASE_URL": URL,
+        "RELAY_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+        "RELAY_LEASE_TTL_SECONDS": "soon",
+    }
+    done = subprocess.run(
+        relay_command("run"), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    err = done.stderr.decode().strip()
+    assert err.splitlines() == [
+        "relay: configuration error: RELAY_LEASE_TTL_SECONDS: "
+        "Input should be a valid number, unable to parse string as a number"
+    ]
+    assert "s3cr3t-pw" not in err + done.stdout.decode()
+    assert "Traceback" not in err
