@@ -17,10 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import psycopg
-from tests.harness.kafka import TansuBroker, consume
-from tests.harness.postgres import PostgresServer
 
 from relay.migrate import migrations_dir
+from tests.harness.kafka import TansuBroker, consume
+from tests.harness.postgres import PostgresServer
 
 REPO = Path(__file__).resolve().parent.parent
 TOPIC = "orders"
@@ -92,8 +92,7 @@ def wait_for(what: str, check: object, timeout: float = 30.0) -> None:
 
 
 def main() -> int:
-    base = Path(tempfile.mkdtemp(prefix="relay-demo-"))
-    pg = PostgresServer(base / "pg")
+    pg = PostgresServer(Path(tempfile.mkdtemp(prefix="relay-demo-pg-")))
     broker = TansuBroker()
     relays: dict[str, subprocess.Popen[bytes]] = {}
     try:

@@ -10,16 +10,16 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import psycopg
-from tests.harness.kafka import Record
 
 from relay.app import RelayApp
 from relay.settings import Settings
+from tests.harness.kafka import Record
 
 T = TypeVar("T")
 
 
 def wait_until(
-    condition: Callable[[], T], timeout: float, interval: float = 0.02, message: str = ""
+    condition: Callable[[], T | None], timeout: float, interval: float = 0.02, message: str = ""
 ) -> T:
     """Poll `condition` until it returns something truthy; fail after `timeout`."""
     deadline = time.monotonic() + timeout
@@ -53,14 +53,15 @@ def insert_rows(
     return ids
 
 
-def keyed_rows(keys: int, per_key: int) -> list[tuple[str, bytes]]:
+def keyed_rows(keys: int, per_key: int, start: int = 0) -> list[tuple[str, bytes]]:
     """Interleaved keys; the payload says which key and which step: `k3:17`."""
-    return [(f"k{k}", f"k{k}:{i}".encode()) for i in range(per_key) for k in range(keys)]
+    steps = range(start, start + per_key)
+    return [(f"k{k}", f"k{k}:{i}".encode()) for i in steps for k in range(keys)]
 
 
 def scalar(dsn: str, sql: str, params: Sequence[Any] = ()) -> Any:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
+        row = conn.execute(sql, params).fetchone()
         return None if row is None else row[0]
 
 

@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 import psycopg
 import pytest
 from prometheus_client import REGISTRY
-from tests.harness.kafka import TansuBroker, consume
 
 from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, Outcome, Result
 from tests.conftest import SettingsFactory
+from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
     assert_per_key_order,
     dedup_by_message_id,
@@ -233,7 +233,7 @@ def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
         kafka.pause()
         try:
-            total += len(insert_rows(database, topic, keyed_rows(keys=4, per_key=10)))
+            total += len(insert_rows(database, topic, keyed_rows(keys=4, per_key=10, start=10)))
             # Wait until the relay has had deliveries time out against the dead broker.
             wait_until(
                 lambda: _unavailable(topic) >= 1,

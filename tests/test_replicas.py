@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.harness.kafka import TansuBroker, consume
 
 from tests.conftest import relay_env, start_relay
+from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
     assert_per_key_order,
     dedup_by_message_id,
@@ -32,7 +32,13 @@ def live_holder(dsn: str) -> str | None:
     return holder
 
 
-def pid_of(holder: str) -> int:
+def new_holder(dsn: str, old: str | None) -> str | None:
+    holder = live_holder(dsn)
+    return holder if holder is not None and holder != old else None
+
+
+def pid_of(holder: str | None) -> int:
+    assert holder
     return int(holder.split(":")[1])
 
 
@@ -74,9 +80,7 @@ def test_sigterm_hands_the_lease_over_in_under_two_seconds(
     )
     started = time.monotonic()
     leader.send_signal(signal.SIGTERM)
-    second = wait_until(
-        lambda: (h := live_holder(relay_dsn)) and h != first and h, timeout=10, interval=0.01
-    )
+    second = wait_until(lambda: new_holder(relay_dsn, first), timeout=10, interval=0.01)
     handover = time.monotonic() - started
     assert pid_of(second) == other.pid
     assert handover < 2.0, f"handover took {handover:.2f}s"
@@ -108,9 +112,7 @@ def test_sigkill_of_the_leader_loses_nothing_and_keeps_key_order(
     wait_until(lambda: sum(counts) >= 150, timeout=20)
     os.kill(pid_of(first), signal.SIGKILL)
     killed_at = time.monotonic()
-    second = wait_until(
-        lambda: (h := live_holder(relay_dsn)) and h != first and h, timeout=15, interval=0.02
-    )
+    second = wait_until(lambda: new_holder(relay_dsn, first), timeout=15, interval=0.02)
     takeover = time.monotonic() - killed_at
     writer.join(timeout=30)
     total = sum(counts)

@@ -77,6 +77,8 @@ def test_undecodable_headers_are_malformed(headers: object) -> None:
         (KafkaError.MSG_SIZE_TOO_LARGE, Outcome.DEAD),
         (KafkaError._MSG_TIMED_OUT, Outcome.UNAVAILABLE),
         (KafkaError._ALL_BROKERS_DOWN, Outcome.UNAVAILABLE),
+        (KafkaError.PRODUCER_FENCED, Outcome.UNAVAILABLE),
+        (KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, Outcome.UNAVAILABLE),
         (KafkaError.UNKNOWN_TOPIC_OR_PART, Outcome.RETRY),
         (KafkaError.TOPIC_AUTHORIZATION_FAILED, Outcome.RETRY),
     ],

