@@ -77,6 +77,11 @@ class RelayApp:
                 if self.lease.wait_held(timeout=0.25) is None:
                     continue
                 self.drainer.drain()
+        except Exception:
+            # A bug, not an outage (those are retried where they happen): say so in one
+            # structured line, give the lease up, and let the orchestrator restart us.
+            log.exception("relay.crashed", replica=s.replica_id)
+            return 1
         finally:
             self._stop()
         return 0

@@ -13,6 +13,7 @@ from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, Outcome, Result
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
+from tests.harness.postgres import PostgresServer
 from tests.support import (
     assert_per_key_order,
     dedup_by_message_id,
@@ -262,3 +263,57 @@ def _unavailable(topic: str) -> float:
         "relay_messages_total", {"sink": "kafka", "topic": topic, "outcome": "unavailable"}
     )
     return value or 0.0
+
+
+def test_broker_killed_mid_drain_marks_nothing_unacked_and_delivers_after_restart(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """SIGKILL the broker (its in-memory log dies with it), restart it on the same port:
+    no row is marked while it is gone, and every row marked afterwards is in the new log."""
+    settings = make_settings(kafka_delivery_timeout_ms=2_000, retention_seconds=3600, batch_size=20)
+    with running_relay(settings):
+        insert_rows(database, topic, keyed_rows(keys=4, per_key=10))
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+        before = _marked(database)
+        kafka.kill()
+        try:
+            insert_rows(database, topic, keyed_rows(keys=4, per_key=10, start=10))
+            wait_until(lambda: _unavailable(topic) >= 1, timeout=15,
+                       message="delivery failures while the broker is dead")
+            assert _marked(database) == before, "a row was marked while the broker was dead"
+        finally:
+            kafka.start()
+            kafka.create_topic(topic, partitions=3)
+        wait_until(lambda: unsent_count(database) == 0, timeout=40)
+        after = _marked(database) - before
+    records = consume(kafka.bootstrap_servers, topic, min_count=len(after), timeout=30)
+    assert len(after) == 40
+    assert after <= {r.headers["message-id"].decode() for r in records}
+    assert_per_key_order(records)
+
+
+def test_database_restart_mid_drain_loses_nothing(
+    make_settings: SettingsFactory,
+    database: str,
+    pg: PostgresServer,
+    kafka: TansuBroker,
+    topic: str,
+) -> None:
+    """PostgreSQL goes away (fast shutdown) and comes back: the relay reconnects, keeps
+    or re-takes the lease, and delivers every row."""
+    with running_relay(make_settings(batch_size=20)):
+        first = insert_rows(database, topic, keyed_rows(keys=4, per_key=10))
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+        pg.restart()
+        second = insert_rows(database, topic, keyed_rows(keys=4, per_key=10, start=10))
+        wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=40,
+                   message="the drain to resume after the restart")
+    records = consume(kafka.bootstrap_servers, topic, min_count=len(first) + len(second))
+    assert len(dedup_by_message_id(records)) == len(first) + len(second)
+    assert_per_key_order(records)
+
+
+def _marked(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT message_id FROM outbox WHERE sent_at IS NOT NULL").fetchall()
+    return {str(r[0]) for r in rows}

@@ -5,6 +5,7 @@ Delivery reports, not `produce()` returning, are what let the drain loop mark a 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -178,15 +179,33 @@ class KafkaSink:
                 break  # abandoned while the local queue was full: the rest stay unsent
             if results[index] is not None and message.key is not None:
                 blocked.add(message.key)  # produce() refused it (too large, bad argument)
-        producer.poll(0)
+        failure = self._serve(producer, 0)
 
         deadline = time.monotonic() + self._max_wait
-        while pending[0] > 0 and not abandon() and time.monotonic() < deadline:
-            producer.poll(0.05)
+        while failure is None and pending[0] > 0 and not abandon():
+            if time.monotonic() > deadline:
+                break
+            failure = self._serve(producer, 0.05)
+        if failure is not None:
+            # The producer died under us: nothing still unreported can be trusted as
+            # sent, and nothing about these rows is wrong. Leave them for a new producer.
+            lost = classify(failure)
+            return [lost if result is None else result for result in results]
         return [SKIPPED if result is None else result for result in results]
 
-    @staticmethod
+    def _serve(self, producer: Producer, timeout: float) -> KafkaError | None:
+        """Serve delivery reports; a fatal producer error surfaces here as an exception."""
+        try:
+            producer.poll(timeout)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            self._needs_new_producer = True
+            log.warning("kafka.producer_failed", code=error.name(), error=error.str())
+            return error
+        return None
+
     def _produce(
+        self,
         producer: Producer,
         topic: str,
         message: OutboxMessage,
@@ -208,8 +227,7 @@ class KafkaSink:
                 return True
             except BufferError:
                 # Local queue full: serve delivery reports to make room.
-                producer.poll(0.05)
-                if abandon():
+                if self._serve(producer, 0.05) is not None or abandon():
                     return False
             except KafkaException as exc:
                 report(index, exc.args[0], None)  # type: ignore[arg-type]
@@ -217,7 +235,8 @@ class KafkaSink:
 
     def _replace_producer(self) -> None:
         log.warning("kafka.producer_recreated", reason="producer state lost (fatal or fenced)")
-        self._producer.flush(1.0)
+        with contextlib.suppress(KafkaException):
+            self._producer.flush(1.0)
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 

@@ -57,7 +57,8 @@ class TansuBroker:
         with self._log.open("ab") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        # Quiet: "connection refused" while the broker boots is expected, not news.
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
         while True:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"tansu exited:\n{self.log_tail()}")
@@ -76,7 +77,7 @@ class TansuBroker:
         os.kill(proc.pid, signal.SIGCONT)
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=2)  # in-memory storage: nothing to flush
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
