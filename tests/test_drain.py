@@ -278,8 +278,11 @@ def test_broker_killed_mid_drain_marks_nothing_unacked_and_delivers_after_restar
         kafka.kill()
         try:
             insert_rows(database, topic, keyed_rows(keys=4, per_key=10, start=10))
-            wait_until(lambda: _unavailable(topic) >= 1, timeout=15,
-                       message="delivery failures while the broker is dead")
+            wait_until(
+                lambda: _unavailable(topic) >= 1,
+                timeout=15,
+                message="delivery failures while the broker is dead",
+            )
             assert _marked(database) == before, "a row was marked while the broker was dead"
         finally:
             kafka.start()
@@ -306,8 +309,11 @@ def test_database_restart_mid_drain_loses_nothing(
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
         pg.restart()
         second = insert_rows(database, topic, keyed_rows(keys=4, per_key=10, start=10))
-        wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=40,
-                   message="the drain to resume after the restart")
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+            timeout=40,
+            message="the drain to resume after the restart",
+        )
     records = consume(kafka.bootstrap_servers, topic, min_count=len(first) + len(second))
     assert len(dedup_by_message_id(records)) == len(first) + len(second)
     assert_per_key_order(records)

@@ -45,7 +45,7 @@ def find_pg_bin() -> Path:
 
 
 class PostgresServer:
-    def __init__(self, base_dir: Path, port: int | None = None) -> None:
+    def __init__(self, base_dir: Path, port: int | None = None, *, durable: bool = False) -> None:
         self.base_dir = Path(base_dir)
         self.port = port or free_port()
         self.host = "127.0.0.1"
@@ -54,6 +54,8 @@ class PostgresServer:
         self.log_path = self.base_dir / "postgres.log"
         self._bin = find_pg_bin()
         self._as_postgres = os.geteuid() == 0
+        # Tests trade durability for speed; the benchmark must not (fsync on).
+        self.durable = durable
         atexit.register(self._atexit)
 
     # --- process control ---
@@ -91,9 +93,10 @@ class PostgresServer:
                 "\nlisten_addresses = '127.0.0.1'\n"
                 f"port = {self.port}\n"
                 f"unix_socket_directories = '{self.socket_dir}'\n"
-                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
-                "max_connections = 200\nshared_buffers = 128MB\n"
+                "max_connections = 200\nshared_buffers = 256MB\n"
             )
+            if not self.durable:
+                conf.write("fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n")
 
     def start(self) -> None:
         if not (self.data_dir / "PG_VERSION").exists():
