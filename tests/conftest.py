@@ -14,11 +14,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from tests.harness.kafka import TansuBroker
-from tests.harness.postgres import PostgresServer
 
 from relay.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings, Settings
+from tests.harness.kafka import TansuBroker
+from tests.harness.postgres import PostgresServer
 
 TEMPLATE_DB = "relay_template"
 RELAY_ROLE = "relay"

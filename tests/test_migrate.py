@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from tests.harness.postgres import PostgresServer
 
 from tests.conftest import REPO, relay_command
+from tests.harness.postgres import PostgresServer
 
 
 @pytest.fixture
