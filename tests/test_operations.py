@@ -18,6 +18,8 @@ def get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except urllib.error.URLError:
+        return 0, ""  # not listening yet
 
 
 def test_metrics_and_probes_report_the_leader_and_its_work(
