@@ -251,7 +251,7 @@ class Elector(threading.Thread):
                 self.last_db_ok = self._clock()
             except psycopg.Error as exc:
                 log.warning(
-                    "lease.db_error",
+                    "lease.renew_failed" if self._lease.held_token() else "lease.db_error",
                     lease=self._lease.name,
                     holder=self._lease.holder,
                     error=db.describe_error(exc),
