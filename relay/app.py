@@ -47,8 +47,9 @@ class RelayApp:
 
     def install_signal_handlers(self) -> None:
         def on_signal(signum: int, _frame: FrameType | None) -> None:
-            log.info("relay.stopping", signal=signal.Signals(signum).name)
-            self.shutdown.request()
+            # Only set a flag: the handler runs on the main thread between two bytecodes,
+            # possibly inside a log write whose (non-reentrant) lock it would then wait on.
+            self.shutdown.request(signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -89,12 +90,21 @@ class RelayApp:
     def _stop(self) -> None:
         # Order matters: no new batches, then flush the sink, then give the lease up
         # so a standby takes over at its next poll instead of after a whole ttl.
-        left = self.sink.flush(min(5.0, self.settings.shutdown_timeout_seconds))
-        if left:
-            log.warning("sink.flush_incomplete", messages=left)
+        log.info("relay.stopping", reason=self.shutdown.reason or "error")
+        try:
+            left = self.sink.flush(min(5.0, self.settings.shutdown_timeout_seconds))
+            if left:
+                log.warning("sink.flush_incomplete", messages=left)
+        except Exception as exc:  # a dead producer must not keep the lease held
+            log.warning("sink.flush_failed", error=str(exc))
         self.elector.stop()
         self.elector.join(timeout=5.0)
-        self.elector.release()
+        if self.elector.is_alive():
+            # Still inside a database call: releasing on its connection would race it.
+            # The lease then ends by its ttl instead.
+            log.warning("lease.release_skipped", reason="elector busy")
+        else:
+            self.elector.release()
         self.drainer.close()
         self.sink.close()
         if self.metrics_server is not None:

@@ -21,6 +21,9 @@ def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
         "keepalives_idle": 10,
         "keepalives_interval": 5,
         "keepalives_count": 3,
+        # Keepalives only cover an idle socket; this bounds a request whose packets go
+        # unacknowledged (a partition mid-query), which otherwise blocks for ~15 minutes.
+        "tcp_user_timeout": max(10_000, settings.database_statement_timeout_ms),
     }
     if settings.database_password is not None:
         kwargs["password"] = settings.database_password.get_secret_value()

@@ -179,12 +179,14 @@ class Lease:
         """Block until we hold the lease or `timeout` passes."""
         end = self._clock() + timeout
         with self._lock:
-            while self._token is None:
+            # A token past its local deadline counts as not held: wait for the elector
+            # to renew or drop it rather than spin on it.
+            while self._token is None or self._clock() >= self._deadline:
                 remaining = end - self._clock()
                 if remaining <= 0:
                     return None
-                self._changed.wait(remaining)
-        return self.token()
+                self._changed.wait(min(remaining, 0.05))
+            return self._token
 
 
 # --- the loop that keeps it true -------------------------------------------------------
@@ -256,6 +258,12 @@ class Elector(threading.Thread):
                     holder=self._lease.holder,
                     error=db.describe_error(exc),
                 )
+                self._close()
+                self._expire_if_past_deadline()
+            except Exception:
+                # A bug must not silently end the elector: this replica would never
+                # campaign again. Log it, start over with a fresh connection.
+                log.exception("lease.elector_error", lease=self._lease.name)
                 self._close()
                 self._expire_if_past_deadline()
             self._stop_event.wait(self._next_wait())

@@ -15,10 +15,12 @@ class Shutdown:
         self._grace = grace
         self._clock = clock
         self._requested_at: float | None = None
+        self.reason = ""
 
-    def request(self) -> None:
+    def request(self, reason: str = "requested") -> None:
         if self._requested_at is None:
             self._requested_at = self._clock()
+            self.reason = reason
         self._event.set()
 
     @property

@@ -137,12 +137,19 @@ class Drainer:
         counts: Counter[tuple[str, str]] = Counter()
         now = datetime.now(UTC)
         e2e = metrics.END_TO_END_SECONDS.labels(self._sink.name)
+        # A sink that acknowledged part of the batch is up: its "unavailable" rows are
+        # a sick topic or partition, and must back off per row (and eventually be
+        # dead-lettered) rather than head every batch and throttle all other keys.
+        sink_up = any(result.outcome is Outcome.ACKED for result in results)
         for message, result in zip(batch, results, strict=True):
-            counts[(message.topic, result.outcome.value)] += 1
-            if result.outcome is Outcome.ACKED:
+            outcome = result.outcome
+            if outcome is Outcome.UNAVAILABLE and sink_up:
+                outcome = Outcome.RETRY
+            counts[(message.topic, outcome.value)] += 1
+            if outcome is Outcome.ACKED:
                 settlement.sent.append(message.id)
                 e2e.observe((now - message.created_at).total_seconds())
-            elif result.outcome is Outcome.RETRY:
+            elif outcome is Outcome.RETRY:
                 attempts = message.attempts + 1
                 error = result.error or "unknown error"
                 if attempts >= self._settings.max_attempts:
@@ -152,12 +159,12 @@ class Drainer:
                 else:
                     delay = max(self._row_backoff.delay(attempts), result.retry_after or 0.0)
                     settlement.retry(message.id, delay, error)
-            elif result.outcome is Outcome.DEAD:
+            elif outcome is Outcome.DEAD:
                 self._dead_letter(settlement, message, result.error or "permanent failure")
-            elif result.outcome is Outcome.UNAVAILABLE:
+            elif outcome is Outcome.UNAVAILABLE:
                 unavailable = result.error or "sink unavailable"
-        for (topic, outcome), count in counts.items():
-            metrics.MESSAGES.labels(self._sink.name, topic, outcome).inc(count)
+        for (topic, outcome_name), count in counts.items():
+            metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
         return settlement, unavailable
 
     def _dead_letter(self, settlement: Settlement, message: OutboxMessage, reason: str) -> None:

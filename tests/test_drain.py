@@ -116,8 +116,9 @@ class ScriptedSink:
 
     name = "scripted"
 
-    def __init__(self, failures: dict[str, int]) -> None:
+    def __init__(self, failures: dict[str, int], outcome: Outcome = Outcome.RETRY) -> None:
         self.failures = dict(failures)
+        self.outcome = outcome
         self.delivered: list[tuple[str | None, bytes | None]] = []
         self.lock = threading.Lock()
 
@@ -132,7 +133,7 @@ class ScriptedSink:
             elif self.failures.get(m.key or "", 0) > 0:
                 self.failures[m.key or ""] -= 1
                 blocked.add(m.key)
-                results.append(Result(Outcome.RETRY, "HTTP 503 from scripted sink"))
+                results.append(Result(self.outcome, "HTTP 503 from scripted sink"))
             else:
                 with self.lock:
                     self.delivered.append((m.key, m.payload))
@@ -150,9 +151,9 @@ class ScriptedSink:
 
 
 @pytest.fixture
-def scripted(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, int]], ScriptedSink]:
-    def install(failures: dict[str, int]) -> ScriptedSink:
-        sink = ScriptedSink(failures)
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Callable[..., ScriptedSink]:
+    def install(failures: dict[str, int], outcome: Outcome = Outcome.RETRY) -> ScriptedSink:
+        sink = ScriptedSink(failures, outcome)
         monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
         return sink
 
@@ -162,7 +163,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, int]], Scri
 def test_a_failing_key_waits_in_backoff_while_other_keys_flow(
     make_settings: SettingsFactory,
     database: str,
-    scripted: Callable[[dict[str, int]], ScriptedSink],
+    scripted: Callable[..., ScriptedSink],
 ) -> None:
     sink = scripted({"k0": 3})
     insert_rows(database, "t", keyed_rows(keys=4, per_key=5))
@@ -188,7 +189,7 @@ def test_a_failing_key_waits_in_backoff_while_other_keys_flow(
 def test_a_row_past_max_attempts_is_dead_lettered_and_its_key_moves_on(
     make_settings: SettingsFactory,
     database: str,
-    scripted: Callable[[dict[str, int]], ScriptedSink],
+    scripted: Callable[..., ScriptedSink],
 ) -> None:
     sink = scripted({"k0": 1_000})
     insert_rows(database, "t", [("k0", b"k0:0")])
@@ -202,6 +203,35 @@ def test_a_row_past_max_attempts_is_dead_lettered_and_its_key_moves_on(
     assert attempts == 3
     assert reason == "gave up after 3 attempts: HTTP 503 from scripted sink"
     assert ("k1", b"k1:0") in sink.delivered and scripted_tail
+
+
+def test_one_sick_topic_backs_off_per_row_while_the_sink_is_up(
+    make_settings: SettingsFactory, database: str, scripted: Callable[..., ScriptedSink]
+) -> None:
+    """'Unavailable' for some rows while others are acked is not a sink outage: those
+    rows back off and are dead-lettered in the end, and the rest keeps flowing."""
+    sink = scripted({"sick": 1_000}, Outcome.UNAVAILABLE)
+    insert_rows(database, "t", [("sick", b"sick:0")])
+    settings = make_settings(retry_base_seconds=0.05, retry_max_seconds=0.05, max_attempts=3)
+    sent = 0
+
+    def traffic_flows_until_sick_is_dead() -> bool:
+        nonlocal sent
+        insert_rows(database, "t", [(f"k{sent % 3}", f"k{sent % 3}:{sent // 3}".encode())])
+        sent += 1
+        return (
+            unsent_count(database) <= 1
+            and scalar(database, "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL")
+            == 1
+        )
+
+    with running_relay(settings):
+        wait_until(traffic_flows_until_sick_is_dead, timeout=20)
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+    assert {k for k, _ in sink.delivered} == {"k0", "k1", "k2"}
+    assert len(sink.delivered) == sent
+    reason = scalar(database, "SELECT dead_letter_reason FROM outbox WHERE key = 'sick'")
+    assert reason == "gave up after 3 attempts: HTTP 503 from scripted sink"
 
 
 def test_retention_keeps_sent_rows_then_purges_them(

@@ -125,9 +125,12 @@ class KafkaSink:
         self._config = producer_config(settings)
         self._config["error_cb"] = self._on_client_error
         self._topic_map = settings.kafka_topic_map
-        # librdkafka reports every message by message.timeout.ms; the margin covers
-        # the report travelling back to us.
-        self._max_wait = settings.kafka_delivery_timeout_ms / 1000 + 5.0
+        # librdkafka reports every message by message.timeout.ms (whatever the final,
+        # pass-through-adjusted config says); the margin covers the report's trip back.
+        timeout_ms = self._config.get("message.timeout.ms") or self._config.get(
+            "delivery.timeout.ms", settings.kafka_delivery_timeout_ms
+        )
+        self._max_wait = int(timeout_ms) / 1000 + 5.0
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 
@@ -150,6 +153,10 @@ class KafkaSink:
         results: list[Result | None] = [None] * len(messages)
         pending = [0]
         blocked: set[str] = set()
+        # Kafka orders a key only within one partition of one topic. A later row of a
+        # key bound for another topic waits for the next batch, after the earlier one
+        # is settled, so a failure of the first cannot be overtaken by the second.
+        key_topic: dict[str, str] = {}
         producer = self._producer
 
         def report(index: int, error: KafkaError | None, _msg: Message) -> None:
@@ -173,6 +180,12 @@ class KafkaSink:
                 if message.key is not None:
                     blocked.add(message.key)
                 continue
+            if message.key is not None and key_topic.setdefault(message.key, topic) != topic:
+                results[index] = SKIPPED
+                blocked.add(message.key)
+                continue
+            if index % 64 == 0 and abandon():
+                break  # lease gone or shutdown grace over: publish nothing more
             pending[0] += 1
             if not self._produce(producer, topic, message, headers, index, report, abandon):
                 pending[0] -= 1
@@ -182,13 +195,25 @@ class KafkaSink:
         failure = self._serve(producer, 0)
 
         deadline = time.monotonic() + self._max_wait
-        while failure is None and pending[0] > 0 and not abandon():
+        abandoned = False
+        while failure is None and pending[0] > 0:
+            if abandon():
+                abandoned = True
+                break
             if time.monotonic() > deadline:
+                failure = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report in time")
                 break
             failure = self._serve(producer, 0.05)
+        if abandoned and pending[0] > 0:
+            # Stop publishing at once (lease lost or shutdown overdue): drop what has
+            # not left the client yet. What is already in flight may still land.
+            with contextlib.suppress(KafkaException):
+                producer.purge(in_queue=True, in_flight=False, blocking=False)
+                producer.poll(0)
         if failure is not None:
-            # The producer died under us: nothing still unreported can be trusted as
-            # sent, and nothing about these rows is wrong. Leave them for a new producer.
+            # The producer died, or reports are overdue: nothing unreported can be
+            # trusted as sent, and nothing about these rows is wrong. The drain loop
+            # backs off and they go again (possibly as duplicates).
             lost = classify(failure)
             return [lost if result is None else result for result in results]
         return [SKIPPED if result is None else result for result in results]
