@@ -11,7 +11,7 @@ from relay import __version__, metrics
 from relay.lease import Elector, Lease
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
-from relay.settings import Settings
+from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import create_sink
 from relay.worker import Drainer
@@ -59,7 +59,13 @@ class RelayApp:
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
         metrics.LEASE_HELD.labels(s.lease_name).set(0)
         if s.metrics_enabled:
-            self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)
+            try:
+                self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)
+            except OSError as exc:
+                raise SettingsError(
+                    "RELAY_METRICS_PORT",
+                    f"cannot listen on {s.metrics_host}:{s.metrics_port} ({exc.strerror})",
+                ) from None
             self.metrics_server.start()
         log.info(
             "relay.started",
@@ -76,6 +82,9 @@ class RelayApp:
             while not self.shutdown.requested:
                 self.health.beat()
                 if self.lease.wait_held(timeout=0.25) is None:
+                    # Standby keeps its producer warm for a fast takeover; serving its
+                    # events keeps client logs and errors from piling up unread.
+                    self.sink.flush(0)
                     continue
                 self.drainer.drain()
         except Exception:

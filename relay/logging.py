@@ -37,3 +37,28 @@ def configure(log_format: LogFormat | None = None, level: str = "info") -> None:
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     logger: structlog.stdlib.BoundLogger = structlog.get_logger(name)
     return logger
+
+
+class _ToStructlog(logging.Handler):
+    """Forwards a library's stdlib log records into our structured stream."""
+
+    def __init__(self, event: str) -> None:
+        super().__init__()
+        self._event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = record.levelname.lower()
+        log = get_logger(record.name)
+        method = getattr(log, level if level in {"debug", "info", "warning", "error"} else "info")
+        method(self._event, message=record.getMessage())
+
+
+def library_logger(name: str, event: str) -> logging.Logger:
+    """A stdlib logger (what librdkafka's `logger` setting wants) that writes as structlog,
+    so JSON log pipelines do not choke on a client library's raw lines."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(_ToStructlog(event))
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    return logger

@@ -13,7 +13,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from relay.logging import get_logger
+from relay.logging import get_logger, library_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
@@ -124,6 +124,7 @@ class KafkaSink:
     def __init__(self, settings: Settings) -> None:
         self._config = producer_config(settings)
         self._config["error_cb"] = self._on_client_error
+        self._config["logger"] = library_logger("librdkafka", "kafka.client_log")
         self._topic_map = settings.kafka_topic_map
         # librdkafka reports every message by message.timeout.ms (whatever the final,
         # pass-through-adjusted config says); the margin covers the report's trip back.
@@ -270,7 +271,12 @@ class KafkaSink:
         return f"kafka: ok ({len(metadata.brokers)} broker(s), {len(metadata.topics)} topic(s))"
 
     def flush(self, timeout: float) -> int:
-        return int(self._producer.flush(timeout))
+        try:
+            return int(self._producer.flush(timeout))
+        except KafkaException as exc:
+            self._needs_new_producer = True
+            log.warning("kafka.producer_failed", error=str(exc.args[0]))
+            return len(self._producer)
 
     def close(self) -> None:
         self._producer.flush(0)
