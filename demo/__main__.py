@@ -21,6 +21,7 @@ import psycopg
 from relay.migrate import migrations_dir
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.postgres import PostgresServer
+from tests.support import scalar, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 TOPIC = "orders"
@@ -74,6 +75,10 @@ def insert(dsn: str, start: int, count: int) -> None:
         )
 
 
+def _drained(dsn: str) -> bool:
+    return bool(scalar(dsn, "SELECT count(*) FROM outbox") == 0)
+
+
 def holder(dsn: str) -> tuple[str | None, int]:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
@@ -81,14 +86,6 @@ def holder(dsn: str) -> tuple[str | None, int]:
             " WHERE name = 'default'"
         ).fetchone()
     return (row[0], row[1]) if row else (None, 0)
-
-
-def wait_for(what: str, check: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise SystemExit(f"demo: timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def main() -> int:
@@ -120,14 +117,14 @@ def main() -> int:
             )
             relays[f"replica-{n}"] = proc
             threading.Thread(target=pump_logs, args=(proc, f"replica-{n}"), daemon=True).start()
-        wait_for("a lease holder", lambda: holder(dsn)[0] is not None)
+        wait_until(lambda: holder(dsn)[0] is not None, timeout=30, message="a lease holder")
         leader, epoch = holder(dsn)
         print(f"  lease held by {leader} (epoch {epoch})")
 
         say("the app inserts 5000 orders across 8 customers (keys)")
         started = time.monotonic()
         insert(dsn, 0, 5000)
-        wait_for("the drain", lambda: _count(dsn) == 0)
+        wait_until(lambda: _drained(dsn), timeout=30, message="the drain")
         took = time.monotonic() - started
         print(f"  drained 5000 rows in {took:.2f}s ({5000 / took:,.0f} rows/s, insert included)")
 
@@ -148,13 +145,13 @@ def main() -> int:
         insert(dsn, 5000, 2000)
         relays[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        wait_for("a new holder", lambda: holder(dsn)[0] not in (None, leader), timeout=30)
+        wait_until(lambda: holder(dsn)[0] not in (None, leader), timeout=30, message="a new holder")
         new_leader, new_epoch = holder(dsn)
         print(
             f"  {new_leader} took over in {time.monotonic() - killed:.2f}s "
             f"(ttl 4s), epoch {epoch} -> {new_epoch}"
         )
-        wait_for("the drain after takeover", lambda: _count(dsn) == 0)
+        wait_until(lambda: _drained(dsn), timeout=30, message="the drain after takeover")
         records = consume(broker.bootstrap_servers, TOPIC, min_count=7000, timeout=30)
         unique = {r.headers["message-id"] for r in records}
         print(
@@ -180,12 +177,6 @@ def main() -> int:
                 proc.kill()
         broker.stop()
         pg.stop()
-
-
-def _count(dsn: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM outbox").fetchone()
-    return int(row[0]) if row else -1
 
 
 if __name__ == "__main__":

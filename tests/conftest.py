@@ -105,18 +105,19 @@ def make_settings(relay_dsn: str, kafka: TansuBroker) -> SettingsFactory:
     return factory
 
 
-def relay_env(dsn: str, bootstrap: str, **extra: str) -> dict[str, str]:
+def relay_env(dsn: str, bootstrap: str | None = None, **extra: str) -> dict[str, str]:
     """Environment for a `relay` subprocess: only RELAY_* from here, nothing inherited."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env.update(
         {
             "RELAY_DATABASE_URL": dsn,
-            "RELAY_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
             "RELAY_LOG_FORMAT": "json",
             "RELAY_METRICS_ENABLED": "false",
             "PYTHONPATH": str(REPO),
         }
     )
+    if bootstrap is not None:
+        env["RELAY_KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
     env.update(extra)
     return env
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.conftest import REPO, relay_command
+from tests.conftest import REPO, relay_command, relay_env
 from tests.harness.postgres import PostgresServer
 
 
@@ -22,14 +22,12 @@ def empty_db(pg: PostgresServer) -> Iterator[str]:
 
 
 def run_migrate(dsn: str) -> subprocess.Popen[bytes]:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "RELAY_DATABASE_URL": dsn,
-        "RELAY_LOG_FORMAT": "json",
-    }
     return subprocess.Popen(
-        relay_command("migrate"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO
+        relay_command("migrate"),
+        env=relay_env(dsn),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
     )
 
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import urllib.request
 
-from tests.conftest import REPO, SettingsFactory, relay_command
+from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker
 from tests.support import insert_rows, keyed_rows, running_relay, scalar, wait_until
@@ -51,12 +51,7 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
             lambda: scalar(relay_dsn, "SELECT holder FROM leases WHERE expires_at > now()"),
             timeout=10,
         )
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(REPO),
-            "RELAY_DATABASE_URL": relay_dsn,
-            "RELAY_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
-        }
+        env = relay_env(relay_dsn, kafka.bootstrap_servers)
         done = subprocess.run(
             relay_command("status", "--json"), env=env, capture_output=True, timeout=60, check=True
         )
@@ -82,12 +77,7 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
 
 
 def test_check_fails_clearly_on_a_dead_broker(relay_dsn: str) -> None:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "RELAY_DATABASE_URL": relay_dsn,
-        "RELAY_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-    }
+    env = relay_env(relay_dsn, f"127.0.0.1:{free_port()}")
     done = subprocess.run(
         relay_command("check"), env=env, capture_output=True, timeout=60, check=False
     )

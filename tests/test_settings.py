@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relay.settings import Settings, SettingsError, load_settings
-from tests.conftest import REPO, relay_command
+from tests.conftest import relay_command, relay_env
 
 URL = "postgresql://app:s3cr3t-pw@127.0.0.1:1/db"
 
@@ -88,13 +88,7 @@ def test_unreadable_secret_file_is_named(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 def test_cli_exits_2_with_one_clear_line_and_no_password() -> None:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "RELAY_DATABASE_URL": URL,
-        "RELAY_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
-        "RELAY_LEASE_TTL_SECONDS": "soon",
-    }
+    env = relay_env(URL, "127.0.0.1:1", RELAY_LEASE_TTL_SECONDS="soon")
     done = subprocess.run(
         relay_command("run"), env=env, capture_output=True, timeout=60, check=False
     )

@@ -3,6 +3,30 @@
 from __future__ import annotations
 
 import socket
+from types import TracebackType
+from typing import Self
+
+
+class Service:
+    """`with Server(...) as s:` starts it and always stops it."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 def free_port() -> int:

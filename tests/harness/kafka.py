@@ -13,12 +13,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from tests.harness import free_port
+from tests.harness import Service, free_port
 
 
 def find_tansu() -> str:
@@ -37,7 +36,7 @@ class Record:
     headers: dict[str, bytes]
 
 
-class TansuBroker:
+class TansuBroker(Service):
     def __init__(self, port: int | None = None, storage: str | None = None) -> None:
         self.port = port or free_port()
         self.storage = storage
@@ -112,18 +111,6 @@ class TansuBroker:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"topic {name} not visible")
             time.sleep(0.05)
-
-    def __enter__(self) -> TansuBroker:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _consumer(bootstrap: str, topic: str) -> Consumer:

@@ -15,12 +15,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import TracebackType
 
 import psycopg
 from psycopg import sql
 
-from tests.harness import free_port
+from tests.harness import Service, free_port
 
 SUPERUSER = "postgres"
 SUPERUSER_PASSWORD = "postgres"
@@ -44,7 +43,7 @@ def find_pg_bin() -> Path:
     return Path(found[-1]).parent
 
 
-class PostgresServer:
+class PostgresServer(Service):
     def __init__(self, base_dir: Path, port: int | None = None, *, durable: bool = False) -> None:
         self.base_dir = Path(base_dir)
         self.port = port or free_port()
@@ -205,18 +204,6 @@ class PostgresServer:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
-
-    def __enter__(self) -> PostgresServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _alive(pid: int) -> bool:
