@@ -6,11 +6,15 @@ a bad value fails here, with the name of the variable, before any connection is 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -24,7 +28,13 @@ ENV_PREFIX = "RELAY_"
 
 # Secret settings may also be given as a path in RELAY_<NAME>_FILE (Kubernetes Secret
 # volumes, Docker secrets), so the secret never has to sit in the process environment.
-SECRET_FIELDS = ("database_url", "database_password", "kafka_sasl_password")
+SECRET_FIELDS = (
+    "database_url",
+    "database_password",
+    "kafka_sasl_password",
+    "http_signing_secret",
+    "http_auth_header_value",
+)
 
 
 class _FileSecretsSource(PydanticBaseSettingsSource):
@@ -140,7 +150,33 @@ class Settings(CommonSettings):
         default_factory=dict,
         description="librdkafka pass-through: RELAY_KAFKA__SSL_CA_LOCATION sets ssl.ca.location.",
     )
-    http_url: str | None = None
+    # --- HTTP sink (relay/sinks/http.py) ---
+    http_url: str | None = Field(
+        default=None,
+        description="Default endpoint; `{topic}` in it is replaced by the row's topic.",
+    )
+    http_topic_urls: dict[str, str] = Field(
+        default_factory=dict,
+        description='JSON: outbox topic -> URL, e.g. {"orders": "https://x/orders"}.',
+    )
+    http_max_in_flight: int = Field(default=16, ge=1, le=1024)
+    http_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=300)
+    http_read_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
+    http_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    http_tls_verify: bool = True
+    http_ca_file: str | None = None
+    http_client_cert_file: str | None = None
+    http_client_key_file: str | None = None
+    http_content_type: str = Field(default="application/octet-stream", min_length=1)
+    http_forward_headers: str = Field(
+        default="*",
+        description="Row headers to send: `*` for all, or a comma-separated allow-list.",
+    )
+    http_signing_secret: SecretStr | None = Field(
+        default=None, description="Standard Webhooks secret (`whsec_<base64>`)."
+    )
+    http_auth_header_name: str = "Authorization"
+    http_auth_header_value: SecretStr | None = None
 
     # --- lease ---
     lease_ttl_seconds: float = Field(default=10.0, ge=1.0, le=3600.0)
@@ -170,14 +206,51 @@ class Settings(CommonSettings):
     metrics_port: int = Field(default=9108, ge=0, le=65535)
     metrics_enabled: bool = True
 
+    @field_validator("http_url")
+    @classmethod
+    def _http_url_shape(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_http_url(value)
+        return value
+
+    @field_validator("http_topic_urls")
+    @classmethod
+    def _http_topic_urls_shape(cls, value: dict[str, str]) -> dict[str, str]:
+        for topic, url in value.items():
+            try:
+                _check_http_url(url)
+            except ValueError as exc:
+                raise ValueError(f"topic {topic!r}: {exc}") from None
+        return value
+
+    @field_validator("http_signing_secret")
+    @classmethod
+    def _signing_secret_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            signing_key(value)  # fail at start-up, not on the first message
+        return value
+
+    @field_validator("http_auth_header_name")
+    @classmethod
+    def _header_name_shape(cls, value: str) -> str:
+        if not _HEADER_TOKEN.match(value):
+            raise ValueError("must be an HTTP header name")
+        return value
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Settings:
         if self.sink == "kafka" and not self.kafka_bootstrap_servers:
             raise SettingsError(
                 "RELAY_KAFKA_BOOTSTRAP_SERVERS", "is required when RELAY_SINK=kafka"
             )
-        if self.sink == "http" and not self.http_url:
-            raise SettingsError("RELAY_HTTP_URL", "is required when RELAY_SINK=http")
+        if self.sink == "http" and not (self.http_url or self.http_topic_urls):
+            raise SettingsError(
+                "RELAY_HTTP_URL", "is required when RELAY_SINK=http (or RELAY_HTTP_TOPIC_URLS)"
+            )
+        if self.http_client_key_file and not self.http_client_cert_file:
+            raise SettingsError(
+                "RELAY_HTTP_CLIENT_CERT_FILE", "is required with RELAY_HTTP_CLIENT_KEY_FILE"
+            )
         if self.poll_interval_min_seconds > self.poll_interval_max_seconds:
             raise SettingsError(
                 "RELAY_POLL_INTERVAL_MIN_SECONDS", "must not exceed RELAY_POLL_INTERVAL_MAX_SECONDS"
@@ -208,9 +281,38 @@ class Settings(CommonSettings):
     def keep_sent_rows(self) -> bool:
         return self.retention_seconds > 0
 
+    @property
+    def http_forward_allowlist(self) -> frozenset[str] | None:
+        """Lower-cased row header names to forward; None forwards every row header."""
+        raw = self.http_forward_headers.strip()
+        if raw == "*":
+            return None
+        return frozenset(name.strip().lower() for name in raw.split(",") if name.strip())
+
     def librdkafka_config(self) -> dict[str, str]:
         """Pass-through librdkafka settings with their dotted names restored."""
         return {key.lower().replace("_", "."): value for key, value in self.kafka.items()}
+
+
+_HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _check_http_url(url: str) -> None:
+    parsed = urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+
+
+def signing_key(secret: SecretStr) -> bytes:
+    """The HMAC key of a Standard Webhooks secret: base64, optionally prefixed `whsec_`."""
+    raw = secret.get_secret_value().strip().removeprefix("whsec_")
+    try:
+        key = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("must be base64, optionally prefixed whsec_") from None
+    if len(key) < 16:
+        raise ValueError("must decode to at least 16 bytes")
+    return key
 
 
 S = TypeVar("S", bound=CommonSettings)
@@ -237,7 +339,7 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         raise
     except ValidationError as exc:
         first = exc.errors(include_input=False, include_url=False)[0]
-        message = str(first.get("msg", "invalid value"))
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         ctx_error = (first.get("ctx") or {}).get("error")
         if isinstance(ctx_error, SettingsError):
             raise ctx_error from None

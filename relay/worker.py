@@ -111,11 +111,15 @@ class Drainer:
             metrics.SETTLE_SECONDS.observe(self._clock() - settle_started)
 
         if unavailable is not None:
-            delay = self._sink_retry.next_delay()
+            # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
+            delay = max(
+                self._sink_retry.next_delay(),
+                min(unavailable.retry_after or 0.0, self._settings.retry_max_seconds),
+            )
             log.warning(
                 "sink.unavailable",
                 sink=self._sink.name,
-                error=unavailable,
+                error=unavailable.error or "sink unavailable",
                 retry_in=round(delay, 3),
             )
             self._shutdown.wait(delay)
@@ -131,9 +135,9 @@ class Drainer:
 
     def _plan(
         self, batch: Sequence[OutboxMessage], results: Sequence[Result]
-    ) -> tuple[Settlement, str | None]:
+    ) -> tuple[Settlement, Result | None]:
         settlement = Settlement()
-        unavailable: str | None = None
+        unavailable: Result | None = None
         counts: Counter[tuple[str, str]] = Counter()
         now = datetime.now(UTC)
         e2e = metrics.END_TO_END_SECONDS.labels(self._sink.name)
@@ -162,7 +166,7 @@ class Drainer:
             elif outcome is Outcome.DEAD:
                 self._dead_letter(settlement, message, result.error or "permanent failure")
             elif outcome is Outcome.UNAVAILABLE:
-                unavailable = result.error or "sink unavailable"
+                unavailable = result
         for (topic, outcome_name), count in counts.items():
             metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
         return settlement, unavailable

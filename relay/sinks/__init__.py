@@ -13,4 +13,8 @@ def create_sink(settings: Settings) -> Sink:
         from relay.sinks.kafka import KafkaSink
 
         return KafkaSink(settings)
+    if settings.sink == "http":
+        from relay.sinks.http import HttpSink
+
+        return HttpSink(settings)
     raise SettingsError("RELAY_SINK", f"sink {settings.sink!r} is not available in this version")

@@ -1,0 +1,403 @@
+"""HTTP sink: one POST per message, keys in parallel, each key strictly in order.
+
+The drain loop's `publish()` is synchronous; the requests run on an asyncio loop owned
+by this sink (one thread, one pooled `httpx.AsyncClient`), so hundreds of keys can be
+in flight without a thread each. Per key, the next message is sent only after the
+previous one was acknowledged; once one fails, the rest of its key is `SKIPPED` and
+goes out after the failed row is settled (backed off or dead-lettered).
+
+Outcomes, from the endpoint's answer:
+- 2xx: acknowledged, the row is marked sent.
+- 408, 425, 429, 500 and other 5xx, timeouts, a connection dropped mid-request: `RETRY`
+  (the row backs off; `Retry-After` is honoured).
+- 502, 503, 504 and refused or failed connections: `UNAVAILABLE` (the endpoint is down,
+  not the message wrong). Alone in a batch they back the whole sink off without spending
+  attempts, so an outage does not dead-letter the outbox; next to acknowledged messages
+  the drain loop treats them as `RETRY` for their rows only.
+- Any other status (3xx, 4xx): `DEAD`, with the status and a bounded body snippet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import hashlib
+import hmac
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import TypeVar
+from urllib.parse import quote, urlsplit
+
+import httpx
+
+from relay import __version__, metrics
+from relay.logging import get_logger
+from relay.message import MalformedRow, OutboxMessage
+from relay.settings import Settings, signing_key
+from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
+
+log = get_logger("relay.sinks.http")
+T = TypeVar("T")
+
+SNIPPET_CHARS = 200  # of a failed response body, kept in the dead-letter reason
+_MAX_BODY_READ = 64 * 1024  # more than this of a response is not worth a connection
+_RETRY_STATUSES = frozenset({408, 425, 429})
+_UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+# Never taken from a row: they describe the connection or the body, or are the relay's.
+_NOT_FORWARDED = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "message-id",
+        "message-topic",
+        "message-key",
+        "created-at",
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    url: str
+    headers: list[tuple[str, bytes]]
+    body: bytes
+
+
+def sign(key: bytes, message_id: str, timestamp: int, body: bytes) -> str:
+    """Standard Webhooks `webhook-signature`: HMAC-SHA256 over `id.timestamp.body`."""
+    signed = f"{message_id}.{timestamp}.".encode() + body
+    digest = hmac.new(key, signed, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
+def parse_retry_after(value: str | None, cap: float, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a `Retry-After` header (delta-seconds or an HTTP-date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - (now or datetime.now(UTC))).total_seconds()
+    return min(max(seconds, 0.0), cap)
+
+
+def snippet(body: bytes) -> str:
+    text = body[: SNIPPET_CHARS * 4].decode("utf-8", errors="replace")
+    text = "".join(ch if ch.isprintable() else " " for ch in text).strip()
+    return text[:SNIPPET_CHARS] + ("..." if len(text) > SNIPPET_CHARS else "")
+
+
+def classify_response(
+    status: int, retry_after: str | None, body: bytes, retry_cap: float
+) -> Result:
+    if 200 <= status < 300:
+        return ACKED
+    text = f"HTTP {status}"
+    if body:
+        text += f": {snippet(body)}"
+    wait = parse_retry_after(retry_after, retry_cap)
+    if status in _UNAVAILABLE_STATUSES:
+        return Result(Outcome.UNAVAILABLE, text, wait)
+    if status in _RETRY_STATUSES or status >= 500:
+        return Result(Outcome.RETRY, text, wait)
+    return Result(Outcome.DEAD, text)
+
+
+def classify_error(exc: Exception) -> Result:
+    """A request that got no HTTP answer. Refused or unreachable: the endpoint is down."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return Result(Outcome.UNAVAILABLE, text)
+    # Read/write timeouts and dropped connections: the endpoint may have processed it.
+    return Result(Outcome.RETRY, text)
+
+
+def _header_value(name: str, value: str) -> bytes:
+    if any(ch in value for ch in "\r\n\0"):
+        raise MalformedRow(f"header {name!r} contains a line break or NUL")
+    return value.encode()
+
+
+class RequestBuilder:
+    """Turns a row into the request to send: URL, headers, body (no I/O, testable)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._default_url = settings.http_url
+        self._topic_urls = settings.http_topic_urls
+        self._content_type = settings.http_content_type
+        self._allow = settings.http_forward_allowlist
+        self._key = (
+            signing_key(settings.http_signing_secret)
+            if settings.http_signing_secret is not None
+            else None
+        )
+
+    def url_for(self, topic: str) -> str:
+        url = self._topic_urls.get(topic, self._default_url)
+        if url is None:
+            raise MalformedRow(
+                f"no URL for topic {topic!r} (set RELAY_HTTP_URL or RELAY_HTTP_TOPIC_URLS)"
+            )
+        return url.replace("{topic}", quote(topic, safe=""))
+
+    def build(self, message: OutboxMessage, timestamp: int | None = None) -> Request:
+        body = message.payload or b""
+        headers: list[tuple[str, bytes]] = []
+        content_type = self._content_type
+        for name, value in message.header_pairs():
+            lower = name.lower()
+            if lower in _NOT_FORWARDED or value is None:
+                continue
+            text = value.decode() if isinstance(value, bytes) else value
+            if lower == "content-type":
+                content_type = text  # the row's own content type always wins
+                continue
+            if self._allow is not None and lower not in self._allow:
+                continue
+            if not _is_token(name):
+                raise MalformedRow(f"header name {name!r} is not a valid HTTP header name")
+            headers.append((name, _header_value(name, text)))
+        message_id = str(message.message_id)
+        headers.append(("content-type", _header_value("content-type", content_type)))
+        headers.append(("message-id", message_id.encode()))
+        headers.append(("message-topic", quote(message.topic, safe="").encode()))
+        if message.key is not None:
+            headers.append(("message-key", quote(message.key, safe="").encode()))
+        headers.append(("created-at", message.created_at.isoformat().encode()))
+        if self._key is not None:
+            ts = int(time.time()) if timestamp is None else timestamp
+            headers.append(("webhook-id", message_id.encode()))
+            headers.append(("webhook-timestamp", str(ts).encode()))
+            headers.append(("webhook-signature", sign(self._key, message_id, ts, body).encode()))
+        return Request(self.url_for(message.topic), headers, body)
+
+
+def _is_token(name: str) -> bool:
+    return bool(name) and all(ch.isalnum() or ch in "!#$%&'*+.^_`|~-" for ch in name)
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=settings.http_ca_file)
+    if not settings.http_tls_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if settings.http_client_cert_file:
+        context.load_cert_chain(settings.http_client_cert_file, settings.http_client_key_file)
+    return context
+
+
+class HttpSink:
+    name = "http"
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._builder = RequestBuilder(settings)
+        self._ssl = ssl_context(settings)
+        self._retry_cap = settings.retry_max_seconds
+        self._total_timeout = settings.http_timeout_seconds
+        self._static_headers: dict[str, str] = {"user-agent": f"relay/{__version__}"}
+        if settings.http_auth_header_value is not None:
+            self._static_headers[settings.http_auth_header_name] = (
+                settings.http_auth_header_value.get_secret_value()
+            )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="relay-http", daemon=True
+        )
+        self._thread.start()
+        self._client = self._on_loop(self._make_client()).result()
+
+    async def _make_client(self) -> httpx.AsyncClient:
+        limit = self._settings.http_max_in_flight
+        return httpx.AsyncClient(
+            verify=self._ssl,
+            timeout=httpx.Timeout(
+                connect=self._settings.http_connect_timeout_seconds,
+                read=self._settings.http_read_timeout_seconds,
+                write=self._settings.http_read_timeout_seconds,
+                pool=self._settings.http_timeout_seconds,
+            ),
+            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+            follow_redirects=False,  # a redirect is the endpoint's answer: dead-letter it
+            headers=self._static_headers,
+            trust_env=False,  # proxies come from settings, not a stray HTTP_PROXY
+        )
+
+    def _on_loop(self, coro: Coroutine[object, object, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # --- publishing ---
+
+    def publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> list[Result]:
+        results: list[Result | None] = [None] * len(messages)
+        done = threading.Event()
+        future = self._on_loop(self._deliver(messages, results, done))
+        while True:
+            try:
+                future.result(timeout=0.05)
+                break
+            except concurrent.futures.TimeoutError:
+                if abandon():
+                    # Lease gone or shutdown overdue: stop now. Requests cut off may
+                    # still have landed; their rows stay unsent (a duplicate, never a loss).
+                    future.cancel()
+                    done.wait(2.0)
+                    break
+            except concurrent.futures.CancelledError:
+                break
+        return [SKIPPED if result is None else result for result in list(results)]
+
+    async def _deliver(
+        self,
+        messages: Sequence[OutboxMessage],
+        results: list[Result | None],
+        done: threading.Event,
+    ) -> None:
+        chains: dict[str, list[int]] = {}
+        for index, message in enumerate(messages):
+            # A row without a key has no order to keep: it is a chain of its own.
+            chain = message.key if message.key is not None else f"\0{index}"
+            chains.setdefault(chain, []).append(index)
+        slots = asyncio.Semaphore(self._settings.http_max_in_flight)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for indexes in chains.values():
+                    group.create_task(self._deliver_chain(messages, indexes, results, slots))
+        finally:
+            done.set()
+
+    async def _deliver_chain(
+        self,
+        messages: Sequence[OutboxMessage],
+        indexes: list[int],
+        results: list[Result | None],
+        slots: asyncio.Semaphore,
+    ) -> None:
+        for index in indexes:
+            async with slots:
+                result = await self._send(messages[index])
+            results[index] = result
+            if result.outcome is not Outcome.ACKED:
+                return  # the rest of this key waits for this row to be settled
+
+    async def _send(self, message: OutboxMessage) -> Result:
+        try:
+            request = self._builder.build(message)
+        except MalformedRow as exc:
+            return Result(Outcome.DEAD, str(exc))
+        started = time.monotonic()
+        status = "error"
+        try:
+            async with asyncio.timeout(self._total_timeout):
+                response = await self._client.send(
+                    self._client.build_request(
+                        "POST",
+                        request.url,
+                        headers=[(name.encode(), value) for name, value in request.headers],
+                        content=request.body,
+                    ),
+                    stream=True,
+                )
+                try:
+                    status = str(response.status_code)
+                    body = await _read_capped(response)
+                finally:
+                    await response.aclose()
+            return classify_response(
+                response.status_code, response.headers.get("retry-after"), body, self._retry_cap
+            )
+        except TimeoutError:
+            status = "timeout"
+            return Result(Outcome.RETRY, f"no answer within {self._total_timeout:g}s")
+        except httpx.TimeoutException as exc:
+            status = "timeout"
+            return classify_error(exc)
+        except httpx.HTTPError as exc:
+            status = "connect_error" if isinstance(exc, httpx.ConnectError) else "error"
+            return classify_error(exc)
+        except httpx.InvalidURL as exc:
+            return Result(Outcome.DEAD, f"invalid URL: {exc}")
+        except Exception as exc:
+            # A bug here must not take the other keys' requests down with it.
+            log.exception("http.unexpected_error", id=message.id)
+            return Result(Outcome.RETRY, f"unexpected error: {type(exc).__name__}")
+        finally:
+            metrics.HTTP_REQUESTS.labels(status).inc()
+            metrics.HTTP_REQUEST_SECONDS.observe(time.monotonic() - started)
+
+    # --- the rest of the Sink interface ---
+
+    def check(self, timeout: float) -> str:
+        """Open a TCP (and TLS) connection to every configured endpoint."""
+        urls = list(self._settings.http_topic_urls.values())
+        if self._settings.http_url:
+            urls.append(self._settings.http_url)
+        reached: list[str] = []
+        for origin in sorted({_origin(url) for url in urls}):
+            scheme, host, port = origin
+            with socket.create_connection((host, port), timeout=timeout) as sock:
+                if scheme == "https":
+                    with self._ssl.wrap_socket(sock, server_hostname=host):
+                        pass
+            reached.append(f"{scheme}://{host}:{port}")
+        return "http: reachable " + ", ".join(reached)
+
+    def flush(self, timeout: float) -> int:
+        return 0  # publish() returns only when every request has an outcome
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._on_loop(self._client.aclose()).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _read_capped(response: httpx.Response) -> bytes:
+    """The body, or its first 64 KiB: an endpoint's essay is not worth reading whole."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= _MAX_BODY_READ:
+            break
+    return b"".join(chunks)
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url.replace("{topic}", "x"))
+    scheme = parts.scheme
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, parts.hostname or "", port

@@ -1,0 +1,181 @@
+"""A real HTTP/1.1 webhook receiver on loopback, scriptable per request.
+
+It records every request it answers (headers, body, when it started and ended), so tests
+can check order, overlap and retries from what the endpoint saw. `stop()` closes the
+listening socket and every kept-alive connection: the relay sees the endpoint go away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import unquote
+
+from tests.harness import Service, free_port
+
+
+@dataclass
+class Delivery:
+    """One request as the endpoint saw it."""
+
+    path: str
+    headers: dict[str, str]  # lower-cased names
+    body: bytes
+    attempt: int  # 1 for the first request carrying this message-id, 2 for the next...
+    started: float  # time.monotonic() when the request had been read
+    ended: float = 0.0  # when the answer was about to be written
+    status: int = 0
+
+    @property
+    def message_id(self) -> str:
+        return self.headers.get("message-id", "")
+
+    @property
+    def key(self) -> str | None:
+        raw = self.headers.get("message-key")
+        return None if raw is None else unquote(raw)
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    delay: float = 0.0  # seconds to hold the request before answering
+
+
+Responder = Callable[[Delivery], Reply]
+
+
+def always_ok(_: Delivery) -> Reply:
+    return Reply()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], handler: Any, owner: WebhookServer) -> None:
+        self.owner = owner
+        self.connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.connections_lock:
+            self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.connections_lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        return  # clients that gave up (timeouts) close mid-answer; that is the point
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as real endpoints do
+    server: _Server
+
+    def do_POST(self) -> None:
+        owner = self.server.owner
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length)
+        if len(body) < length:
+            self.close_connection = True
+            return  # the client died mid-request: nothing was delivered
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        delivery = owner._begin(self.path, headers, body)
+        reply = owner.respond(delivery)
+        if reply.delay:
+            time.sleep(reply.delay)
+        owner._end(delivery, reply.status)
+        self.send_response(reply.status)
+        for name, value in reply.headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(reply.body)))
+        self.end_headers()
+        self.wfile.write(reply.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+class WebhookServer(Service):
+    def __init__(self, respond: Responder = always_ok, port: int | None = None) -> None:
+        self.respond = respond
+        self.port = port or free_port()
+        self.deliveries: list[Delivery] = []
+        self._attempts: dict[str, int] = {}
+        self._in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self._server = _Server(("127.0.0.1", self.port), _Handler, self)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        with server.connections_lock:
+            open_connections = list(server.connections)
+        for conn in open_connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # --- called by the handler threads ---
+
+    def _begin(self, path: str, headers: dict[str, str], body: bytes) -> Delivery:
+        with self._lock:
+            mid = headers.get("message-id", "")
+            self._attempts[mid] = self._attempts.get(mid, 0) + 1
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            return Delivery(path, headers, body, self._attempts[mid], time.monotonic())
+
+    def _end(self, delivery: Delivery, status: int) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            delivery.ended = time.monotonic()
+            delivery.status = status
+            self.deliveries.append(delivery)
+
+    # --- reading what happened ---
+
+    def history(self) -> list[Delivery]:
+        """Answered requests, in the order their answers were written."""
+        with self._lock:
+            return list(self.deliveries)
+
+    def acked(self) -> list[Delivery]:
+        return [d for d in self.history() if d.ok]
+
+    def acked_ids(self) -> set[str]:
+        return {d.message_id for d in self.acked()}

@@ -1,0 +1,358 @@
+"""The HTTP sink against a real HTTP/1.1 server on loopback: order, concurrency, retries,
+dead-letters, signing, outages and a relay killed mid-delivery."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import signal
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from relay.message import OutboxMessage
+from relay.settings import Settings
+from relay.sinks.base import Outcome
+from relay.sinks.http import RequestBuilder, classify_response, parse_retry_after, sign
+from tests.conftest import SettingsFactory, relay_env, start_relay
+from tests.harness.webhook import Delivery, Reply, WebhookServer
+from tests.support import insert_rows, keyed_rows, running_relay, scalar, unsent_count, wait_until
+
+SECRET = "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+TOPIC = "orders"
+
+
+@pytest.fixture
+def server() -> Iterator[WebhookServer]:
+    with WebhookServer() as srv:
+        yield srv
+
+
+def http_settings(make_settings: SettingsFactory, url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "sink": "http",
+        "http_url": url + "/hooks/{topic}",
+        "http_max_in_flight": 8,
+        "http_read_timeout_seconds": 2.0,
+        "http_timeout_seconds": 5.0,
+    }
+    values.update(overrides)
+    return make_settings(**values)
+
+
+def first_acks_in_order(deliveries: Sequence[Delivery]) -> dict[str, list[int]]:
+    """Per key, the steps (payload `k:i`) of each message's first 2xx, in answer order."""
+    seen: set[str] = set()
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for d in deliveries:
+        if d.ok and d.message_id not in seen:
+            seen.add(d.message_id)
+            key, step = d.body.decode().split(":")
+            assert d.key == key
+            by_key[key].append(int(step))
+    return by_key
+
+
+def assert_in_order(deliveries: Sequence[Delivery], keys: int, per_key: int) -> None:
+    by_key = first_acks_in_order(deliveries)
+    assert len(by_key) == keys
+    for key, steps in by_key.items():
+        assert steps == list(range(per_key)), f"key {key}: {steps}"
+
+
+def overlapping(a: Delivery, b: Delivery) -> bool:
+    return a.started < b.ended and b.started < a.ended
+
+
+# --- pure parts -----------------------------------------------------------------
+
+
+def message(**fields: Any) -> OutboxMessage:
+    values: dict[str, Any] = {
+        "id": 1,
+        "message_id": uuid.uuid4(),
+        "topic": TOPIC,
+        "key": "k1",
+        "payload": b'{"a": 1}',
+        "headers": None,
+        "created_at": datetime.now(UTC),
+        "attempts": 0,
+    }
+    values.update(fields)
+    return OutboxMessage(**values)
+
+
+def test_classification() -> None:
+    assert classify_response(204, None, b"", 300).outcome is Outcome.ACKED
+    for status in (408, 425, 429, 500, 501):
+        assert classify_response(status, None, b"", 300).outcome is Outcome.RETRY
+    for status in (502, 503, 504):
+        assert classify_response(status, None, b"", 300).outcome is Outcome.UNAVAILABLE
+    dead = classify_response(400, None, b"bad field\n" + b"x" * 5000, 300)
+    assert dead.outcome is Outcome.DEAD
+    assert dead.error is not None
+    assert dead.error.startswith("HTTP 400: bad field")
+    assert len(dead.error) < 300
+    assert classify_response(301, None, b"", 300).outcome is Outcome.DEAD
+    assert classify_response(429, "7", b"", 300).retry_after == 7
+
+
+def test_retry_after_forms() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    assert parse_retry_after("120", 300, now) == 120
+    assert parse_retry_after(format_datetime(now + timedelta(seconds=30), usegmt=True), 300, now)
+    assert parse_retry_after(format_datetime(now + timedelta(seconds=30), usegmt=True), 300, now)
+    assert parse_retry_after("99999", 300, now) == 300  # capped by RELAY_RETRY_MAX_SECONDS
+    assert parse_retry_after(format_datetime(now - timedelta(hours=1), usegmt=True), 300, now) == 0
+    assert parse_retry_after("soon", 300, now) is None
+    assert parse_retry_after(None, 300, now) is None
+
+
+def test_request_headers_and_signature(make_settings: SettingsFactory) -> None:
+    settings = http_settings(
+        make_settings,
+        "https://hooks.example",
+        http_signing_secret=SECRET,
+        http_forward_headers="traceparent, content-type",
+        http_topic_urls={"special": "https://special.example/in"},
+    )
+    builder = RequestBuilder(settings)
+    msg = message(
+        headers={"traceparent": "00-abc-def-01", "x-secret-internal": "no", "content-type": "a/b"},
+        key="k/1 ü",
+    )
+    request = builder.build(msg, timestamp=1_700_000_000)
+    headers = dict(request.headers)
+    assert request.url == "https://hooks.example/hooks/orders"
+    assert headers["message-id"] == str(msg.message_id).encode()
+    assert headers["content-type"] == b"a/b"
+    assert headers["traceparent"] == b"00-abc-def-01"
+    assert "x-secret-internal" not in headers
+    assert headers["message-key"] == b"k%2F1%20%C3%BC"
+    assert headers["webhook-id"] == str(msg.message_id).encode()
+    assert headers["webhook-signature"].decode() == sign(
+        base64.b64decode(SECRET.removeprefix("whsec_")),
+        str(msg.message_id),
+        1_700_000_000,
+        request.body,
+    )
+    # An independent implementation of the Standard Webhooks spec accepts a fresh one.
+    fresh = builder.build(msg)
+    headers_text = {name: value.decode() for name, value in fresh.headers}
+    Webhook(SECRET).verify(fresh.body, headers_text, json_parse=False)
+    assert builder.build(message(topic="special")).url == "https://special.example/in"
+    plain = dict(builder.build(message(headers=None)).headers)
+    assert plain["content-type"] == b"application/octet-stream"
+
+
+def test_settings_reject_bad_http_values(make_settings: SettingsFactory) -> None:
+    from relay.settings import SettingsError, load_settings
+
+    base = {"database_url": "postgresql://h/db", "sink": "http"}
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, **base)
+    assert err.value.name == "RELAY_HTTP_URL"
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, **base, http_url="ftp://x")
+    assert err.value.name == "RELAY_HTTP_URL"
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, **base, http_url="http://x", http_signing_secret="whsec_!!notb64")
+    assert err.value.name == "RELAY_HTTP_SIGNING_SECRET"
+    assert "notb64" not in str(err.value)
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, **base, http_topic_urls={"a": "nope"})
+    assert err.value.name == "RELAY_HTTP_TOPIC_URLS"
+
+
+# --- against a real server ---------------------------------------------------------
+
+
+def test_per_key_order_with_concurrency_across_keys(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    server.respond = lambda d: Reply(204, delay=0.01)
+    keys, per_key = 8, 12
+    insert_rows(database, TOPIC, keyed_rows(keys, per_key), headers={"traceparent": "t-1"})
+    with running_relay(http_settings(make_settings, server.url, batch_size=50)):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    history = server.history()
+    assert len(server.acked_ids()) == keys * per_key
+    assert_in_order(history, keys, per_key)
+    assert all(d.path == "/hooks/orders" for d in history)
+    assert all(d.headers["traceparent"] == "t-1" for d in history)
+    # Different keys were in flight together; one key never was.
+    by_key: dict[str | None, list[Delivery]] = defaultdict(list)
+    for d in history:
+        by_key[d.key].append(d)
+    for key, ds in by_key.items():
+        for a, b in itertools.pairwise(ds):
+            assert not overlapping(a, b), f"key {key} had two requests in flight"
+    assert server.max_in_flight > 1
+    assert server.max_in_flight <= 8
+
+
+def test_transient_failures_retried_with_one_webhook_id_and_valid_signatures(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    def respond(d: Delivery) -> Reply:
+        key, step = d.body.decode().split(":")
+        if key == "k0" and step == "1" and d.attempt <= 2:
+            return Reply(500, body=b"database hiccup")
+        if key == "k1" and step == "0" and d.attempt == 1:
+            return Reply(200, delay=1.5)  # past the read timeout: the relay gives up
+        return Reply(200)
+
+    server.respond = respond
+    insert_rows(database, TOPIC, keyed_rows(3, 4))
+    settings = http_settings(
+        make_settings, server.url, http_signing_secret=SECRET, http_read_timeout_seconds=0.5
+    )
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    history = server.history()
+    assert_in_order(history, 3, 4)
+    verifier = Webhook(SECRET)
+    attempts: dict[str, set[str]] = defaultdict(set)
+    for d in history:
+        verifier.verify(d.body, d.headers, json_parse=False)  # raises on a bad signature
+        attempts[d.message_id].add(d.headers["webhook-id"])
+        assert d.headers["webhook-id"] == d.message_id
+    retried = [d for d in history if d.attempt > 1]
+    assert {d.body for d in retried} == {b"k0:1", b"k1:0"}
+    assert all(len(ids) == 1 for ids in attempts.values())
+    assert max(d.attempt for d in history if d.body == b"k0:1") == 3
+
+
+def test_retry_after_is_honoured(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    def respond(d: Delivery) -> Reply:
+        if d.body == b"k0:0" and d.attempt == 1:
+            return Reply(429, headers={"Retry-After": "2"})
+        return Reply(200)
+
+    server.respond = respond
+    insert_rows(database, TOPIC, keyed_rows(2, 2))
+    settings = http_settings(make_settings, server.url, retry_max_seconds=10.0)
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    tries = [d for d in server.history() if d.body == b"k0:0"]
+    assert [d.status for d in tries] == [429, 200]
+    gap = tries[1].started - tries[0].ended
+    assert gap >= 1.9, f"retried {gap:.2f}s after a Retry-After of 2s"
+    assert_in_order(server.history(), 2, 2)
+    # The other key did not wait for it.
+    k1_done = max(d.ended for d in server.acked() if d.key == "k1")
+    assert k1_done < tries[1].started
+
+
+def test_permanent_4xx_dead_lettered_while_other_keys_flow(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    def respond(d: Delivery) -> Reply:
+        if d.body == b"k0:1":
+            return Reply(422, body=b'{"error": "amount must be positive"}')
+        return Reply(200)
+
+    server.respond = respond
+    ids = insert_rows(database, TOPIC, keyed_rows(3, 3))
+    with running_relay(http_settings(make_settings, server.url)):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    reason = scalar(
+        database,
+        "SELECT dead_letter_reason FROM outbox WHERE id = %s AND dead_lettered_at IS NOT NULL",
+        (ids[3],),  # k0:1
+    )
+    assert reason.startswith("HTTP 422")
+    assert "amount must be positive" in reason
+    assert len([d for d in server.history() if d.body == b"k0:1"]) == 1  # never retried
+    # The key goes on after its dead-lettered row, in order; the others never stopped.
+    acked = first_acks_in_order(server.history())
+    assert acked == {"k0": [0, 2], "k1": [0, 1, 2], "k2": [0, 1, 2]}
+
+
+def test_endpoint_down_then_up_loses_nothing_and_spends_no_attempts(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    server = WebhookServer()  # not started: connections are refused
+    insert_rows(database, TOPIC, keyed_rows(4, 5))
+    settings = http_settings(make_settings, server.url)
+    with running_relay(settings):
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM leases WHERE holder IS NOT NULL"),
+            10,
+            message="a lease holder",
+        )
+        refused = _http_requests("connect_error")
+        wait_until(
+            lambda: _http_requests("connect_error") >= refused + 3,
+            10,
+            message="the relay tried the dead endpoint a few times",
+        )
+        assert unsent_count(database) == 20
+        assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
+        with server:
+            wait_until(lambda: unsent_count(database) == 0, 30, message="drained once up")
+            assert_in_order(server.history(), 4, 5)
+
+
+def _http_requests(status: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value("relay_http_requests_total", {"status": status})
+    return value or 0.0
+
+
+@pytest.mark.slow
+def test_killed_mid_delivery_duplicates_only_in_flight(
+    database: str, relay_dsn: str, server: WebhookServer, tmp_path: Path
+) -> None:
+    server.respond = lambda d: Reply(200, delay=0.05)
+    keys, per_key, batch = 10, 30, 40
+    insert_rows(database, TOPIC, keyed_rows(keys, per_key))
+    env = relay_env(
+        relay_dsn,
+        RELAY_SINK="http",
+        RELAY_HTTP_URL=server.url + "/hooks/{topic}",
+        RELAY_HTTP_MAX_IN_FLIGHT="8",
+        RELAY_BATCH_SIZE=str(batch),
+        RELAY_LEASE_TTL_SECONDS="2",
+    )
+    first = start_relay(env, tmp_path / "relay-1.log")
+    try:
+        wait_until(lambda: len(server.acked()) >= 60, 30, message="delivery under way")
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        killed_at = time.monotonic()
+        second = start_relay(env, tmp_path / "relay-2.log")
+        try:
+            wait_until(lambda: unsent_count(database) == 0, 60, message="drained after restart")
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    history = server.acked()
+    assert len({d.message_id for d in history}) == keys * per_key
+    assert_in_order(history, keys, per_key)
+    first_seen: dict[str, Delivery] = {}
+    duplicates: list[Delivery] = []
+    for d in history:
+        if d.message_id in first_seen:
+            duplicates.append(d)
+        else:
+            first_seen[d.message_id] = d
+    # Only rows of the batch in flight at the kill come twice: sent before the kill,
+    # never settled in the database.
+    assert len(duplicates) <= batch
+    for d in duplicates:
+        assert first_seen[d.message_id].started < killed_at
