@@ -1,6 +1,7 @@
 """Benchmark: the relay's end-to-end drain rate against the raw database limit.
 
     ./dev bench [--rows N] [--batch 500 ...]
+    ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
 
 Starts its own PostgreSQL (fsync ON) and Tansu broker, then for each batch size:
   raw    a bare loop: SELECT the next batch through the partial index, DELETE it
@@ -83,13 +84,19 @@ def relay_drain(dsn: str, bootstrap: str, batch: int, rows: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="bench")
-    parser.add_argument("--rows", type=int, default=50_000)
-    parser.add_argument("--batch", type=int, nargs="+", default=[100, 500, 2000])
+    parser.add_argument("--sink", choices=["kafka", "http"], default="kafka")
+    parser.add_argument("--rows", type=int, default=None, help="50000 (kafka), 10000 (http)")
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
+    parser.add_argument("--in-flight", type=int, default=16, help="RELAY_HTTP_MAX_IN_FLIGHT")
     args = parser.parse_args()
 
     from relay.logging import configure
 
     configure("console", "warning")
+    if args.sink == "http":
+        return bench_http(args.rows or 10_000, args.batch or [500], args.in_flight)
+    args.rows = args.rows or 50_000
+    args.batch = args.batch or [100, 500, 2000]
     results: list[dict[str, float | int]] = []
     with (
         PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
@@ -114,12 +121,27 @@ def main() -> int:
                 }
             )
             print(f"{batch:>6} {raw:>12,.0f} {relay:>13,.0f} {relay / raw:>6.2f}", flush=True)
+    save({"mode": "delete", "sink": "kafka", "results": results})
+    return 0
+
+
+def bench_http(rows: int, batches: list[int], in_flight: int) -> int:
+    from bench import http
+
+    with PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg:
+        dsn = pg.create_database("bench")
+        migrate(CommonSettings(database_url=dsn))
+        results = http.run(dsn, rows, batches, in_flight)
+    save({"mode": "delete", "sink": "http", "results": results})
+    return 0
+
+
+def save(report: dict[str, object]) -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     path = out / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
-    path.write_text(json.dumps({"mode": "delete", "results": results}, indent=2))
+    path.write_text(json.dumps(report, indent=2))
     print(f"written {path}")
-    return 0
 
 
 if __name__ == "__main__":
