@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import itertools
 import signal
+import subprocess
 import time
 import uuid
 from collections import defaultdict
@@ -22,7 +23,8 @@ from relay.message import OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import Outcome
 from relay.sinks.http import RequestBuilder, classify_response, parse_retry_after, sign
-from tests.conftest import SettingsFactory, relay_env, start_relay
+from tests.conftest import SettingsFactory, relay_command, relay_env, start_relay
+from tests.harness import free_port
 from tests.harness.webhook import Delivery, Reply, WebhookServer
 from tests.support import insert_rows, keyed_rows, running_relay, scalar, unsent_count, wait_until
 
@@ -181,9 +183,13 @@ def test_per_key_order_with_concurrency_across_keys(
     server.respond = lambda d: Reply(204, delay=0.01)
     keys, per_key = 8, 12
     insert_rows(database, TOPIC, keyed_rows(keys, per_key), headers={"traceparent": "t-1"})
-    with running_relay(http_settings(make_settings, server.url, batch_size=50)):
+    settings = http_settings(
+        make_settings, server.url, batch_size=50, http_auth_header_value="Bearer t0ken"
+    )
+    with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
     history = server.history()
+    assert all(d.headers["authorization"] == "Bearer t0ken" for d in history)
     assert len(server.acked_ids()) == keys * per_key
     assert_in_order(history, keys, per_key)
     assert all(d.path == "/hooks/orders" for d in history)
@@ -304,6 +310,29 @@ def test_endpoint_down_then_up_loses_nothing_and_spends_no_attempts(
             assert_in_order(server.history(), 4, 5)
 
 
+def test_a_dead_endpoint_blocks_only_its_own_topic(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    dead_url = f"http://127.0.0.1:{free_port()}/never"
+    # Keys are per outbox, not per topic: the payments rows get keys of their own.
+    insert_rows(
+        database, "payments", [(f"p{n % 2}", f"p{n % 2}:{n // 2}".encode()) for n in range(6)]
+    )
+    insert_rows(database, TOPIC, keyed_rows(3, 4))
+    settings = http_settings(
+        make_settings, server.url, http_topic_urls={"payments": dead_url}, max_attempts=100
+    )
+    with running_relay(settings):
+        wait_until(lambda: len(server.acked_ids()) == 12, 30, message="the healthy topic delivered")
+        wait_until(
+            lambda: scalar(database, "SELECT attempts FROM outbox WHERE payload = 'p0:0'") >= 2,
+            30,
+            message="the dead endpoint's rows back off per row",
+        )
+    assert_in_order(server.history(), 3, 4)
+    assert scalar(database, "SELECT count(*) FROM outbox WHERE topic = 'payments'") == 6
+
+
 def _http_requests(status: str) -> float:
     from prometheus_client import REGISTRY
 
@@ -356,3 +385,30 @@ def test_killed_mid_delivery_duplicates_only_in_flight(
     assert len(duplicates) <= batch
     for d in duplicates:
         assert first_seen[d.message_id].started < killed_at
+
+
+def test_check_reaches_the_endpoint_and_keeps_secrets(
+    relay_dsn: str, server: WebhookServer
+) -> None:
+    env = relay_env(
+        relay_dsn,
+        RELAY_SINK="http",
+        RELAY_HTTP_URL=server.url + "/hooks/{topic}",
+        RELAY_HTTP_SIGNING_SECRET=SECRET,
+        RELAY_HTTP_AUTH_HEADER_VALUE="Bearer top-secret-token",
+    )
+    done = subprocess.run(
+        relay_command("check"), env=env, capture_output=True, timeout=60, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"http: reachable http://127.0.0.1:{server.port}".encode() in output
+    server.stop()
+    done = subprocess.run(
+        relay_command("check"), env=env, capture_output=True, timeout=60, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1
+    assert b"sink: FAILED" in output
+    for secret in (b"top-secret-token", SECRET.encode(), b"relay-secret-pw"):
+        assert secret not in output

@@ -11,9 +11,10 @@ Outcomes, from the endpoint's answer:
 - 408, 425, 429, 500 and other 5xx, timeouts, a connection dropped mid-request: `RETRY`
   (the row backs off; `Retry-After` is honoured).
 - 502, 503, 504 and refused or failed connections: `UNAVAILABLE` (the endpoint is down,
-  not the message wrong). Alone in a batch they back the whole sink off without spending
-  attempts, so an outage does not dead-letter the outbox; next to acknowledged messages
-  the drain loop treats them as `RETRY` for their rows only.
+  not the message wrong): the whole sink backs off without spending attempts, so an
+  outage does not dead-letter the outbox. But when another endpoint (per-topic URLs)
+  answered within the last minute, only this endpoint is down: `RETRY`, so its rows
+  back off on their own and every other endpoint's keep flowing.
 - Any other status (3xx, 4xx): `DEAD`, with the status and a bounded body snippet.
 """
 
@@ -50,6 +51,7 @@ T = TypeVar("T")
 SNIPPET_CHARS = 200  # of a failed response body, kept in the dead-letter reason
 _MAX_BODY_READ = 64 * 1024  # more than this of a response is not worth a connection
 _RETRY_STATUSES = frozenset({408, 425, 429})
+_HEALTHY_WINDOW = 60.0  # seconds an endpoint's last 2xx vouches that the sink is up
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 # Never taken from a row: they describe the connection or the body, or are the relay's.
 _NOT_FORWARDED = frozenset(
@@ -222,6 +224,7 @@ class HttpSink:
         self._retry_cap = settings.retry_max_seconds
         self._total_timeout = settings.http_timeout_seconds
         self._static_headers: dict[str, str] = {"user-agent": f"relay/{__version__}"}
+        self._last_ack: dict[tuple[str, str, int], float] = {}  # origin -> monotonic time
         if settings.http_auth_header_value is not None:
             self._static_headers[settings.http_auth_header_name] = (
                 settings.http_auth_header_value.get_secret_value()
@@ -313,6 +316,18 @@ class HttpSink:
             request = self._builder.build(message)
         except MalformedRow as exc:
             return Result(Outcome.DEAD, str(exc))
+        origin = _origin(request.url)
+        result = await self._post(message, request)
+        now = time.monotonic()
+        if result.outcome is Outcome.ACKED:
+            self._last_ack[origin] = now
+        elif result.outcome is Outcome.UNAVAILABLE and any(
+            other != origin and now - at < _HEALTHY_WINDOW for other, at in self._last_ack.items()
+        ):
+            return Result(Outcome.RETRY, result.error, result.retry_after)
+        return result
+
+    async def _post(self, message: OutboxMessage, request: Request) -> Result:
         started = time.monotonic()
         status = "error"
         try:
