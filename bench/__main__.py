@@ -1,13 +1,21 @@
-"""Benchmark: the relay's end-to-end drain rate against the raw database limit.
+"""Benchmark: the relay against the limits it runs on, measured in the same run.
 
-    ./dev bench [--rows N] [--batch 500 ...]
+    ./dev bench            the full table (a few minutes)
+    ./dev bench --quick    smaller sizes and shorter windows (about a minute and a half)
+    ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
 
-Starts its own PostgreSQL (fsync ON) and Tansu broker, then for each batch size:
-  raw    a bare loop: SELECT the next batch through the partial index, DELETE it
-  relay  the real relay (one replica) draining the same number of pre-loaded rows
-and prints rows/s and the ratio relay/raw, measured in the same run. Results also go to
-bench/results/<timestamp>.json. Absolute numbers drift on a shared machine; compare ratios.
+Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and prints:
+  1. the raw limit: a bare select + mark (or delete) loop through the same partial index
+  2. the bare producer rate to the broker (idempotent, acks=all, lz4)
+  3. the relay end to end, rows pre-loaded then drained, per batch size and retention
+     mode, with its ratio to 1.
+  4. latency at a steady insert rate: commit -> delivery report, p50/p95/p99
+  5. idle CPU of a leader and a standby on an empty outbox
+  6. SIGTERM handover and SIGKILL takeover: signal -> the other replica publishing
+  7. RSS with a backlog (start, peak, after draining); drain rate over a kept history
+Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
+machine; compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -15,77 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
-import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-import psycopg
-
-from relay.app import RelayApp
 from relay.migrate import migrate
-from relay.queries import QUERIES
-from relay.settings import CommonSettings, Settings
+from relay.settings import CommonSettings
 from tests.harness.kafka import TansuBroker
 from tests.harness.postgres import PostgresServer
-
-PAYLOAD = b"x" * 200
-
-
-def preload(dsn: str, rows: int, topic: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE outbox")
-        conn.execute(
-            "INSERT INTO outbox (topic, key, payload)"
-            " SELECT %s, 'k' || (g %% 100), %s FROM generate_series(1, %s) g",
-            (topic, PAYLOAD, rows),
-        )
-        conn.execute("VACUUM ANALYZE outbox")
-
-
-def raw_drain(dsn: str, batch: int) -> float:
-    """rows/s of the bare select+delete loop, one transaction a batch."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        total = 0
-        started = time.perf_counter()
-        while True:
-            with conn.transaction():
-                rows = conn.execute(QUERIES.fetch_batch, {"limit": batch}).fetchall()
-                if not rows:
-                    break
-                conn.execute(QUERIES.delete_sent, {"ids": [r[0] for r in rows]})
-            total += len(rows)
-        return total / (time.perf_counter() - started)
-
-
-def relay_drain(dsn: str, bootstrap: str, batch: int, rows: int) -> float:
-    settings = Settings(
-        database_url=dsn,
-        kafka_bootstrap_servers=bootstrap,
-        batch_size=batch,
-        metrics_enabled=False,
-        log_level="warning",
-    )
-    app = RelayApp(settings)
-    thread = threading.Thread(target=app.run, daemon=True)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        started = time.perf_counter()
-        thread.start()
-        while True:
-            left = conn.execute("SELECT count(*) FROM outbox").fetchone()
-            if left is not None and left[0] == 0:
-                break
-            time.sleep(0.01)
-        elapsed = time.perf_counter() - started
-    app.shutdown.request()
-    thread.join(timeout=30)
-    return rows / elapsed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="bench")
     parser.add_argument("--sink", choices=["kafka", "http"], default="kafka")
-    parser.add_argument("--rows", type=int, default=None, help="50000 (kafka), 10000 (http)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, shorter windows")
+    parser.add_argument("--full", action="store_true", help="add the 10M-row history case")
+    parser.add_argument("--rows", type=int, default=None, help="rows per drain run")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--in-flight", type=int, default=16, help="RELAY_HTTP_MAX_IN_FLIGHT")
     args = parser.parse_args()
@@ -95,9 +48,16 @@ def main() -> int:
     configure("console", "warning")
     if args.sink == "http":
         return bench_http(args.rows or 10_000, args.batch or [500], args.in_flight)
-    args.rows = args.rows or 50_000
-    args.batch = args.batch or [100, 500, 2000]
-    results: list[dict[str, float | int]] = []
+    return bench_kafka(args)
+
+
+def bench_kafka(args: argparse.Namespace) -> int:
+    from bench import drain, latency, processes
+
+    quick = args.quick
+    rows = args.rows or (20_000 if quick else 50_000)
+    batches = args.batch or [100, 500, 2000]
+    report: dict[str, Any] = {"sink": "kafka", "quick": quick}
     with (
         PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
         TansuBroker() as broker,
@@ -105,23 +65,66 @@ def main() -> int:
         dsn = pg.create_database("bench")
         migrate(CommonSettings(database_url=dsn))
         broker.create_topic("bench", partitions=3)
-        print(f"{'batch':>6} {'raw rows/s':>12} {'relay rows/s':>13} {'ratio':>6}")
-        for batch in args.batch:
-            preload(dsn, args.rows, "bench")
-            raw = raw_drain(dsn, batch)
-            preload(dsn, args.rows, "bench")
-            relay = relay_drain(dsn, broker.bootstrap_servers, batch, args.rows)
-            results.append(
-                {
-                    "batch": batch,
-                    "rows": args.rows,
-                    "raw": raw,
-                    "relay": relay,
-                    "ratio": relay / raw,
-                }
+        bootstrap = broker.bootstrap_servers
+
+        bare, drains = drain.run(dsn, bootstrap, rows, batches)
+        report["producer_msgs_per_s"] = bare
+        report["drain"] = drains
+        print(f"\n2. bare producer to the broker: {bare:,.0f} msg/s")
+        print(f"\n1+3. drain, {rows:,} rows of 200 B, 100 keys, one replica")
+        print(f"{'mode':>7} {'batch':>6} {'raw rows/s':>11} {'relay rows/s':>13} {'ratio':>6}")
+        for r in drains:
+            ratio = float(r["relay"]) / float(r["raw"])
+            print(
+                f"{r['mode']:>7} {r['batch']:>6} {r['raw']:>11,.0f} {r['relay']:>13,.0f}"
+                f" {ratio:>6.2f}",
+                flush=True,
             )
-            print(f"{batch:>6} {raw:>12,.0f} {relay:>13,.0f} {relay / raw:>6.2f}", flush=True)
-    save({"mode": "delete", "sink": "kafka", "results": results})
+
+        lat = latency.run(dsn, bootstrap, rate=1000, seconds=10 if quick else 30)
+        report["latency"] = lat
+        print(
+            f"\n4. latency at {lat['rate']:.0f} msg/s for {lat['seconds']:.0f} s"
+            f" ({lat['delivered']}/{lat['messages']} delivered): p50 {lat['p50_ms']:.1f} ms,"
+            f" p95 {lat['p95_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, max {lat['max_ms']:.1f} ms",
+            flush=True,
+        )
+
+        idle = processes.idle_cpu(dsn, bootstrap, seconds=10 if quick else 30)
+        report["idle"] = idle
+        print(
+            f"\n5. idle CPU over {idle['seconds']:.0f} s: leader"
+            f" {idle['leader_cpu_percent']:.2f} % of a core, standby"
+            f" {idle['standby_cpu_percent']:.2f} %",
+            flush=True,
+        )
+
+        fo = processes.failover(dsn, bootstrap, ttl=5.0)
+        report["failover"] = fo
+        print(
+            f"\n6. failover (ttl {fo['ttl_seconds']:.0f} s): SIGTERM handover"
+            f" {fo['sigterm_seconds']:.2f} s, SIGKILL takeover {fo['sigkill_seconds']:.2f} s",
+            flush=True,
+        )
+
+        mem = processes.memory(dsn, bootstrap, backlog=200_000 if quick else 1_000_000)
+        report["memory"] = mem
+        print(
+            f"\n7. memory with a {mem['backlog_rows']:,.0f}-row backlog: RSS"
+            f" {mem['rss_start_mib']:.0f} MiB at start, {mem['rss_peak_mib']:.0f} MiB peak,"
+            f" {mem['rss_after_mib']:.0f} MiB after draining"
+            f" ({mem['drain_rows_per_s']:,.0f} rows/s, a relay process)",
+            flush=True,
+        )
+        if args.full:
+            hist = drain.history_effect(dsn, bootstrap, rows, history=10_000_000)
+            report["history"] = hist
+            print(
+                f"   retention mode over 10M kept rows: {hist['with_history']:,.0f} rows/s vs"
+                f" {hist['empty_history']:,.0f} rows/s over an empty history",
+                flush=True,
+            )
+    save(report)
     return 0
 
 
@@ -141,7 +144,7 @@ def save(report: dict[str, object]) -> None:
     out.mkdir(exist_ok=True)
     path = out / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
     path.write_text(json.dumps(report, indent=2))
-    print(f"written {path}")
+    print(f"\nwritten {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""Throughput: the raw database limit, the bare producer, and the relay end to end."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+from confluent_kafka import Producer
+
+from bench.common import PAYLOAD, TOPIC, drain_rate, preload, relay_settings
+from relay.queries import QUERIES
+
+
+def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
+    """rows/s of a bare loop: select a batch through the partial index, mark or delete it."""
+    settle = QUERIES.delete_sent if delete else QUERIES.mark_sent
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        total = 0
+        started = time.perf_counter()
+        while True:
+            with conn.transaction():
+                rows = conn.execute(QUERIES.fetch_batch, {"limit": batch}).fetchall()
+                if not rows:
+                    break
+                conn.execute(settle, {"ids": [r[0] for r in rows]})
+            total += len(rows)
+        return total / (time.perf_counter() - started)
+
+
+def producer_rate(bootstrap: str, count: int) -> float:
+    """msg/s of one Python loop producing to the broker with the relay's guarantees."""
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": "lz4",
+            "linger.ms": 5,
+        }
+    )
+    producer.produce(TOPIC, PAYLOAD, key="warm-up")
+    producer.flush(10)
+    started = time.perf_counter()
+    for n in range(count):
+        while True:
+            try:
+                producer.produce(TOPIC, PAYLOAD, key=f"k{n % 100}")
+                break
+            except BufferError:
+                producer.poll(0.01)
+        if n % 1000 == 0:
+            producer.poll(0)
+    left = producer.flush(60)
+    assert left == 0, f"{left} messages not delivered"
+    return count / (time.perf_counter() - started)
+
+
+def run(
+    dsn: str, bootstrap: str, rows: int, batches: list[int]
+) -> tuple[float, list[dict[str, float | int | str]]]:
+    bare_producer = producer_rate(bootstrap, rows)
+    results: list[dict[str, float | int | str]] = []
+    for mode in ("delete", "keep"):
+        for batch in batches:
+            preload(dsn, rows)
+            raw = raw_drain(dsn, batch, delete=mode == "delete")
+            preload(dsn, rows)
+            retention = 0.0 if mode == "delete" else 86_400.0
+            relay = drain_rate(
+                relay_settings(dsn, bootstrap, batch_size=batch, retention_seconds=retention),
+                rows,
+            )
+            results.append({"mode": mode, "batch": batch, "rows": rows, "raw": raw, "relay": relay})
+    return bare_producer, results
+
+
+def history_effect(dsn: str, bootstrap: str, rows: int, history: int) -> dict[str, float | int]:
+    """Retention mode: drain rate over an empty history vs `history` kept sent rows."""
+    settings = relay_settings(dsn, bootstrap, batch_size=500, retention_seconds=86_400.0)
+    preload(dsn, rows)
+    empty = drain_rate(settings, rows)
+    preload(dsn, history, sent=True)
+    preload(dsn, rows, truncate=False)
+    kept = drain_rate(settings, rows)
+    return {"rows": rows, "history": history, "empty_history": empty, "with_history": kept}

@@ -1,0 +1,116 @@
+"""Latency at a steady insert rate: app commit -> the sink's delivery report.
+
+An app thread inserts rows at a steady rate (a transaction every 10 ms, as many rows as
+the schedule asks) and notes when each commit returned. The relay runs in-process with
+its real Kafka sink wrapped to note when `publish()` hands back each acknowledgement.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from unittest.mock import patch
+from uuid import UUID
+
+import psycopg
+
+from bench.common import PAYLOAD, TOPIC, relay_settings, running
+from relay.message import OutboxMessage
+from relay.settings import Settings
+from relay.sinks import Outcome, Result, Sink, create_sink
+
+
+class TimedSink:
+    """The real sink, noting the time each message's acknowledgement came back."""
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.acked_at: dict[UUID, float] = {}
+
+    def publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> list[Result]:
+        results = self.inner.publish(messages, abandon)
+        now = time.monotonic()
+        for message, result in zip(messages, results, strict=True):
+            if result.outcome is Outcome.ACKED:
+                self.acked_at.setdefault(message.message_id, now)
+        return results
+
+    def check(self, timeout: float) -> str:
+        return self.inner.check(timeout)
+
+    def flush(self, timeout: float) -> int:
+        return self.inner.flush(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def insert_steadily(dsn: str, rate: float, seconds: float) -> dict[UUID, float]:
+    committed: dict[UUID, float] = {}
+    tick = 0.01
+    with psycopg.connect(dsn, autocommit=False) as conn:
+        started = time.monotonic()
+        sent = 0
+        while (now := time.monotonic()) - started < seconds:
+            due = int((now - started) * rate) - sent
+            if due > 0:
+                rows = conn.execute(
+                    "INSERT INTO outbox (topic, key, payload)"
+                    " SELECT %s, 'k' || (g %% 100), %s FROM generate_series(1, %s) g"
+                    " RETURNING message_id",
+                    (TOPIC, PAYLOAD, due),
+                ).fetchall()
+                conn.commit()
+                at = time.monotonic()
+                committed.update((row[0], at) for row in rows)
+                sent += due
+            time.sleep(max(0.0, tick - (time.monotonic() - now)))
+    return committed
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1]
+
+
+def run(dsn: str, bootstrap: str, rate: float, seconds: float) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox")
+    sinks: list[TimedSink] = []
+
+    def timed_sink(settings: Settings) -> Sink:
+        sink = TimedSink(create_sink(settings))
+        sinks.append(sink)
+        return sink
+
+    committed: dict[UUID, float] = {}
+    with patch("relay.app.create_sink", timed_sink), running(relay_settings(dsn, bootstrap)):
+        time.sleep(1.0)  # lease acquired, producer connected: measure steady state
+        inserter = threading.Thread(
+            target=lambda: committed.update(insert_steadily(dsn, rate, seconds))
+        )
+        inserter.start()
+        inserter.join()
+        deadline = time.monotonic() + 30
+        acked_so_far = sinks[0].acked_at
+        while sum(1 for mid in list(committed) if mid in acked_so_far) < len(committed):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+    acked = sinks[0].acked_at
+    latencies = [max(0.0, acked[mid] - at) * 1000 for mid, at in committed.items() if mid in acked]
+    return {
+        "rate": rate,
+        "seconds": seconds,
+        "messages": len(committed),
+        "delivered": len(latencies),
+        "p50_ms": percentile(latencies, 0.50),
+        "p95_ms": percentile(latencies, 0.95),
+        "p99_ms": percentile(latencies, 0.99),
+        "max_ms": max(latencies),
+    }
