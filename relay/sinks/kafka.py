@@ -126,6 +126,7 @@ class KafkaSink:
         self._config["error_cb"] = self._on_client_error
         self._config["logger"] = library_logger("librdkafka", "kafka.client_log")
         self._topic_map = settings.kafka_topic_map
+        self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # librdkafka reports every message by message.timeout.ms (whatever the final,
         # pass-through-adjusted config says); the margin covers the report's trip back.
         timeout_ms = self._config.get("message.timeout.ms") or self._config.get(
@@ -141,9 +142,13 @@ class KafkaSink:
         log.warning("kafka.client_error", code=error.name(), error=error.str(), fatal=error.fatal())
 
     def topic_for(self, message: OutboxMessage) -> str:
-        topic = self._topic_map.get(message.topic, message.topic)
-        if not _TOPIC_NAME.match(topic) or topic in {".", ".."}:
-            raise MalformedRow(f"invalid Kafka topic name {topic!r}")
+        topic = self._topics.get(message.topic)
+        if topic is None:
+            topic = self._topic_map.get(message.topic, message.topic)
+            if not _TOPIC_NAME.match(topic) or topic in {".", ".."}:
+                raise MalformedRow(f"invalid Kafka topic name {topic!r}")
+            if len(self._topics) < 10_000:  # bounded: topics come from app rows
+                self._topics[message.topic] = topic
         return topic
 
     def publish(
