@@ -32,6 +32,7 @@ SECRET_FIELDS = (
     "database_url",
     "database_password",
     "kafka_sasl_password",
+    "http_url",  # webhook URLs often carry a token
     "http_signing_secret",
     "http_auth_header_value",
 )
@@ -233,8 +234,28 @@ class Settings(CommonSettings):
     @field_validator("http_auth_header_name")
     @classmethod
     def _header_name_shape(cls, value: str) -> str:
-        if not _HEADER_TOKEN.match(value):
+        if not HEADER_TOKEN.fullmatch(value):
             raise ValueError("must be an HTTP header name")
+        return value
+
+    @field_validator("http_auth_header_value", "http_signing_secret", mode="before")
+    @classmethod
+    def _strip_secret(cls, value: Any) -> Any:
+        # `echo token > secret` leaves a newline that would make an illegal header.
+        return value.strip() if isinstance(value, str) else value
+
+    @field_validator("http_auth_header_value")
+    @classmethod
+    def _auth_value_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not _HEADER_VALUE.fullmatch(value.get_secret_value()):
+            raise ValueError("must be a non-empty header value of visible ASCII characters")
+        return value
+
+    @field_validator("http_content_type")
+    @classmethod
+    def _content_type_shape(cls, value: str) -> str:
+        if not _HEADER_VALUE.fullmatch(value):
+            raise ValueError("must be a header value of visible ASCII characters")
         return value
 
     @model_validator(mode="after")
@@ -294,13 +315,34 @@ class Settings(CommonSettings):
         return {key.lower().replace("_", "."): value for key, value in self.kafka.items()}
 
 
-_HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?")
 
 
 def _check_http_url(url: str) -> None:
     parsed = urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError("must be an http:// or https:// URL with a host")
+    if "{" in parsed.netloc:
+        raise ValueError("{topic} may appear in the path or query, not in the host")
+    try:
+        parsed.port  # noqa: B018 - raises on an out-of-range port
+    except ValueError:
+        raise ValueError("has an invalid port") from None
+
+
+def url_origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of an endpoint URL: what one connection pool talks to."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, parts.hostname or "", port
+
+
+def configured_origins(settings: Settings) -> set[tuple[str, str, int]]:
+    urls = list(settings.http_topic_urls.values())
+    if settings.http_url:
+        urls.append(settings.http_url)
+    return {url_origin(url) for url in urls}
 
 
 def signing_key(secret: SecretStr) -> bytes:

@@ -122,9 +122,19 @@ class Drainer:
                 error=unavailable.error or "sink unavailable",
                 retry_in=round(delay, 3),
             )
-            self._shutdown.wait(delay)
+            self._pause(delay, token)
         else:
             self._sink_retry.reset()
+
+    def _pause(self, delay: float, token: LeaseToken) -> None:
+        """Wait out a sink outage in short slices: the liveness probe keeps seeing a
+        beating loop (a Retry-After may ask for minutes), and a lost lease or a
+        shutdown ends the wait at once."""
+        deadline = self._clock() + delay
+        while (left := deadline - self._clock()) > 0:
+            self._health.beat()
+            if self._shutdown.wait(min(left, 1.0)) or self._lease.token() != token:
+                return
 
     def _abandon(self, token: LeaseToken) -> bool:
         """Stop waiting on the sink: lease gone, or shutdown grace used up."""

@@ -10,11 +10,12 @@ Outcomes, from the endpoint's answer:
 - 2xx: acknowledged, the row is marked sent.
 - 408, 425, 429, 500 and other 5xx, timeouts, a connection dropped mid-request: `RETRY`
   (the row backs off; `Retry-After` is honoured).
-- 502, 503, 504 and refused or failed connections: `UNAVAILABLE` (the endpoint is down,
-  not the message wrong): the whole sink backs off without spending attempts, so an
-  outage does not dead-letter the outbox. But when another endpoint (per-topic URLs)
-  answered within the last minute, only this endpoint is down: `RETRY`, so its rows
-  back off on their own and every other endpoint's keep flowing.
+- 502, 503, 504 and refused or failed connections, with ONE endpoint configured:
+  `UNAVAILABLE` (the endpoint is down, not the message wrong): the whole sink backs off
+  without spending attempts, so an outage does not dead-letter the outbox. With several
+  endpoints (per-topic URLs on other hosts) they are `RETRY`: the down endpoint's rows
+  back off on their own (spending attempts) and the other endpoints' rows keep flowing,
+  even when the down one's backlog fills whole batches.
 - Any other status (3xx, 4xx): `DEAD`, with the status and a bounded body snippet.
 """
 
@@ -26,6 +27,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import hmac
+import re
 import socket
 import ssl
 import threading
@@ -35,14 +37,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TypeVar
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import httpx
 
 from relay import __version__, metrics
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
-from relay.settings import Settings, signing_key
+from relay.settings import HEADER_TOKEN, Settings, configured_origins, signing_key
 from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
 
 log = get_logger("relay.sinks.http")
@@ -51,7 +53,9 @@ T = TypeVar("T")
 SNIPPET_CHARS = 200  # of a failed response body, kept in the dead-letter reason
 _MAX_BODY_READ = 64 * 1024  # more than this of a response is not worth a connection
 _RETRY_STATUSES = frozenset({408, 425, 429})
-_HEALTHY_WINDOW = 60.0  # seconds an endpoint's last 2xx vouches that the sink is up
+_DELTA_SECONDS = re.compile(r"[0-9]{1,10}")
+# RFC 9110 field-value: visible ASCII and obs-text, inner spaces/tabs, no edge whitespace.
+_FIELD_VALUE = re.compile(rb"[\x21-\x7e\x80-\xff]([\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?")
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 # Never taken from a row: they describe the connection or the body, or are the relay's.
 _NOT_FORWARDED = frozenset(
@@ -96,12 +100,12 @@ def parse_retry_after(value: str | None, cap: float, now: datetime | None = None
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if _DELTA_SECONDS.fullmatch(value):
         seconds = float(value)
     else:
         try:
             when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, IndexError, OverflowError):
             return None
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)
@@ -123,16 +127,18 @@ def classify_response(
     text = f"HTTP {status}"
     if body:
         text += f": {snippet(body)}"
-    wait = parse_retry_after(retry_after, retry_cap)
     if status in _UNAVAILABLE_STATUSES:
-        return Result(Outcome.UNAVAILABLE, text, wait)
+        return Result(Outcome.UNAVAILABLE, text, parse_retry_after(retry_after, retry_cap))
     if status in _RETRY_STATUSES or status >= 500:
-        return Result(Outcome.RETRY, text, wait)
+        return Result(Outcome.RETRY, text, parse_retry_after(retry_after, retry_cap))
     return Result(Outcome.DEAD, text)
 
 
 def classify_error(exc: Exception) -> Result:
     """A request that got no HTTP answer. Refused or unreachable: the endpoint is down."""
+    if isinstance(exc, httpx.LocalProtocolError):
+        # Our own request was invalid; its message may quote a header (a secret).
+        return Result(Outcome.DEAD, f"{type(exc).__name__}: request rejected by the client")
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
         return Result(Outcome.UNAVAILABLE, text)
@@ -141,9 +147,13 @@ def classify_error(exc: Exception) -> Result:
 
 
 def _header_value(name: str, value: str) -> bytes:
-    if any(ch in value for ch in "\r\n\0"):
-        raise MalformedRow(f"header {name!r} contains a line break or NUL")
-    return value.encode()
+    encoded = value.encode()
+    if encoded and not _FIELD_VALUE.fullmatch(encoded):
+        raise MalformedRow(
+            f"header {name!r} is not a valid HTTP header value"
+            " (control characters, or leading/trailing whitespace)"
+        )
+    return encoded
 
 
 class RequestBuilder:
@@ -154,6 +164,8 @@ class RequestBuilder:
         self._topic_urls = settings.http_topic_urls
         self._content_type = settings.http_content_type
         self._allow = settings.http_forward_allowlist
+        # A row may not replace what the relay sends on its own behalf (credentials).
+        self._reserved = _NOT_FORWARDED | {settings.http_auth_header_name.lower(), "user-agent"}
         self._key = (
             signing_key(settings.http_signing_secret)
             if settings.http_signing_secret is not None
@@ -174,7 +186,7 @@ class RequestBuilder:
         content_type = self._content_type
         for name, value in message.header_pairs():
             lower = name.lower()
-            if lower in _NOT_FORWARDED or value is None:
+            if lower in self._reserved or value is None:
                 continue
             text = value.decode() if isinstance(value, bytes) else value
             if lower == "content-type":
@@ -201,7 +213,7 @@ class RequestBuilder:
 
 
 def _is_token(name: str) -> bool:
-    return bool(name) and all(ch.isalnum() or ch in "!#$%&'*+.^_`|~-" for ch in name)
+    return HEADER_TOKEN.fullmatch(name) is not None
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext:
@@ -223,8 +235,15 @@ class HttpSink:
         self._ssl = ssl_context(settings)
         self._retry_cap = settings.retry_max_seconds
         self._total_timeout = settings.http_timeout_seconds
-        self._static_headers: dict[str, str] = {"user-agent": f"relay/{__version__}"}
-        self._last_ack: dict[tuple[str, str, int], float] = {}  # origin -> monotonic time
+        # identity: a compressed answer from a hostile endpoint cannot inflate in memory.
+        self._static_headers: dict[str, str] = {
+            "user-agent": f"relay/{__version__}",
+            "accept-encoding": "identity",
+        }
+        self._single_endpoint = len(configured_origins(settings)) == 1
+        if not settings.http_tls_verify:
+            log.warning("http.tls_verify_disabled", reason="RELAY_HTTP_TLS_VERIFY=false")
+        self._closed = False
         if settings.http_auth_header_value is not None:
             self._static_headers[settings.http_auth_header_name] = (
                 settings.http_auth_header_value.get_secret_value()
@@ -260,6 +279,8 @@ class HttpSink:
     def publish(
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> list[Result]:
+        if self._closed:
+            raise RuntimeError("HttpSink.publish() after close()")
         results: list[Result | None] = [None] * len(messages)
         done = threading.Event()
         future = self._on_loop(self._deliver(messages, results, done))
@@ -272,7 +293,8 @@ class HttpSink:
                     # Lease gone or shutdown overdue: stop now. Requests cut off may
                     # still have landed; their rows stay unsent (a duplicate, never a loss).
                     future.cancel()
-                    done.wait(2.0)
+                    if not done.wait(2.0):
+                        log.warning("http.cancel_slow", pending=results.count(None))
                     break
             except concurrent.futures.CancelledError:
                 break
@@ -290,10 +312,15 @@ class HttpSink:
             chain = message.key if message.key is not None else f"\0{index}"
             chains.setdefault(chain, []).append(index)
         slots = asyncio.Semaphore(self._settings.http_max_in_flight)
+        # A key with many rows must not hold the batch (and every other key's acks)
+        # for rows x latency: past this, no new request starts; the rest go next batch.
+        stop_starting = time.monotonic() + self._total_timeout
         try:
             async with asyncio.TaskGroup() as group:
                 for indexes in chains.values():
-                    group.create_task(self._deliver_chain(messages, indexes, results, slots))
+                    group.create_task(
+                        self._deliver_chain(messages, indexes, results, slots, stop_starting)
+                    )
         finally:
             done.set()
 
@@ -303,8 +330,11 @@ class HttpSink:
         indexes: list[int],
         results: list[Result | None],
         slots: asyncio.Semaphore,
+        stop_starting: float,
     ) -> None:
         for index in indexes:
+            if time.monotonic() > stop_starting:
+                return  # left SKIPPED: unsent, untouched, first in the next batch
             async with slots:
                 result = await self._send(messages[index])
             results[index] = result
@@ -316,18 +346,15 @@ class HttpSink:
             request = self._builder.build(message)
         except MalformedRow as exc:
             return Result(Outcome.DEAD, str(exc))
-        origin = _origin(request.url)
-        result = await self._post(message, request)
-        now = time.monotonic()
-        if result.outcome is Outcome.ACKED:
-            self._last_ack[origin] = now
-        elif result.outcome is Outcome.UNAVAILABLE and any(
-            other != origin and now - at < _HEALTHY_WINDOW for other, at in self._last_ack.items()
-        ):
+        except UnicodeError:
+            return Result(Outcome.DEAD, "a header cannot be encoded")
+        result = await self._post(request)
+        if result.outcome is Outcome.UNAVAILABLE and not self._single_endpoint:
+            # One endpoint among several: its outage must not pause the others.
             return Result(Outcome.RETRY, result.error, result.retry_after)
         return result
 
-    async def _post(self, message: OutboxMessage, request: Request) -> Result:
+    async def _post(self, request: Request) -> Result:
         started = time.monotonic()
         status = "error"
         try:
@@ -343,6 +370,8 @@ class HttpSink:
                 )
                 try:
                     status = str(response.status_code)
+                    if response.is_success:
+                        return ACKED  # decided by the status line; the body is not needed
                     body = await _read_capped(response)
                 finally:
                     await response.aclose()
@@ -358,11 +387,10 @@ class HttpSink:
         except httpx.HTTPError as exc:
             status = "connect_error" if isinstance(exc, httpx.ConnectError) else "error"
             return classify_error(exc)
-        except httpx.InvalidURL as exc:
-            return Result(Outcome.DEAD, f"invalid URL: {exc}")
         except Exception as exc:
-            # A bug here must not take the other keys' requests down with it.
-            log.exception("http.unexpected_error", id=message.id)
+            # A bug here must not take the other keys' requests down with it. The
+            # message of an unknown error may quote a header: only its type is kept.
+            log.exception("http.unexpected_error", error_type=type(exc).__name__)
             return Result(Outcome.RETRY, f"unexpected error: {type(exc).__name__}")
         finally:
             metrics.HTTP_REQUESTS.labels(status).inc()
@@ -372,12 +400,8 @@ class HttpSink:
 
     def check(self, timeout: float) -> str:
         """Open a TCP (and TLS) connection to every configured endpoint."""
-        urls = list(self._settings.http_topic_urls.values())
-        if self._settings.http_url:
-            urls.append(self._settings.http_url)
         reached: list[str] = []
-        for origin in sorted({_origin(url) for url in urls}):
-            scheme, host, port = origin
+        for scheme, host, port in sorted(configured_origins(self._settings)):
             with socket.create_connection((host, port), timeout=timeout) as sock:
                 if scheme == "https":
                     with self._ssl.wrap_socket(sock, server_hostname=host):
@@ -389,8 +413,9 @@ class HttpSink:
         return 0  # publish() returns only when every request has an outcome
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._closed:
             return
+        self._closed = True
         with contextlib.suppress(Exception):
             self._on_loop(self._client.aclose()).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -403,16 +428,9 @@ async def _read_capped(response: httpx.Response) -> bytes:
     """The body, or its first 64 KiB: an endpoint's essay is not worth reading whole."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.aiter_raw():
         chunks.append(chunk)
         size += len(chunk)
         if size >= _MAX_BODY_READ:
             break
     return b"".join(chunks)
-
-
-def _origin(url: str) -> tuple[str, str, int]:
-    parts = urlsplit(url.replace("{topic}", "x"))
-    scheme = parts.scheme
-    port = parts.port or (443 if scheme == "https" else 80)
-    return scheme, parts.hostname or "", port

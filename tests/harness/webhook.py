@@ -30,7 +30,7 @@ class Delivery:
     attempt: int  # 1 for the first request carrying this message-id, 2 for the next...
     started: float  # time.monotonic() when the request had been read
     ended: float = 0.0  # when the answer was about to be written
-    status: int = 0
+    status: int = 0  # 0: the client was gone before the answer could be written
 
     @property
     def message_id(self) -> str:
@@ -101,13 +101,19 @@ class _Handler(BaseHTTPRequestHandler):
         reply = owner.respond(delivery)
         if reply.delay:
             time.sleep(reply.delay)
-        owner._end(delivery, reply.status)
-        self.send_response(reply.status)
-        for name, value in reply.headers.items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(reply.body)))
-        self.end_headers()
-        self.wfile.write(reply.body)
+        answered_at = time.monotonic()
+        try:
+            self.send_response(reply.status)
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(reply.body)))
+            self.end_headers()
+            self.wfile.write(reply.body)
+            self.wfile.flush()
+        except OSError:
+            owner._end(delivery, 0, answered_at)  # the client had gone: it saw no answer
+            raise
+        owner._end(delivery, reply.status, answered_at)
 
     def log_message(self, format: str, *args: object) -> None:
         return
@@ -160,10 +166,10 @@ class WebhookServer(Service):
             self.max_in_flight = max(self.max_in_flight, self._in_flight)
             return Delivery(path, headers, body, self._attempts[mid], time.monotonic())
 
-    def _end(self, delivery: Delivery, status: int) -> None:
+    def _end(self, delivery: Delivery, status: int, answered_at: float) -> None:
         with self._lock:
             self._in_flight -= 1
-            delivery.ended = time.monotonic()
+            delivery.ended = answered_at
             delivery.status = status
             self.deliveries.append(delivery)
 
