@@ -139,7 +139,10 @@ def cmd_check(_args: argparse.Namespace) -> int:
     )
     try:
         with db.connect(settings, purpose="check") as conn:
-            version = repository.schema_version(conn)
+            try:
+                version = repository.schema_version(conn)
+            except psycopg.errors.UndefinedTable:
+                version = None
             if version is None:
                 print(
                     "database: FAILED: no migration applied (run `relay migrate`)", file=sys.stderr
