@@ -225,6 +225,13 @@ WHERE dead_lettered_at IS NOT NULL
   AND (%(all)s OR id = ANY(%(ids)s::bigint[]) OR key = %(key)s::text)
 RETURNING id;
 
+-- name: enqueue
+-- The producer helper (relay.enqueue): what an app runs inside its own transaction.
+-- id, message_id and created_at come from the column defaults.
+INSERT INTO outbox (topic, key, payload, headers)
+VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s)
+RETURNING id, message_id;
+
 -- name: schema_version
 -- Latest applied migration, for `relay check` and `relay status`.
 SELECT max(version) AS version FROM schema_migrations;
