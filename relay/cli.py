@@ -133,6 +133,9 @@ def cmd_check(_args: argparse.Namespace) -> int:
     from relay.sinks import create_sink
 
     settings = load_settings(Settings)
+    # check reports in its own lines; the sink client's reconnect chatter against a dead
+    # broker (hundreds of lines in the 5 s wait) would bury the one line that matters.
+    configure(settings.log_format, "critical")
     print(
         f"settings: ok (sink={settings.sink}, lease={settings.lease_name},"
         f" replica={settings.replica_id})"
