@@ -7,20 +7,30 @@ import json
 import os
 import signal
 import subprocess
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 
 from relay.lag import measure
 from relay.queries import QUERIES
-from tests.conftest import relay_env, start_relay
+from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker
 from tests.harness.prometheus import PrometheusServer
-from tests.support import http_get, insert_rows, keyed_rows, metric, scalar, wait_until
+from tests.support import (
+    http_get,
+    insert_rows,
+    keyed_rows,
+    metric,
+    running_relay,
+    scalar,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -208,3 +218,27 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
     assert '"Seq Scan"' not in plan and '"Bitmap Heap Scan"' not in plan, plan
     for index in ("outbox_unsent_idx", "outbox_backoff_idx", "outbox_dead_letter_idx"):
         assert index in plan
+
+
+def test_a_lease_lost_to_failing_renewals_counts_as_error_not_expired(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    """Renewals that fail on the database until the local deadline passes: reason=error.
+    (Revoking UPDATE on leases makes every renewal fail, deterministically.)"""
+    lease = f"err-{uuid.uuid4().hex[:6]}"
+
+    def losses(reason: str) -> float:
+        return (
+            REGISTRY.get_sample_value(
+                "relay_lease_losses_total", {"lease": lease, "reason": reason}
+            )
+            or 0.0
+        )
+
+    with running_relay(make_settings(lease_name=lease)) as app:
+        wait_until(lambda: app.lease.token() is not None, timeout=10, message="the lease")
+        with psycopg.connect(database, autocommit=True) as conn:
+            conn.execute("REVOKE UPDATE ON leases FROM relay")
+        wait_until(lambda: losses("error") == 1.0, timeout=10, message="a loss by error")
+        assert losses("expired") == 0.0
+        assert REGISTRY.get_sample_value("relay_lease_held", {"lease": lease}) == 0.0
