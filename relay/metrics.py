@@ -154,7 +154,9 @@ class Health:
         LOOP_HEARTBEAT_AGE.labels(loop).set_function(lambda: self.age(loop))
 
     def beat(self, loop: str = "main") -> None:
-        self._beats[loop] = self._clock()  # one dict store: atomic under the GIL
+        # Lock-free on the hot path: one store into a key registered before any thread
+        # started, which the GIL makes atomic.
+        self._beats[loop] = self._clock()
 
     def age(self, loop: str) -> float:
         beat = self._beats.get(loop)
@@ -171,7 +173,7 @@ class Health:
 
     def describe(self) -> str:
         with self._lock:
-            loops = sorted(self._beats)
+            loops = sorted(self._stale_after)
         return " ".join(f"{loop}={self.age(loop):.1f}s" for loop in loops)
 
 
