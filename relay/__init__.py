@@ -1,5 +1,13 @@
-"""relay: a transactional outbox relay for PostgreSQL, publishing to Kafka."""
+"""relay: a transactional outbox relay for PostgreSQL, publishing to Kafka.
+
+Apps write messages with `relay.enqueue(conn, topic, payload, key=None, headers=None)`
+(or `relay.enqueue_async`) inside their own transaction; `relay run` publishes them.
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from relay.producer import Enqueued, enqueue, enqueue_async
+
+__all__ = ["Enqueued", "__version__", "enqueue", "enqueue_async"]

@@ -8,6 +8,7 @@ import time
 from types import FrameType
 
 from relay import __version__, metrics
+from relay.lag import LagSampler
 from relay.lease import Elector, Lease
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
@@ -30,12 +31,24 @@ class RelayApp:
             settings.safety_margin,
             time.monotonic,
         )
-        # The loop beats at least every poll; a publish waiting on a dead broker beats
-        # from its wait loop too. Minutes of silence means it is truly stuck.
-        self.health = Health(stale_after=max(60.0, settings.kafka_delivery_timeout_ms / 500))
+        self.health = Health()
+        # The main loop beats at least every poll; a publish waiting on a dead broker
+        # beats from its wait loop too. Minutes of silence means it is truly stuck.
+        self.health.register("main", max(60.0, settings.kafka_delivery_timeout_ms / 500))
+        # The elector and the sampler beat once per turn; one turn may wait out a
+        # connect and a statement timeout against a sick database.
+        db_wait = (
+            settings.database_connect_timeout_seconds
+            + 2 * settings.database_statement_timeout_ms / 1000
+        )
+        self.health.register("elector", max(60.0, 3 * settings.standby_poll_seconds + db_wait))
         self.sink = create_sink(settings)
-        self.elector = Elector(settings, self.lease)
+        self.elector = Elector(settings, self.lease, health=self.health)
         self.health.db_ok = self._db_recently_ok
+        self.lag_sampler: LagSampler | None = None
+        if settings.lag_sample_seconds > 0:
+            self.health.register("lag", max(60.0, 3 * settings.lag_sample_seconds + db_wait))
+            self.lag_sampler = LagSampler(settings, self.health)
         self.drainer = Drainer(
             settings, self.sink, self.lease, self.elector, self.shutdown, self.health
         )
@@ -57,7 +70,8 @@ class RelayApp:
     def run(self) -> int:
         s = self.settings
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
-        metrics.LEASE_HELD.labels(s.lease_name).set(0)
+        metrics.declare_lease(s.lease_name)
+        metrics.LEASE_SINCE_RENEWAL.labels(s.lease_name).set_function(self.lease.since_renewal)
         if s.metrics_enabled:
             try:
                 self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)
@@ -78,6 +92,8 @@ class RelayApp:
             metrics=f"{s.metrics_host}:{self.metrics_server.port}" if self.metrics_server else None,
         )
         self.elector.start()
+        if self.lag_sampler is not None:
+            self.lag_sampler.start()
         try:
             while not self.shutdown.requested:
                 self.health.beat()
@@ -114,6 +130,9 @@ class RelayApp:
             log.warning("lease.release_skipped", reason="elector busy")
         else:
             self.elector.release()
+        if self.lag_sampler is not None:
+            self.lag_sampler.stop()
+            self.lag_sampler.join(timeout=5.0)
         self.drainer.close()
         self.sink.close()
         if self.metrics_server is not None:

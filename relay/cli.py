@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from relay import __version__, db, repository
+from relay import __version__, db, lag, repository
 from relay.errors import MigrationError
 from relay.logging import configure
 from relay.settings import CommonSettings, Settings, SettingsError, load_settings
@@ -29,6 +29,16 @@ def parse_duration(text: str) -> float:
     if not match:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
     return float(match[1]) * _UNIT_SECONDS[match[2]]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
 
 
 def _print_json(value: Any) -> None:
@@ -62,29 +72,59 @@ def cmd_migrate(_args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Left-aligned columns, for people; `--json` is the format for scripts."""
+    cells = [list(headers), *[["-" if v is None else str(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in cells
+    )
+
+
+def _count(value: int, cap: int) -> str:
+    return f">= {value}" if value >= cap else str(value)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="status") as conn:
         leases = repository.lease_status(conn)
-        stats = repository.outbox_stats(conn)
+        sample = lag.measure(conn, args.count_cap)
         version = repository.schema_version(conn)
     if args.json:
-        _print_json({"schema_version": version, "leases": leases, "outbox": stats})
+        _print_json({"schema_version": version, "leases": leases, "outbox": sample.as_dict()})
         return EXIT_OK
-    print(f"schema version: {version}")
-    for lease in leases:
-        state = "held" if lease["live"] else "free (expired or released)"
-        print(
-            f"lease {lease['name']!r}: {state}; holder={lease['holder']} epoch={lease['epoch']}"
-            f" expires_at={lease['expires_at']}"
-            f" seconds_to_expiry={max(0.0, lease['seconds_to_expiry'] or 0.0):.1f}"
-        )
-    if not leases:
+    if leases:
+        rows = []
+        for lease in leases:
+            left = lease["seconds_to_expiry"]
+            rows.append(
+                (
+                    lease["name"],
+                    "held" if lease["live"] else "free",
+                    lease["holder"],
+                    lease["epoch"],
+                    f"{lease['expires_at']:%Y-%m-%d %H:%M:%S%z}",
+                    f"{left:.1f}s" if lease["live"] else "expired",
+                )
+            )
+        print(_table(("LEASE", "STATE", "HOLDER", "EPOCH", "EXPIRES AT", "EXPIRES IN"), rows))
+    else:
         print("no lease rows yet (no relay has run)")
-    age = stats["oldest_unsent_age_seconds"]
+    cap = sample.count_cap
+    print()
     print(
-        f"unsent rows: {stats['unsent']}; oldest unsent age: "
-        f"{'-' if age is None else f'{age:.1f}s'}; dead-lettered rows: {stats['dead_lettered']}"
+        _table(
+            ("OUTBOX", "VALUE"),
+            [
+                ("unsent rows", _count(sample.unsent, cap)),
+                ("oldest unsent age", f"{sample.oldest_unsent_age_seconds:.1f}s"),
+                ("blocked rows", _count(sample.blocked, cap)),
+                ("dead-lettered rows", _count(sample.dead_lettered, cap)),
+                ("schema version", version),
+            ],
+        )
     )
     return EXIT_OK
 
@@ -93,15 +133,33 @@ def cmd_check(_args: argparse.Namespace) -> int:
     from relay.sinks import create_sink
 
     settings = load_settings(Settings)
-    print(f"settings: ok (sink={settings.sink}, lease={settings.lease_name})")
+    # check reports in its own lines; the sink client's reconnect chatter against a dead
+    # broker (hundreds of lines in the 5 s wait) would bury the one line that matters.
+    configure(settings.log_format, "critical")
+    print(
+        f"settings: ok (sink={settings.sink}, lease={settings.lease_name},"
+        f" replica={settings.replica_id})"
+    )
     try:
         with db.connect(settings, purpose="check") as conn:
-            version = repository.schema_version(conn)
-            repository.outbox_stats(conn)
+            try:
+                version = repository.schema_version(conn)
+            except psycopg.errors.UndefinedTable:
+                version = None
+            if version is None:
+                print(
+                    "database: FAILED: no migration applied (run `relay migrate`)", file=sys.stderr
+                )
+                return EXIT_FAILURE
+            repository.lease_status(conn)
+            sample = lag.measure(conn, 1_000)
     except psycopg.Error as exc:
         print(f"database: FAILED: {db.describe_error(exc)}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"database: ok (schema version {version})")
+    print(
+        f"database: ok (schema version {version}; outbox and leases readable;"
+        f" {_count(sample.unsent, sample.count_cap)} unsent rows)"
+    )
     sink = create_sink(settings)
     try:
         print(sink.check(timeout=5.0))
@@ -120,13 +178,25 @@ def cmd_dead_letter_list(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return EXIT_OK
-    for row in rows:
-        print(
-            f"{row['id']}\t{row['message_id']}\ttopic={row['topic']}\tkey={row['key']}"
-            f"\tattempts={row['attempts']}\tat={row['dead_lettered_at']:%Y-%m-%dT%H:%M:%S%z}"
-            f"\treason={row['dead_letter_reason']}"
+    print(
+        _table(
+            ("ID", "MESSAGE ID", "TOPIC", "KEY", "ATTEMPTS", "DEAD-LETTERED AT", "REASON"),
+            [
+                (
+                    row["id"],
+                    row["message_id"],
+                    row["topic"],
+                    row["key"],
+                    row["attempts"],
+                    f"{row['dead_lettered_at']:%Y-%m-%d %H:%M:%S%z}",
+                    row["dead_letter_reason"],
+                )
+                for row in rows
+            ],
         )
-    print(f"{len(rows)} dead-lettered row(s)", file=sys.stderr)
+    )
+    more = " (more exist: raise --limit)" if len(rows) == args.limit else ""
+    print(f"{len(rows)} dead-lettered row(s){more}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -140,6 +210,10 @@ def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
             raise_rollback()
     verb = "would requeue" if args.dry_run else "requeued"
     print(f"{verb} {len(ids)} row(s)" + (f": {' '.join(map(str, ids))}" if ids else ""))
+    missing = sorted(set(args.id or ()) - set(ids))
+    if missing:
+        # Already requeued, sent, or never dead-lettered: nothing to do, but say so.
+        print(f"not dead-lettered: {' '.join(map(str, missing))}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -182,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("migrate", cmd_migrate, "apply pending schema migrations (safe from several replicas)")
     status = add("status", cmd_status, "show lease holder, epoch, expiry and backlog")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--count-cap",
+        type=_positive_int,
+        default=1_000_000,
+        metavar="N",
+        help="stop counting rows at N (bounds the query on a huge outbox; default 1000000)",
+    )
     add("check", cmd_check, "validate settings and connect to the database and the sink")
 
     dead = sub.add_parser("dead-letter", help="list or requeue dead-lettered rows")
@@ -190,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(func=cmd_dead_letter_list)
     listing.add_argument("--topic")
     listing.add_argument("--key")
-    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--limit", type=_positive_int, default=100)
     listing.add_argument("--json", action="store_true")
     requeue = dead_sub.add_parser("requeue", help="put dead-lettered rows back in the drain")
     requeue.set_defaults(func=cmd_dead_letter_requeue)
@@ -202,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
     purge.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
-    purge.add_argument("--batch-size", type=int, default=1000)
+    purge.add_argument("--batch-size", type=_positive_int, default=1000)
     return parser
 
 

@@ -29,6 +29,7 @@ from psycopg import IsolationLevel, errors
 from relay import db, metrics
 from relay.backoff import jittered
 from relay.logging import get_logger
+from relay.metrics import Health
 from relay.queries import QUERIES
 from relay.settings import Settings
 
@@ -126,7 +127,8 @@ class Lease:
         self._lock = threading.Lock()
         self._token: LeaseToken | None = None
         self._deadline = 0.0
-        self._renewed_at = 0.0
+        # "Since start" until the first acquisition: the gauge grows from a finite value.
+        self._renewed_at = clock()
         self._changed = threading.Condition(self._lock)
 
     def token(self) -> LeaseToken | None:
@@ -197,11 +199,21 @@ class Elector(threading.Thread):
     Leader: renew when no settle transaction has renewed for `renew_interval`.
     """
 
-    def __init__(self, settings: Settings, lease: Lease, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        lease: Lease,
+        clock: Clock = time.monotonic,
+        health: Health | None = None,
+    ) -> None:
         super().__init__(name="relay-elector", daemon=True)
         self._settings = settings
         self._lease = lease
         self._clock = clock
+        self._health = health
+        # The last renewal attempt failed on the database: if the lease then runs out,
+        # the loss is an "error", not a plain "expired" (a paused or slow process).
+        self._renew_error = False
         self._stop_event = threading.Event()
         self._conn: Conn | None = None
         self._last_other: tuple[str | None, int] | None = None
@@ -245,13 +257,17 @@ class Elector(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
+            if self._health is not None:
+                self._health.beat("elector")
             try:
                 if self._lease.held_token() is None:
                     self._attempt()
                 else:
                     self._keep()
                 self.last_db_ok = self._clock()
+                self._renew_error = False
             except psycopg.Error as exc:
+                self._renew_error = self._lease.held_token() is not None
                 log.warning(
                     "lease.renew_failed" if self._lease.held_token() else "lease.db_error",
                     lease=self._lease.name,
@@ -264,6 +280,7 @@ class Elector(threading.Thread):
                 # A bug must not silently end the elector: this replica would never
                 # campaign again. Log it, start over with a fresh connection.
                 log.exception("lease.elector_error", lease=self._lease.name)
+                self._renew_error = self._lease.held_token() is not None
                 self._close()
                 self._expire_if_past_deadline()
             self._stop_event.wait(self._next_wait())
@@ -331,10 +348,10 @@ class Elector(threading.Thread):
         if token is None or self._lease.token() is not None:
             return False
         if self._lease.lose(token) is not None:
-            self._on_lost(token, "expired")
+            self._on_lost(token, "error" if self._renew_error else "expired")
         return True
 
-    def _on_lost(self, token: LeaseToken, reason: str) -> None:
+    def _on_lost(self, token: LeaseToken, reason: metrics.LossReason) -> None:
         self._standby_since = self._clock()
         metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason=reason)
         log.warning(

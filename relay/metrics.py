@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -30,8 +31,13 @@ LEASE_ACQUISITIONS = Counter(
 )
 LEASE_LOSSES = Counter(
     "relay_lease_losses_total",
-    "Times this replica stopped holding the lease, by reason.",
+    "Times this replica stopped holding the lease, by reason (expired, fenced, released, error).",
     ["lease", "reason"],
+)
+LEASE_SINCE_RENEWAL = Gauge(
+    "relay_lease_seconds_since_renewal",
+    "Seconds since this replica last acquired or renewed the lease (since start if never).",
+    ["lease"],
 )
 MESSAGES = Counter(
     "relay_messages_total",
@@ -75,14 +81,60 @@ HTTP_REQUEST_SECONDS = Histogram(
 )
 BUILD_INFO = Info("relay_build", "Version and sink of this relay process.")
 
+# Lag gauges: set by the lag sampler (relay/lag.py) on every replica, leader or standby.
+OUTBOX_UNSENT = Gauge(
+    "relay_outbox_unsent_rows", "Unsent, not dead-lettered rows (counted up to the cap)."
+)
+OUTBOX_OLDEST_AGE = Gauge(
+    "relay_outbox_oldest_unsent_age_seconds",
+    "Age of the oldest unsent row (lowest id), by the database clock; 0 when none.",
+)
+OUTBOX_BLOCKED = Gauge(
+    "relay_outbox_blocked_rows",
+    "Unsent rows that failed and wait to retry, plus the later rows of their key.",
+)
+OUTBOX_DEAD = Gauge(
+    "relay_outbox_dead_letter_rows", "Dead-lettered rows in the outbox (counted up to the cap)."
+)
+OUTBOX_COUNT_CAP = Gauge(
+    "relay_outbox_count_cap", "The row counts above stop at this value (RELAY_LAG_COUNT_CAP)."
+)
+LAG_SAMPLE_SECONDS = Gauge(
+    "relay_lag_sample_duration_seconds", "Duration of the last lag sample query."
+)
+LAG_SAMPLE_AGE = Gauge(
+    "relay_lag_sample_age_seconds", "Seconds since the lag gauges were last refreshed."
+)
+LAG_SAMPLE_ERRORS = Counter(
+    "relay_lag_sample_errors_total", "Lag samples that failed (the gauges keep the last value)."
+)
+LOOP_HEARTBEAT_AGE = Gauge(
+    "relay_loop_heartbeat_age_seconds",
+    "Seconds since a loop of this process last beat (main, elector, lag).",
+    ["loop"],
+)
 
-def lease_transition(lease: str, *, held: bool, epoch: int, reason: str | None = None) -> None:
+LossReason = Literal["expired", "fenced", "released", "error"]
+LOSS_REASONS: tuple[LossReason, ...] = ("expired", "fenced", "released", "error")
+
+
+def declare_lease(lease: str) -> None:
+    """Create the lease's series at zero, so rate() and absent() work from the first scrape."""
+    LEASE_HELD.labels(lease).set(0)
+    LEASE_ACQUISITIONS.labels(lease)
+    for reason in LOSS_REASONS:
+        LEASE_LOSSES.labels(lease, reason)
+
+
+def lease_transition(
+    lease: str, *, held: bool, epoch: int, reason: LossReason | None = None
+) -> None:
     LEASE_HELD.labels(lease).set(1 if held else 0)
     LEASE_EPOCH.labels(lease).set(epoch)
     if held:
         LEASE_ACQUISITIONS.labels(lease).inc()
     else:
-        LEASE_LOSSES.labels(lease, reason or "unknown").inc()
+        LEASE_LOSSES.labels(lease, reason or "error").inc()
 
 
 def lease_observed(lease: str, epoch: int) -> None:
@@ -91,19 +143,48 @@ def lease_observed(lease: str, epoch: int) -> None:
 
 
 class Health:
-    """Heartbeats the probes read: the main loop's, and the last good database round trip."""
+    """Heartbeats the probes read: one per loop, and the last good database round trip.
 
-    def __init__(self, stale_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+    Every loop that must keep turning for the replica to be useful registers here: the
+    main loop (drain or standby wait), the elector (without it a standby never takes
+    over) and the lag sampler (without it the lag gauges lie).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self.stale_after = stale_after
-        self._loop_beat = clock()
+        self._lock = threading.Lock()
+        self._beats: dict[str, float] = {}
+        self._stale_after: dict[str, float] = {}
         self.db_ok: Callable[[], bool] = lambda: False
 
-    def beat(self) -> None:
-        self._loop_beat = self._clock()
+    def register(self, loop: str, stale_after: float) -> None:
+        with self._lock:
+            self._beats[loop] = self._clock()
+            self._stale_after[loop] = stale_after
+        LOOP_HEARTBEAT_AGE.labels(loop).set_function(lambda: self.age(loop))
+
+    def beat(self, loop: str = "main") -> None:
+        # Lock-free on the hot path: one store into a key registered before any thread
+        # started, which the GIL makes atomic.
+        self._beats[loop] = self._clock()
+
+    def age(self, loop: str) -> float:
+        beat = self._beats.get(loop)
+        return float("nan") if beat is None else self._clock() - beat
+
+    def stalled(self) -> list[str]:
+        """Loops whose last beat is older than their limit."""
+        with self._lock:
+            limits = dict(self._stale_after)
+        return [loop for loop, limit in limits.items() if self.age(loop) >= limit]
 
     def alive(self) -> bool:
-        return self._clock() - self._loop_beat < self.stale_after
+        return not self.stalled()
+
+    def describe(self) -> str:
+        with self._lock:
+            loops = sorted(self._stale_after)
+        return " ".join(f"{loop}={self.age(loop):.1f}s" for loop in loops)
 
 
 class MetricsServer:
@@ -118,8 +199,13 @@ class MetricsServer:
                 if path == "/metrics":
                     self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
-                    ok = health_ref.alive()
-                    self._send(200 if ok else 503, b"ok\n" if ok else b"loop stalled\n")
+                    stalled = health_ref.stalled()
+                    beats = health_ref.describe()
+                    if stalled:
+                        body = f"stalled: {' '.join(stalled)} ({beats})\n"
+                        self._send(503, body.encode())
+                    else:
+                        self._send(200, f"ok ({beats})\n".encode())
                 elif path == "/readyz":
                     ok = health_ref.db_ok()
                     self._send(200 if ok else 503, b"ready\n" if ok else b"database unreachable\n")

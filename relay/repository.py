@@ -95,12 +95,6 @@ def purge_sent(conn: Conn, older_than_seconds: float, limit: int) -> int:
     return cur.rowcount
 
 
-def outbox_stats(conn: Conn) -> dict[str, Any]:
-    row = conn.execute(QUERIES.outbox_stats).fetchone()
-    assert row is not None
-    return row
-
-
 def dead_letters(
     conn: Conn, *, topic: str | None, key: str | None, limit: int
 ) -> list[dict[str, Any]]:

@@ -314,6 +314,20 @@ class Settings(CommonSettings):
         """Pass-through librdkafka settings with their dotted names restored."""
         return {key.lower().replace("_", "."): value for key, value in self.kafka.items()}
 
+    # --- lag sampling (observability) ---
+    lag_sample_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        le=3600,
+        description="How often every replica refreshes the lag gauges; 0 turns sampling off.",
+    )
+    lag_count_cap: int = Field(
+        default=100_000,
+        ge=1,
+        le=100_000_000,
+        description="Row counts in the lag gauges stop here, so a sample's cost is bounded.",
+    )
+
 
 HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 
 from relay.app import RelayApp
 from relay.settings import Settings
@@ -109,3 +112,31 @@ def running_relay(settings: Settings) -> Iterator[RelayApp]:
         app.shutdown.request()
         thread.join(timeout=30)
         assert not thread.is_alive(), "relay did not stop within 30 s"
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body); status 0 while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, ""
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """One /metrics scrape as {(sample name, labels): value}; empty if not up."""
+    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    if status != 200:
+        return {}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
+def metric(port: int, name: str, **labels: str) -> float | None:
+    """The value of one series on one replica, None if absent or the replica is down."""
+    return scrape(port).get((name, frozenset(labels.items())))

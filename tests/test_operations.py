@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import json
 import subprocess
-import urllib.request
+import uuid
+
+import psycopg
 
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness import free_port
-from tests.harness.kafka import TansuBroker
-from tests.support import insert_rows, keyed_rows, running_relay, scalar, wait_until
+from tests.harness.kafka import TansuBroker, consume
+from tests.harness.postgres import PostgresServer
+from tests.support import (
+    assert_per_key_order,
+    dedup_by_message_id,
+    http_get,
+    insert_rows,
+    keyed_rows,
+    running_relay,
+    scalar,
+    wait_until,
+)
+
+get = http_get
 
 
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback only
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except urllib.error.URLError:
-        return 0, ""  # not listening yet
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
+    done = subprocess.run(
+        relay_command(*args), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done
 
 
 def test_metrics_and_probes_report_the_leader_and_its_work(
@@ -58,13 +70,28 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         status = json.loads(done.stdout)
         assert status["leases"][0]["holder"] == "replica-under-test"
         assert status["leases"][0]["live"] is True
+        assert 0 < status["leases"][0]["seconds_to_expiry"] <= 3.0
         assert status["schema_version"] == "0001"
+        assert status["outbox"] == {
+            "unsent": 0,
+            "oldest_unsent_age_seconds": 0.0,
+            "blocked": 0,
+            "dead_lettered": 0,
+            "count_cap": 1_000_000,
+        }
+        table = run_cli(env, "status").stdout.decode()
+        assert table.splitlines()[0].split() == [
+            "LEASE", "STATE", "HOLDER", "EPOCH", "EXPIRES", "AT", "EXPIRES", "IN"
+        ]  # fmt: skip
+        assert "default  held   replica-under-test  1" in table
+        assert "oldest unsent age   0.0s" in table
 
         ok = subprocess.run(
             relay_command("check"), env=env, capture_output=True, timeout=60, check=False
         )
         assert ok.returncode == 0, ok.stderr
-        assert b"database: ok" in ok.stdout and b"kafka: ok" in ok.stdout
+        assert b"settings: ok" in ok.stdout
+        assert b"database: ok (schema version 0001" in ok.stdout and b"kafka: ok" in ok.stdout
 
     bad_url = relay_dsn.replace(":relay-secret-pw@", ":wrong-pw-123@")
     env["RELAY_DATABASE_URL"] = bad_url
@@ -85,3 +112,85 @@ def test_check_fails_clearly_on_a_dead_broker(relay_dsn: str) -> None:
     assert b"database: ok" in done.stdout
     assert b"sink: FAILED" in done.stderr
     assert b"relay-secret-pw" not in done.stdout + done.stderr
+
+
+def test_check_fails_clearly_on_an_unmigrated_database(pg: PostgresServer) -> None:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    env = relay_env(pg.create_database(name), "127.0.0.1:9")
+    try:
+        done = subprocess.run(
+            relay_command("check"), env=env, capture_output=True, timeout=60, check=False
+        )
+    finally:
+        pg.drop_database(name)
+    assert done.returncode == 1
+    assert b"database: FAILED: no migration applied (run `relay migrate`)" in done.stderr
+
+
+def dead_count(dsn: str) -> int:
+    return int(scalar(dsn, "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL"))
+
+
+def test_dead_letters_are_listed_then_requeued_and_delivered_in_key_order(
+    make_settings: SettingsFactory, database: str, relay_dsn: str, kafka: TansuBroker, topic: str
+) -> None:
+    """A bad topic mapping dead-letters every row; once fixed, requeueing by key and by id
+    delivers them all, each key in its original order."""
+    insert_rows(database, topic, keyed_rows(keys=2, per_key=4))
+    with running_relay(make_settings(kafka_topic_map={topic: "not a topic!"})):
+        wait_until(lambda: dead_count(database) == 8, timeout=20, message="8 dead letters")
+    env = relay_env(relay_dsn)
+
+    k0 = json.loads(run_cli(env, "dead-letter", "list", "--key", "k0", "--json").stdout)
+    assert [row["key"] for row in k0] == ["k0"] * 4
+    assert [row["id"] for row in k0] == sorted(row["id"] for row in k0)
+    assert "invalid Kafka topic name 'not a topic!'" in k0[0]["dead_letter_reason"]
+    listed = run_cli(env, "dead-letter", "list", "--topic", topic, "--limit", "3")
+    assert len(listed.stdout.decode().splitlines()) == 1 + 3  # header + rows
+    assert b"3 dead-lettered row(s) (more exist" in listed.stderr
+
+    dry = run_cli(env, "dead-letter", "requeue", "--all", "--dry-run")
+    assert dry.stdout.startswith(b"would requeue 8 row(s)")
+    assert dead_count(database) == 8
+
+    with running_relay(make_settings()):
+        done = run_cli(env, "dead-letter", "requeue", "--key", "k0")
+        assert done.stdout.decode().strip() == "requeued 4 row(s): " + " ".join(
+            str(row["id"]) for row in k0
+        )
+        wait_until(
+            lambda: (
+                dead_count(database) == 4 and scalar(database, "SELECT count(*) FROM outbox") == 4
+            ),
+            timeout=20,
+        )
+        k1 = json.loads(run_cli(env, "dead-letter", "list", "--json").stdout)
+        ids = [str(row["id"]) for row in k1]
+        done = run_cli(env, "dead-letter", "requeue", "--id", *ids, "999999")
+        assert done.stdout.startswith(b"requeued 4 row(s)")
+        assert b"not dead-lettered: 999999" in done.stderr
+        wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=20)
+    records = consume(kafka.bootstrap_servers, topic, min_count=8, timeout=30)
+    assert len(dedup_by_message_id(records)) == 8
+    assert_per_key_order(records)
+
+
+def test_purge_deletes_only_sent_rows_past_the_cutoff(database: str, relay_dsn: str) -> None:
+    ids = insert_rows(database, "t", keyed_rows(keys=1, per_key=7))
+    with psycopg.connect(database, autocommit=True) as conn:
+        # Everything is two days old; only sent_at decides what purge may delete.
+        conn.execute("UPDATE outbox SET created_at = now() - interval '2 days'")
+        conn.execute(
+            "UPDATE outbox SET sent_at = now() - interval '2 days' WHERE id = ANY(%s)", (ids[:3],)
+        )
+        conn.execute("UPDATE outbox SET sent_at = now() WHERE id = %s", (ids[3],))
+        conn.execute(
+            "UPDATE outbox SET dead_lettered_at = now() - interval '2 days',"
+            " dead_letter_reason = 'test' WHERE id = %s",
+            (ids[4],),
+        )
+    done = run_cli(relay_env(relay_dsn), "purge", "--older-than", "1d", "--batch-size", "2")
+    assert done.stdout.decode().strip() == "purged 3 sent row(s) older than 86400s"
+    with psycopg.connect(database) as conn:
+        left = [r[0] for r in conn.execute("SELECT id FROM outbox ORDER BY id")]
+    assert left == ids[3:]  # the fresh sent row, the dead letter, the two unsent rows

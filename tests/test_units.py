@@ -12,6 +12,7 @@ from confluent_kafka import KafkaError
 
 from relay.backoff import Backoff
 from relay.message import MalformedRow, OutboxMessage
+from relay.metrics import Health
 from relay.queries import QUERIES
 from relay.sinks.base import Outcome
 from relay.sinks.kafka import classify
@@ -85,3 +86,16 @@ def test_undecodable_headers_are_malformed(headers: object) -> None:
 )
 def test_kafka_error_classification(code: int, outcome: Outcome) -> None:
     assert classify(KafkaError(code)).outcome is outcome
+
+
+def test_health_names_the_loop_that_stopped_beating() -> None:
+    now = [100.0]
+    health = Health(clock=lambda: now[0])
+    health.register("main", stale_after=60.0)
+    health.register("elector", stale_after=30.0)
+    now[0] += 40.0
+    health.beat("main")
+    assert health.stalled() == ["elector"] and not health.alive()
+    assert health.describe() == "elector=40.0s main=0.0s"
+    health.beat("elector")
+    assert health.alive()

@@ -1,6 +1,10 @@
 -- Every statement the relay runs, by name. Python asks for them as QUERIES.<name>.
 -- Parameters are named: %(name)s. Nothing here is built by string concatenation.
 
+-- name: disable_jit
+-- For the lag sampler's session: JIT compiling a millisecond query costs more than it saves.
+SELECT set_config('jit', 'off', false);
+
 -- name: set_session_timeouts
 -- Bound every statement, lock wait and idle transaction of a relay session, so a stuck
 -- relay can never hold a lock on the lease row or the outbox for long.
@@ -158,15 +162,45 @@ WHERE id IN (
 -- Operations (status, dead letters)
 ------------------------------------------------------------------------------------
 
--- name: outbox_stats
--- Backlog size and lag. Reads only the partial indexes' rows (the backlog).
+-- name: lag_sample
+-- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
+-- outbox (README "Lag metrics: cost"): counts stop at the cap; the oldest unsent row is
+-- the lowest id in outbox_unsent_idx (one index probe); "blocked" counts, among at most
+-- cap unsent rows from the first failing one, the rows that have failed
+-- (next_attempt_at set) and the later rows of their key, which wait behind them.
 SELECT
-    (SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL)
+    (SELECT count(*)
+       FROM (SELECT 1 FROM outbox
+              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+              LIMIT %(cap)s) AS unsent_rows)
         AS unsent,
-    (SELECT extract(epoch FROM now() - min(created_at))::float8
-       FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL)
+    (SELECT greatest(0, extract(epoch FROM now() - min(created_at)))::float8
+       FROM (SELECT created_at FROM outbox
+              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+              ORDER BY id
+              LIMIT 1) AS oldest)
         AS oldest_unsent_age_seconds,
-    (SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL)
+    (SELECT count(*)
+       FROM (SELECT o.id, o.key, o.next_attempt_at
+               FROM outbox AS o
+              WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                AND o.id >= (SELECT min(f.id) FROM outbox AS f
+                              WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+                                AND f.next_attempt_at IS NOT NULL)
+              ORDER BY o.id
+              LIMIT %(cap)s) AS w
+       LEFT JOIN (SELECT f.key, min(f.id) AS first_id
+                    FROM outbox AS f
+                   WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+                     AND f.next_attempt_at IS NOT NULL
+                   GROUP BY f.key) AS failing
+              ON failing.key = w.key
+      WHERE w.next_attempt_at IS NOT NULL OR w.id > failing.first_id)
+        AS blocked,
+    (SELECT count(*)
+       FROM (SELECT 1 FROM outbox
+              WHERE dead_lettered_at IS NOT NULL
+              LIMIT %(cap)s) AS dead_rows)
         AS dead_lettered;
 
 -- name: dead_letter_list
@@ -190,6 +224,13 @@ SET dead_lettered_at   = NULL,
 WHERE dead_lettered_at IS NOT NULL
   AND (%(all)s OR id = ANY(%(ids)s::bigint[]) OR key = %(key)s::text)
 RETURNING id;
+
+-- name: enqueue
+-- The producer helper (relay.enqueue): what an app runs inside its own transaction.
+-- id, message_id and created_at come from the column defaults.
+INSERT INTO outbox (topic, key, payload, headers)
+VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s)
+RETURNING id, message_id;
 
 -- name: schema_version
 -- Latest applied migration, for `relay check` and `relay status`.

@@ -1,0 +1,131 @@
+"""How far behind the outbox is: one bounded query, sampled on an interval.
+
+Every replica samples, leader or standby, on its own connection, so a scrape of any
+replica tells the truth about the outbox. The query (`lag_sample` in queries.sql) walks
+only the partial indexes and stops counting at a cap: its cost follows the cap, not the
+table (README, "Lag metrics: cost"). A scrape reads the last sample and never touches
+the database.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+
+from relay import db, metrics
+from relay.logging import get_logger
+from relay.metrics import Health
+from relay.queries import QUERIES
+from relay.settings import Settings
+
+log = get_logger("relay.lag")
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class LagSample:
+    unsent: int
+    oldest_unsent_age_seconds: float
+    blocked: int
+    dead_lettered: int
+    count_cap: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(conn: Conn, cap: int) -> LagSample:
+    row = conn.execute(QUERIES.lag_sample, {"cap": cap}).fetchone()
+    assert row is not None  # an aggregate-only SELECT always returns one row
+    return LagSample(
+        unsent=int(row["unsent"]),
+        oldest_unsent_age_seconds=float(row["oldest_unsent_age_seconds"] or 0.0),
+        blocked=int(row["blocked"]),
+        dead_lettered=int(row["dead_lettered"]),
+        count_cap=cap,
+    )
+
+
+def publish(sample: LagSample) -> None:
+    metrics.OUTBOX_UNSENT.set(sample.unsent)
+    metrics.OUTBOX_OLDEST_AGE.set(sample.oldest_unsent_age_seconds)
+    metrics.OUTBOX_BLOCKED.set(sample.blocked)
+    metrics.OUTBOX_DEAD.set(sample.dead_lettered)
+    metrics.OUTBOX_COUNT_CAP.set(sample.count_cap)
+
+
+class LagSampler(threading.Thread):
+    """Refreshes the lag gauges every `lag_sample_seconds`.
+
+    On a failed sample the gauges keep their last values (the errors counter and
+    `relay_lag_sample_age_seconds` say they are stale) rather than drop to zero, which
+    would read as "no lag" exactly when the database is in trouble.
+    """
+
+    def __init__(
+        self, settings: Settings, health: Health, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__(name="relay-lag", daemon=True)
+        self._settings = settings
+        self._health = health
+        self._clock = clock
+        self._stop_event = threading.Event()
+        self._conn: Conn | None = None
+        self._sampled_at = clock()
+        self._failing = False
+        metrics.LAG_SAMPLE_AGE.set_function(lambda: self._clock() - self._sampled_at)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self._health.beat("lag")
+                self.sample_once()
+                self._stop_event.wait(self._settings.lag_sample_seconds)
+        finally:
+            self._close()
+
+    def sample_once(self) -> LagSample | None:
+        started = self._clock()
+        try:
+            sample = measure(self._connection(), self._settings.lag_count_cap)
+        except psycopg.Error as exc:
+            metrics.LAG_SAMPLE_ERRORS.inc()
+            if not self._failing:  # one line per outage, not one per interval
+                log.warning("lag.sample_failed", error=db.describe_error(exc))
+            self._failing = True
+            self._close()
+            return None
+        if self._failing:
+            log.info("lag.sample_recovered")
+            self._failing = False
+        publish(sample)
+        self._sampled_at = self._clock()
+        metrics.LAG_SAMPLE_SECONDS.set(self._sampled_at - started)
+        return sample
+
+    def _connection(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            conn = db.connect(self._settings, purpose="lag")
+            try:
+                conn.execute(QUERIES.disable_jit)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None

@@ -1,0 +1,86 @@
+"""Writing to the outbox from a Python app: one INSERT, inside the app's own transaction.
+
+The helper never commits: the outbox row must land in the same transaction as the
+business write it announces, or not at all. It is the `enqueue` statement of
+queries.sql, which apps on other stacks can run as plain SQL (README, "Writing to the
+outbox").
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+from psycopg.types.json import Jsonb
+
+from relay.queries import QUERIES
+
+Payload = bytes | bytearray | memoryview | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """The new row's id (its place in the per-key order) and its stable message id,
+    which consumers see as the `message-id` header."""
+
+    id: int
+    message_id: uuid.UUID
+
+
+def _params(
+    topic: str, payload: Payload, key: str | None, headers: Mapping[str, str] | None
+) -> dict[str, Any]:
+    if not isinstance(topic, str) or not topic:
+        raise ValueError("topic must be a non-empty string")
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key must be a str or None, not {type(key).__name__}")
+    if headers is not None:
+        # The relay sends header values as given; strings keep them byte-exact.
+        bad = [k for k, v in headers.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise TypeError(f"header names and values must be str: {bad!r}")
+    return {
+        "topic": topic,
+        "key": key,
+        "payload": payload.encode("utf-8") if isinstance(payload, str) else payload,
+        "headers": None if headers is None else Jsonb(dict(headers)),
+    }
+
+
+def _enqueued(row: tuple[Any, ...] | None) -> Enqueued:
+    assert row is not None  # INSERT ... RETURNING one row
+    return Enqueued(id=int(row[0]), message_id=row[1])
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    topic: str,
+    payload: Payload,
+    key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Enqueued:
+    """Add a message to the outbox in `conn`'s current transaction (no commit).
+
+    `payload` is bytes (Avro, Protobuf, ...) or str (sent as UTF-8); rows of the same
+    `key` are delivered in the order they are enqueued.
+    """
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(QUERIES.enqueue, _params(topic, payload, key, headers))
+        return _enqueued(cur.fetchone())
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    topic: str,
+    payload: Payload,
+    key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Enqueued:
+    """`enqueue` for an asyncio app's `psycopg.AsyncConnection`."""
+    async with conn.cursor(row_factory=tuple_row) as cur:
+        await cur.execute(QUERIES.enqueue, _params(topic, payload, key, headers))
+        return _enqueued(await cur.fetchone())

@@ -1,0 +1,244 @@
+"""Metrics as an operator reads them: two `relay run` replicas scraped over HTTP, and a real
+Prometheus evaluating the expressions alerts are written with."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client import REGISTRY
+
+from relay.lag import measure
+from relay.queries import QUERIES
+from tests.conftest import SettingsFactory, relay_env, start_relay
+from tests.harness import free_port
+from tests.harness.kafka import TansuBroker
+from tests.harness.prometheus import PrometheusServer
+from tests.support import (
+    http_get,
+    insert_rows,
+    keyed_rows,
+    metric,
+    running_relay,
+    scalar,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+LEASE = {"lease": "default"}
+
+
+@dataclass
+class Replica:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return metric(self.port, name, **labels)
+
+    def held(self) -> float | None:
+        return self.value("relay_lease_held", **LEASE)
+
+    def age(self) -> float:
+        return self.value("relay_outbox_oldest_unsent_age_seconds") or 0.0
+
+
+@pytest.fixture
+def replicas(relay_dsn: str, kafka: TansuBroker, tmp_path: Path) -> Iterator[list[Replica]]:
+    started = []
+    for n in range(2):
+        port = free_port()
+        env = relay_env(
+            relay_dsn,
+            kafka.bootstrap_servers,
+            RELAY_LEASE_TTL_SECONDS="3",
+            RELAY_STANDBY_POLL_SECONDS="0.2",
+            RELAY_KAFKA_DELIVERY_TIMEOUT_MS="3000",
+            RELAY_METRICS_ENABLED="true",
+            RELAY_METRICS_PORT=str(port),
+            RELAY_LAG_SAMPLE_SECONDS="0.2",
+        )
+        started.append(Replica(start_relay(env, tmp_path / f"relay-{n}.log"), port))
+    yield started
+    for replica in started:
+        if replica.proc.poll() is None:
+            replica.proc.kill()
+        replica.proc.wait(timeout=10)
+
+
+def leader_and_standby(replicas: list[Replica]) -> tuple[Replica, Replica] | None:
+    held = [r.held() for r in replicas]
+    if sorted(h for h in held if h is not None) != [0.0, 1.0]:
+        return None
+    leader = replicas[held.index(1.0)]
+    return leader, next(r for r in replicas if r is not leader)
+
+
+def test_metrics_show_one_holder_the_lag_while_the_broker_is_down_and_the_failover(
+    replicas: list[Replica], database: str, kafka: TansuBroker, topic: str
+) -> None:
+    leader, standby = wait_until(
+        lambda: leader_and_standby(replicas), timeout=20, message="held=1 on exactly one"
+    )
+    epoch = leader.value("relay_lease_epoch", **LEASE)
+    assert epoch is not None and epoch >= 1
+    wait_until(lambda: standby.value("relay_lease_epoch", **LEASE) == epoch, timeout=5)
+    for replica in (leader, standby):
+        assert http_get(f"http://127.0.0.1:{replica.port}/healthz")[0] == 200
+        assert http_get(f"http://127.0.0.1:{replica.port}/readyz")[0] == 200
+        assert replica.value("relay_lease_losses_total", reason="fenced", **LEASE) == 0.0
+
+    # A normal drain: rows go out, the leader counts them, both replicas see no lag.
+    insert_rows(database, topic, keyed_rows(keys=2, per_key=10))
+    wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=20)
+    acked = {"sink": "kafka", "topic": topic, "outcome": "acked"}
+    wait_until(lambda: leader.value("relay_messages_total", **acked) == 20, timeout=5)
+
+    # The sink goes down: the lag age grows on every replica, standby included.
+    kafka.pause()
+    try:
+        insert_rows(database, topic, keyed_rows(keys=2, per_key=5, start=10))
+        first = wait_until(lambda: standby.age() >= 1.5 and standby.age(), timeout=10)
+        wait_until(lambda: standby.age() >= first + 1.0, timeout=10, message="age to grow")
+        assert leader.age() >= first
+        for replica in (leader, standby):
+            assert replica.value("relay_outbox_unsent_rows") == 10.0
+        assert leader.value("relay_lease_held", **LEASE) == 1.0  # an outage is no lease loss
+    finally:
+        kafka.resume()
+    # ... and falls back to zero once the rows are delivered.
+    wait_until(
+        lambda: all(r.age() == 0.0 and r.value("relay_outbox_unsent_rows") == 0 for r in replicas),
+        timeout=30,
+        message="lag back to zero on both replicas",
+    )
+
+    # Failover: SIGTERM the leader; the standby takes the lease at the next epoch.
+    leader.proc.send_signal(signal.SIGTERM)
+    assert leader.proc.wait(timeout=20) == 0
+    wait_until(lambda: standby.held() == 1.0, timeout=10, message="the standby to take over")
+    assert standby.value("relay_lease_epoch", **LEASE) == epoch + 1
+    assert standby.value("relay_lease_acquisitions_total", **LEASE) == 1.0
+    since = standby.value("relay_lease_seconds_since_renewal", **LEASE)
+    assert since is not None and since < 3.0
+
+
+def test_prometheus_sees_exactly_one_holder_across_a_crash(
+    replicas: list[Replica], database: str, topic: str
+) -> None:
+    wait_until(lambda: leader_and_standby(replicas), timeout=20, message="a leader")
+    with PrometheusServer([f"127.0.0.1:{r.port}" for r in replicas]) as prom:
+        wait_until(prom.targets_up, timeout=20, interval=0.2, message="targets up")
+        wait_until(lambda: prom.targets_up() == 2, timeout=20, interval=0.2)
+
+        def one_holder() -> bool:
+            return prom.query('sum(relay_lease_held{lease="default"}) == 1') != []
+
+        wait_until(one_holder, timeout=15, interval=0.2, message="sum(relay_lease_held) == 1")
+        # Both replicas report lag; the lag alert's expression is quiet on an empty outbox.
+        wait_until(
+            lambda: prom.query("count(relay_outbox_oldest_unsent_age_seconds) == 2"),
+            timeout=10,
+            interval=0.2,
+        )
+        assert prom.query("max(relay_outbox_oldest_unsent_age_seconds) > 60") == []
+
+        # SIGKILL the leader: its series go stale, the survivor takes over at epoch 2.
+        leader = next(r for r in replicas if r.held() == 1.0)
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        wait_until(lambda: prom.targets_up() == 1, timeout=15, interval=0.2)
+        wait_until(
+            lambda: prom.query('max(relay_lease_epoch{lease="default"}) == 2') and one_holder(),
+            timeout=20,
+            interval=0.2,
+            message="one holder again, at epoch 2",
+        )
+        insert_rows(database, topic, keyed_rows(keys=1, per_key=3))
+        wait_until(
+            lambda: prom.query(
+                f'sum(relay_messages_total{{topic="{topic}",outcome="acked"}}) == 3'
+            ),
+            timeout=20,
+            interval=0.2,
+        )
+
+
+def test_lag_sample_counts_blocked_and_dead_rows_and_stops_at_the_cap(database: str) -> None:
+    """The gauges' definitions, on rows placed by hand: k0's head is backing off, so k0's
+    later rows wait behind it; k1 flows; one row is dead-lettered."""
+    insert_rows(database, "t", keyed_rows(keys=2, per_key=3))  # k0:0 k1:0 k0:1 k1:1 ...
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox SET attempts = 1, next_attempt_at = now() + interval '1 hour',"
+            " created_at = now() - interval '42 seconds'"
+            " WHERE id = (SELECT min(id) FROM outbox WHERE key = 'k0')"
+        )
+        conn.execute(
+            "UPDATE outbox SET dead_lettered_at = now(), dead_letter_reason = 'test'"
+            " WHERE id = (SELECT max(id) FROM outbox WHERE key = 'k1')"
+        )
+    with psycopg.connect(database, autocommit=True, row_factory=psycopg.rows.dict_row) as conn:
+        sample = measure(conn, cap=1_000)
+        assert (sample.unsent, sample.blocked, sample.dead_lettered) == (5, 3, 1)
+        assert 42.0 <= sample.oldest_unsent_age_seconds < 60.0
+        capped = measure(conn, cap=2)
+        assert (capped.unsent, capped.blocked, capped.dead_lettered) == (2, 1, 1)
+        conn.execute("DELETE FROM outbox")
+        empty = measure(conn, cap=1_000)
+        assert (empty.unsent, empty.oldest_unsent_age_seconds, empty.blocked) == (0, 0.0, 0)
+
+
+def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> None:
+    """The cost claim in the README holds only while the planner walks the partial
+    indexes: with 50,000 sent rows kept (retention mode), no step may scan the table."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, sent_at)"
+            " SELECT 't', 'k' || (g % 100), 'x', now() FROM generate_series(1, 50000) AS g"
+        )
+        insert_rows(database, "t", keyed_rows(keys=3, per_key=3))
+        conn.execute(
+            "UPDATE outbox SET next_attempt_at = now() WHERE id = (SELECT max(id) FROM outbox)"
+        )
+        conn.execute("ANALYZE outbox")
+        row = conn.execute(
+            "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100_000}
+        ).fetchone()
+    assert row is not None
+    plan = json.dumps(row[0])
+    assert '"Seq Scan"' not in plan and '"Bitmap Heap Scan"' not in plan, plan
+    for index in ("outbox_unsent_idx", "outbox_backoff_idx", "outbox_dead_letter_idx"):
+        assert index in plan
+
+
+def test_a_lease_lost_to_failing_renewals_counts_as_error_not_expired(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    """Renewals that fail on the database until the local deadline passes: reason=error.
+    (Revoking UPDATE on leases makes every renewal fail, deterministically.)"""
+    lease = f"err-{uuid.uuid4().hex[:6]}"
+
+    def losses(reason: str) -> float:
+        return (
+            REGISTRY.get_sample_value(
+                "relay_lease_losses_total", {"lease": lease, "reason": reason}
+            )
+            or 0.0
+        )
+
+    with running_relay(make_settings(lease_name=lease)) as app:
+        wait_until(lambda: app.lease.token() is not None, timeout=10, message="the lease")
+        with psycopg.connect(database, autocommit=True) as conn:
+            conn.execute("REVOKE UPDATE ON leases FROM relay")
+        wait_until(lambda: losses("error") == 1.0, timeout=10, message="a loss by error")
+        assert losses("expired") == 0.0
+        assert REGISTRY.get_sample_value("relay_lease_held", {"lease": lease}) == 0.0
