@@ -51,8 +51,8 @@ DOCKERFILE = REPO / "Dockerfile"
 KUBERNETES_VERSIONS = ("1.29.0", "1.32.0")
 
 # Custom resources have no schema in kubernetes-validate (it only ships the core API).
-# They are not skipped silently: test_service_monitor_scrapes_the_relay_service checks
-# the one we ship against the Service it must select.
+# They are not skipped silently: the ServiceMonitor is checked against the Service it
+# must select, the PrometheusRule against the rules file promtool checks and tests.
 CUSTOM_RESOURCE_API_GROUPS = {"monitoring.coreos.com"}
 
 # Metric names the alerts and the dashboard use that the observability work (branch
@@ -589,6 +589,14 @@ def _alert_rules() -> list[dict[str, Any]]:
     return [rule for group in _load(RULES)["groups"] for rule in group["rules"] if "alert" in rule]
 
 
+def test_prometheus_operator_rule_is_the_alert_rules_file() -> None:
+    (rule,) = _load_all(K8S / "prometheus-operator" / "prometheusrule.yaml")
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == _load(RULES)["groups"], (
+        "prometheusrule.yaml must carry relay-alerts.yml's groups unchanged"
+    )
+
+
 def test_every_alert_has_a_summary_description_and_a_runbook() -> None:
     readme = (DEPLOY / "README.md").read_text()
     anchors = {
@@ -736,10 +744,10 @@ def _get(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def scraped_metric_names(
+def relay_metrics_port(
     tmp_path_factory: pytest.TempPathFactory, pg: PostgresServer, kafka: TansuBroker
-) -> set[str]:
-    """Series names from a real `relay run` that has acquired its lease and published."""
+) -> Iterator[int]:
+    """A real `relay run` that holds its lease and has published; yields its metrics port."""
     name = f"t_{uuid.uuid4().hex[:12]}"
     dsn = pg.create_database(name, template="relay_template")
     topic = f"deploy-{uuid.uuid4().hex[:8]}"
@@ -759,11 +767,33 @@ def scraped_metric_names(
         wait_until(lambda: 'relay_lease_held{lease="deploy"} 1.0' in _get(url), timeout=20)
         insert_rows(dsn, topic, keyed_rows(keys=2, per_key=2))
         wait_until(lambda: scalar(dsn, "SELECT count(*) FROM outbox") == 0, timeout=20)
-        return exported_series_names(_get(url))
+        yield port
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         pg.drop_database(name)
+
+
+@pytest.fixture(scope="module")
+def scraped_metric_names(relay_metrics_port: int) -> set[str]:
+    return exported_series_names(_get(f"http://127.0.0.1:{relay_metrics_port}/metrics"))
+
+
+def test_the_image_healthcheck_passes_on_a_live_relay_only(relay_metrics_port: int) -> None:
+    match = re.search(r"^\s+CMD (\[.*\])$", DOCKERFILE.read_text(), re.MULTILINE)
+    assert match, "HEALTHCHECK ... CMD [exec form] expected"
+    argv = json.loads(match[1])
+    assert argv[0] == "python"
+    argv[0] = sys.executable
+
+    def healthcheck(port: int) -> int:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+        env["RELAY_METRICS_PORT"] = str(port)
+        done = subprocess.run(argv, env=env, capture_output=True, timeout=10, check=False)
+        return done.returncode
+
+    assert healthcheck(relay_metrics_port) == 0
+    assert healthcheck(free_port()) != 0
 
 
 def test_scrape_parsing_covers_histograms_and_counters(scraped_metric_names: set[str]) -> None:
