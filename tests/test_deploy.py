@@ -109,7 +109,7 @@ def _kustomizations() -> list[Path]:
     return sorted(K8S.rglob("kustomization.yaml"))
 
 
-def _base(kind: str, name: str) -> dict[str, Any]:
+def _manifest(kind: str, name: str) -> dict[str, Any]:
     for path in _manifest_files():
         for doc in _load_all(path):
             if doc["kind"] == kind and doc["metadata"]["name"] == name:
@@ -118,7 +118,7 @@ def _base(kind: str, name: str) -> dict[str, Any]:
 
 
 def _pod_spec(kind: str, name: str) -> dict[str, Any]:
-    spec: dict[str, Any] = _base(kind, name)["spec"]["template"]["spec"]
+    spec: dict[str, Any] = _manifest(kind, name)["spec"]["template"]["spec"]
     return spec
 
 
@@ -187,7 +187,7 @@ def _pod_templates(doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def test_deployment_runs_replicas_safely() -> None:
-    deployment = _base("Deployment", "relay")
+    deployment = _manifest("Deployment", "relay")
     assert 2 <= deployment["spec"]["replicas"] <= 3
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     pod = deployment["spec"]["template"]
@@ -207,7 +207,7 @@ def test_deployment_runs_replicas_safely() -> None:
         assert resource in container["resources"]["requests"]
         assert resource in container["resources"]["limits"]
 
-    config = _base("ConfigMap", "relay-config")["data"]
+    config = _manifest("ConfigMap", "relay-config")["data"]
     # The relay binds 127.0.0.1 by default: in a pod, probes and Prometheus would fail.
     assert config["RELAY_METRICS_HOST"] == "0.0.0.0"  # noqa: S104
     assert int(config["RELAY_METRICS_PORT"]) == ports["metrics"]
@@ -285,11 +285,11 @@ def test_example_secrets_hold_placeholders_only() -> None:
 
 
 def test_disruption_budget_and_service_select_the_relay_pods() -> None:
-    pod_labels = _base("Deployment", "relay")["spec"]["template"]["metadata"]["labels"]
-    pdb = _base("PodDisruptionBudget", "relay")
+    pod_labels = _manifest("Deployment", "relay")["spec"]["template"]["metadata"]["labels"]
+    pdb = _manifest("PodDisruptionBudget", "relay")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert pdb["spec"]["minAvailable"] == 1
-    service = _base("Service", "relay")
+    service = _manifest("Service", "relay")
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert any(p["name"] == "metrics" for p in service["spec"]["ports"])
 
@@ -298,7 +298,7 @@ def test_service_monitor_scrapes_the_relay_service() -> None:
     (monitor,) = _load_all(K8S / "prometheus-operator" / "servicemonitor.yaml")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["kind"] == "ServiceMonitor"
-    service = _base("Service", "relay")
+    service = _manifest("Service", "relay")
     assert (
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
