@@ -12,6 +12,7 @@ lease check inside `settle` is what makes a paused or partitioned ex-leader harm
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -179,7 +180,7 @@ class Drainer:
                             settlement, message, f"gave up after {attempts} attempts: {error}"
                         )
                     else:
-                        delay = max(self._row_backoff.delay(attempts), result.retry_after or 0.0)
+                        delay = self._retry_delay(attempts, result.retry_after)
                         settlement.retry(message.id, delay, error)
                 elif outcome is Outcome.DEAD:
                     self._dead_letter(settlement, message, result.error or "permanent failure")
@@ -188,6 +189,14 @@ class Drainer:
         for (topic, outcome_name), count in counts.items():
             metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
         return settlement, unavailable
+
+    def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
+        """Our backoff, or the sink's Retry-After when longer, spread by up to 20 % so
+        the rows it throttled do not all come back in the same instant."""
+        backoff = self._row_backoff.delay(attempts)
+        if retry_after is None or retry_after <= backoff:
+            return backoff
+        return min(retry_after * random.uniform(1.0, 1.2), self._settings.retry_max_seconds)
 
     def _dead_letter(self, settlement: Settlement, message: OutboxMessage, reason: str) -> None:
         settlement.dead(message.id, reason)
