@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -281,6 +282,7 @@ class Settings(CommonSettings):
                 "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
                 "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
             )
+        _check_guarantees(self.librdkafka_config())
         return self
 
     # --- derived values, so no caller re-derives them differently ---
@@ -331,6 +333,41 @@ class Settings(CommonSettings):
 
 HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?")
+
+
+# librdkafka settings the delivery guarantees rest on: the pass-through may tune
+# anything else, but not quietly turn these off.
+_KAFKA_GUARDED: dict[str, tuple[Callable[[str], bool], str]] = {
+    "enable.idempotence": (
+        lambda v: v.lower() in {"true", "1"},
+        "must stay true: without it a retried batch can be duplicated or reordered",
+    ),
+    "acks": (lambda v: v.lower() in {"all", "-1"}, "must stay all (-1): the relay marks on acks"),
+    "delivery.report.only.error": (
+        lambda v: v.lower() in {"false", "0"},
+        "must stay false: rows are marked sent from success reports",
+    ),
+    "max.in.flight.requests.per.connection": (
+        lambda v: v.isdigit() and 1 <= int(v) <= 5,
+        "must be 1-5: the idempotent producer keeps order only up to 5",
+    ),
+    "max.in.flight": (  # librdkafka's alias of the above
+        lambda v: v.isdigit() and 1 <= int(v) <= 5,
+        "must be 1-5: the idempotent producer keeps order only up to 5",
+    ),
+    "transactional.id": (
+        lambda _v: False,
+        "is not supported: the relay does not run a transactional producer (yet)",
+    ),
+}
+
+
+def _check_guarantees(config: dict[str, str]) -> None:
+    for name, value in config.items():
+        rule = _KAFKA_GUARDED.get(name)
+        if rule is not None and not rule[0](str(value).strip()):
+            env = f"{ENV_PREFIX}KAFKA__{name.upper().replace('.', '_')}"
+            raise SettingsError(env, rule[1])
 
 
 def _check_http_url(url: str) -> None:

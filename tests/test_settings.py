@@ -100,3 +100,33 @@ def test_cli_exits_2_with_one_clear_line_and_no_password() -> None:
     ]
     assert "s3cr3t-pw" not in err + done.stdout.decode()
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("RELAY_KAFKA__ENABLE_IDEMPOTENCE", "false"),
+        ("RELAY_KAFKA__ACKS", "1"),
+        ("RELAY_KAFKA__DELIVERY_REPORT_ONLY_ERROR", "true"),
+        ("RELAY_KAFKA__MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION", "20"),
+        ("RELAY_KAFKA__TRANSACTIONAL_ID", "relay-1"),
+    ],
+)
+def test_pass_through_cannot_switch_off_the_delivery_guarantees(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv("RELAY_DATABASE_URL", "postgresql://h/db")
+    monkeypatch.setenv("RELAY_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings)
+    assert err.value.name == variable
+
+
+def test_pass_through_may_restate_the_guarantees(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_DATABASE_URL", "postgresql://h/db")
+    monkeypatch.setenv("RELAY_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    monkeypatch.setenv("RELAY_KAFKA__ACKS", "all")
+    monkeypatch.setenv("RELAY_KAFKA__ENABLE_IDEMPOTENCE", "true")
+    monkeypatch.setenv("RELAY_KAFKA__MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION", "5")
+    assert load_settings(Settings).librdkafka_config()["acks"] == "all"
