@@ -174,6 +174,10 @@ class Settings(CommonSettings):
         default="*",
         description="Row headers to send: `*` for all, or a comma-separated allow-list.",
     )
+    http_retry_statuses: str = Field(
+        default="",
+        description="More statuses to retry instead of dead-letter, e.g. `401,403,404`.",
+    )
     http_signing_secret: SecretStr | None = Field(
         default=None, description="Standard Webhooks secret (`whsec_<base64>`)."
     )
@@ -223,6 +227,15 @@ class Settings(CommonSettings):
                 _check_http_url(url)
             except ValueError as exc:
                 raise ValueError(f"topic {topic!r}: {exc}") from None
+        return value
+
+    @field_validator("http_retry_statuses")
+    @classmethod
+    def _retry_statuses_shape(cls, value: str) -> str:
+        for part in value.split(","):
+            code = part.strip()
+            if code and not (code.isdigit() and 300 <= int(code) <= 499):
+                raise ValueError("must be a comma-separated list of 3xx/4xx status codes")
         return value
 
     @field_validator("http_signing_secret")
@@ -303,6 +316,10 @@ class Settings(CommonSettings):
     @property
     def keep_sent_rows(self) -> bool:
         return self.retention_seconds > 0
+
+    @property
+    def http_retry_status_codes(self) -> frozenset[int]:
+        return frozenset(int(c) for c in self.http_retry_statuses.split(",") if c.strip())
 
     @property
     def http_forward_allowlist(self) -> frozenset[str] | None:

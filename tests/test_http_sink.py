@@ -110,6 +110,9 @@ def test_classification() -> None:
     assert len(dead.error) < 300
     assert classify_response(301, None, b"", 300).outcome is Outcome.DEAD
     assert classify_response(429, "7", b"", 300).retry_after == 7
+    # RELAY_HTTP_RETRY_STATUSES: a 401 during a token rotation is worth retrying.
+    assert classify_response(401, None, b"", 300, frozenset({401})).outcome is Outcome.RETRY
+    assert classify_response(403, None, b"", 300, frozenset({401})).outcome is Outcome.DEAD
 
 
 def test_retry_after_forms() -> None:
@@ -196,6 +199,12 @@ def test_settings_reject_bad_http_values(make_settings: SettingsFactory) -> None
     with pytest.raises(SettingsError) as err:
         load_settings(Settings, **base, http_topic_urls={"a": "nope"})
     assert err.value.name == "RELAY_HTTP_TOPIC_URLS"
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, **base, http_url="http://h", http_retry_statuses="401,500")
+    assert err.value.name == "RELAY_HTTP_RETRY_STATUSES"
+    assert load_settings(
+        Settings, **base, http_url="http://h", http_retry_statuses=" 401, 404 "
+    ).http_retry_status_codes == {401, 404}
     with pytest.raises(SettingsError) as err:
         load_settings(Settings, **base, http_url="http://h:99999/x")
     assert err.value.name == "RELAY_HTTP_URL"

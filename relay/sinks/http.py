@@ -120,7 +120,11 @@ def snippet(body: bytes) -> str:
 
 
 def classify_response(
-    status: int, retry_after: str | None, body: bytes, retry_cap: float
+    status: int,
+    retry_after: str | None,
+    body: bytes,
+    retry_cap: float,
+    also_retry: frozenset[int] = frozenset(),
 ) -> Result:
     if 200 <= status < 300:
         return ACKED
@@ -129,7 +133,7 @@ def classify_response(
         text += f": {snippet(body)}"
     if status in _UNAVAILABLE_STATUSES:
         return Result(Outcome.UNAVAILABLE, text, parse_retry_after(retry_after, retry_cap))
-    if status in _RETRY_STATUSES or status >= 500:
+    if status in _RETRY_STATUSES or status >= 500 or status in also_retry:
         return Result(Outcome.RETRY, text, parse_retry_after(retry_after, retry_cap))
     return Result(Outcome.DEAD, text)
 
@@ -234,6 +238,7 @@ class HttpSink:
         self._builder = RequestBuilder(settings)
         self._ssl = ssl_context(settings)
         self._retry_cap = settings.retry_max_seconds
+        self._also_retry = settings.http_retry_status_codes
         self._total_timeout = settings.http_timeout_seconds
         # identity: a compressed answer from a hostile endpoint cannot inflate in memory.
         self._static_headers: dict[str, str] = {
@@ -376,7 +381,11 @@ class HttpSink:
                 finally:
                     await response.aclose()
             return classify_response(
-                response.status_code, response.headers.get("retry-after"), body, self._retry_cap
+                response.status_code,
+                response.headers.get("retry-after"),
+                body,
+                self._retry_cap,
+                self._also_retry,
             )
         except TimeoutError:
             status = "timeout"
