@@ -7,6 +7,7 @@ import base64
 import itertools
 import signal
 import subprocess
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -499,3 +500,23 @@ def test_check_reaches_the_endpoint_and_keeps_secrets(
     assert b"sink: FAILED" in output
     for secret in (b"top-secret-token", SECRET.encode(), b"relay-secret-pw"):
         assert secret not in output
+
+
+def test_abandon_mid_batch_returns_at_once_and_acks_nothing_unanswered(
+    make_settings: SettingsFactory, server: WebhookServer
+) -> None:
+    from relay.sinks.http import HttpSink
+
+    server.respond = lambda d: Reply(200, delay=0.05 if d.key == "fast" else 3.0)
+    sink = HttpSink(http_settings(make_settings, server.url))
+    try:
+        batch = [message(id=1, key="fast"), message(id=2, key="slow"), message(id=3, key="slow")]
+        started = time.monotonic()
+        results = sink.publish(batch, lambda: time.monotonic() - started > 0.5)
+        elapsed = time.monotonic() - started
+    finally:
+        sink.close()
+    assert elapsed < 2.5, f"publish took {elapsed:.1f}s after being abandoned at 0.5s"
+    assert [r.outcome for r in results] == [Outcome.ACKED, Outcome.SKIPPED, Outcome.SKIPPED]
+    with pytest.raises(RuntimeError):
+        sink.publish(batch, lambda: False)

@@ -426,11 +426,20 @@ class HttpSink:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            self._on_loop(self._client.aclose()).result(timeout=5)
+            self._on_loop(self._wind_down()).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._loop.close()
+
+    async def _wind_down(self) -> None:
+        """Cancel what an abandoned publish left running, then close the pool."""
+        current = asyncio.current_task()
+        leftovers = [task for task in asyncio.all_tasks() if task is not current]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+        await self._client.aclose()
 
 
 async def _read_capped(response: httpx.Response) -> bytes:
