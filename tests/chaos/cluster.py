@@ -30,11 +30,11 @@ from tests.harness.postgres import PostgresServer
 
 DATABASE = "chaos"
 ROLE = "relay"
-LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+LIBFAKETIMES = sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))
 
 
 def libfaketime() -> Path | None:
-    return LIBFAKETIME if LIBFAKETIME.exists() else None
+    return LIBFAKETIMES[0] if LIBFAKETIMES else None
 
 
 @dataclass(slots=True)
