@@ -65,7 +65,9 @@ class Injector:
 
         return wait_until(find, timeout=timeout, interval=0.05, message="a live leader")
 
-    def wait_takeover(self, old_epoch: int, since: float, timeout: float = 30.0) -> float:
+    def wait_takeover(self, old_epoch: int, since: float, timeout: float = 75.0) -> float:
+        # Not ttl-bound: a leader paused inside its settle transaction holds the lease
+        # row's lock until idle_in_transaction_session_timeout (30 s) ends its session.
         def newer() -> bool:
             lease = self.cluster.lease()
             return bool(lease and lease["live"] and lease["epoch"] > old_epoch)
