@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -50,6 +51,7 @@ class LeaseToken:
 @dataclass(frozen=True, slots=True)
 class Acquired:
     token: LeaseToken
+    at: datetime | None = None  # database clock, read under the lease row's lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,7 @@ def try_acquire(conn: Conn, name: str, holder: str, ttl: float) -> Attempt:
             if taken is None:
                 # Zero rows: someone moved the epoch between our read and our write.
                 return LostRace("epoch changed under us")
-            return Acquired(LeaseToken(name, holder, int(taken["epoch"])))
+            return Acquired(LeaseToken(name, holder, int(taken["epoch"])), taken["at"])
     except (errors.SerializationFailure, errors.LockNotAvailable) as exc:
         return LostRace(f"SQLSTATE {exc.sqlstate}")
 
@@ -307,6 +309,7 @@ class Elector(threading.Thread):
                 holder=outcome.token.holder,
                 epoch=outcome.token.epoch,
                 waited_seconds=round(started - self._standby_since, 3),
+                db_time=outcome.at.isoformat() if outcome.at else None,
             )
         elif isinstance(outcome, HeldByOther):
             seen = (outcome.holder, outcome.epoch)

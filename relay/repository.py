@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
 
+from relay import failpoints
 from relay.lease import LeaseToken
 from relay.message import OutboxMessage
 from relay.queries import QUERIES
@@ -52,8 +54,9 @@ def fetch_batch(conn: Conn, limit: int) -> list[OutboxMessage]:
 
 def settle(
     conn: Conn, token: LeaseToken, ttl: float, settlement: Settlement, *, delete_sent: bool
-) -> bool:
-    """Write a batch's outcomes in ONE fenced transaction; False if we were fenced out.
+) -> datetime | None:
+    """Write a batch's outcomes in ONE fenced transaction; None if we were fenced out,
+    else the database time at which the fence held (for the `batch.settled` event).
 
     The lease check comes first and renews the lease; if it matches no row a newer
     holder exists, and the whole transaction rolls back: a zombie marks nothing.
@@ -86,8 +89,10 @@ def settle(
                     "reasons": settlement.dead_reasons,
                 },
             )
-        return True
-    return False
+        failpoints.hit("in_settle")
+        fenced_at: datetime = fenced["at"]
+        return fenced_at
+    return None
 
 
 def purge_sent(conn: Conn, older_than_seconds: float, limit: int) -> int:

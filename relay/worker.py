@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from relay import db, metrics, repository
+from relay import db, failpoints, metrics, repository
 from relay.backoff import Backoff, Retrying
 from relay.lease import Elector, Lease, LeaseToken
 from relay.logging import get_logger
@@ -95,21 +95,36 @@ class Drainer:
         started = self._clock()
         results = self._sink.publish(batch, lambda: self._abandon(token))
         metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(self._clock() - started)
+        failpoints.hit("after_publish")
 
         settlement, unavailable = self._plan(batch, results)
         if settlement:
             settle_started = self._clock()
-            if not repository.settle(
+            settled_at = repository.settle(
                 conn,
                 token,
                 self._settings.lease_ttl_seconds,
                 settlement,
                 delete_sent=not self._settings.keep_sent_rows,
-            ):
+            )
+            if settled_at is None:
                 self._elector.lost_by_fencing(token)
                 return
             self._lease.renewed(token, settle_started)
             metrics.SETTLE_SECONDS.observe(self._clock() - settle_started)
+            # Debug level: one line a batch is history for tests/chaos, noise in production.
+            log.debug(
+                "batch.settled",
+                lease=token.name,
+                holder=token.holder,
+                epoch=token.epoch,
+                db_time=settled_at.isoformat(),
+                sent=len(settlement.sent),
+                retried=len(settlement.retry_ids),
+                dead=len(settlement.dead_ids),
+                first_id=batch[0].id,
+                last_id=batch[-1].id,
+            )
 
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.

@@ -318,6 +318,31 @@ def test_broker_killed_mid_drain_marks_nothing_unacked_and_delivers_after_restar
     assert_per_key_order(records)
 
 
+def test_a_broker_that_comes_back_empty_does_not_wedge_the_producer(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """Kill the broker and bring it straight back (empty: no producer state) before the
+    next rows: the idempotent producer's old id is unknown there and every delivery
+    times out. The sink must start a fresh producer rather than time out forever while
+    it keeps the lease (found by the chaos suite)."""
+    settings = make_settings(kafka_delivery_timeout_ms=2_000, batch_size=20)
+    with running_relay(settings):
+        insert_rows(database, topic, keyed_rows(keys=4, per_key=5))
+        wait_until(lambda: unsent_count(database) == 0, timeout=20)
+        kafka.kill()
+        kafka.start()
+        kafka.create_topic(topic, partitions=3)
+        insert_rows(database, topic, keyed_rows(keys=4, per_key=5, start=5))
+        wait_until(
+            lambda: unsent_count(database) == 0,
+            timeout=30,
+            message="delivery to the restarted broker",
+        )
+    records = consume(kafka.bootstrap_servers, topic, min_count=20, timeout=30)
+    assert len({r.headers["message-id"] for r in records}) == 20
+    assert_per_key_order(records)
+
+
 def test_database_restart_mid_drain_loses_nothing(
     make_settings: SettingsFactory,
     database: str,

@@ -155,7 +155,7 @@ def test_a_stale_holder_cannot_mark_rows(relay_dsn: str, database: str) -> None:
         )
         stale = Settlement(sent=list(ids))
         stale.dead(ids[0], "zombie says so")
-        assert settle(a, old.token, 1.0, stale, delete_sent=True) is False
+        assert settle(a, old.token, 1.0, stale, delete_sent=True) is None
         assert (
             scalar(
                 database,
@@ -165,5 +165,5 @@ def test_a_stale_holder_cannot_mark_rows(relay_dsn: str, database: str) -> None:
         )
         # The rightful holder can.
         token = LeaseToken("fence", "B", old.token.epoch + 1)
-        assert settle(b, token, 30.0, Settlement(sent=list(ids)), delete_sent=True) is True
+        assert settle(b, token, 30.0, Settlement(sent=list(ids)), delete_sent=True) is not None
         assert scalar(database, "SELECT count(*) FROM outbox") == 0

@@ -77,7 +77,15 @@ _PRODUCER_STATE = frozenset(
 
 
 def needs_new_producer(error: KafkaError) -> bool:
-    return bool(error.fatal()) or error.code() in _PRODUCER_STATE
+    # A delivery timeout too: an idempotent producer whose broker came back without its
+    # producer state (a wiped or replaced broker) times out every later message, with no
+    # fatal error, for as long as the process lives (found by tests/chaos). A fresh
+    # producer costs a reconnect; timed-out messages are retried (possible duplicates).
+    return (
+        bool(error.fatal())
+        or error.code() in _PRODUCER_STATE
+        or error.code() == KafkaError._MSG_TIMED_OUT
+    )
 
 
 def classify(error: KafkaError) -> Result:
@@ -208,6 +216,7 @@ class KafkaSink:
                 break
             if time.monotonic() > deadline:
                 failure = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report in time")
+                self._needs_new_producer = True
                 break
             failure = self._serve(producer, 0.05)
         if abandoned and pending[0] > 0:

@@ -31,7 +31,9 @@ WHERE name = %(name)s;
 -- name: lease_take
 -- Second half of the CAS: succeeds only if nobody changed the epoch since lease_read.
 -- Under REPEATABLE READ a concurrent winner makes this fail with SQLSTATE 40001 or
--- update zero rows; the caller treats both as a lost race.
+-- update zero rows; the caller treats both as a lost race. `at` is read while we hold
+-- the lease row's lock, so acquisitions and settles (lease_fence) are ordered by it on
+-- one clock, the database's: logged, it lets a history checker prove fencing held.
 UPDATE leases
 SET holder      = %(holder)s,
     epoch       = epoch + 1,
@@ -42,7 +44,7 @@ SET holder      = %(holder)s,
     updated_at  = now()
 WHERE name = %(name)s
   AND epoch = %(seen_epoch)s
-RETURNING epoch;
+RETURNING epoch, clock_timestamp() AS at;
 
 -- name: lease_renew
 -- Extend the lease we hold. Matches no row once someone else took it (fencing).
@@ -110,7 +112,7 @@ SET expires_at = now() + make_interval(secs => %(ttl)s),
 WHERE name = %(name)s
   AND holder = %(holder)s
   AND epoch = %(epoch)s
-RETURNING epoch;
+RETURNING epoch, clock_timestamp() AS at;
 
 -- name: mark_sent
 -- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).

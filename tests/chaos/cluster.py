@@ -1,0 +1,220 @@
+"""The system under test: PostgreSQL, a Tansu broker, and N `relay run` replicas.
+
+Replicas run as the least-privilege role (migrations/grants.sql), log JSON at debug level
+(for `batch.settled`), serve /metrics, and may be armed at a failpoint (relay/failpoints.py)
+through their own directory. One replica may run with a skewed wall clock (libfaketime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from relay.migrate import migrate, migrations_dir
+from relay.settings import CommonSettings
+from tests.chaos.producer import LEDGER_DDL
+from tests.conftest import relay_env, start_relay
+from tests.harness import free_port
+from tests.harness.kafka import TansuBroker
+from tests.harness.postgres import PostgresServer
+
+DATABASE = "chaos"
+ROLE = "relay"
+LIBFAKETIMES = sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))
+
+
+def libfaketime() -> Path | None:
+    return LIBFAKETIMES[0] if LIBFAKETIMES else None
+
+
+@dataclass(slots=True)
+class Replica:
+    name: str
+    log_path: Path
+    failpoints: Path
+    metrics_port: int
+    skew: str | None = None
+    incarnation: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    expected_exit: bool = False
+    stopped: bool = False
+    unexpected_exits: list[str] = field(default_factory=list)
+
+    @property
+    def holder(self) -> str:
+        return f"{self.name}.{self.incarnation}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+
+class Cluster:
+    def __init__(self, workdir: Path, *, replicas: int, settings: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.pg = PostgresServer(workdir / "pg")
+        self.broker = TansuBroker()
+        self.topic = "chaos-orders"
+        self.partitions = 3
+        self.password = f"chaos-{secrets.token_hex(12)}"
+        self.settings = settings
+        self.replicas = [
+            Replica(
+                f"r{n}",
+                workdir / f"relay-r{n}.log",
+                workdir / f"failpoints-r{n}",
+                free_port(),
+            )
+            for n in range(replicas)
+        ]
+
+    # --- servers ---
+
+    def start_servers(self) -> None:
+        self.pg.start()
+        admin_dsn = self.pg.create_database(DATABASE)
+        migrate(CommonSettings(database_url=admin_dsn))
+        self.pg.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{self.password}'")
+        self.pg.execute((migrations_dir() / "grants.sql").read_text(), dbname=DATABASE)
+        self.pg.execute(LEDGER_DDL, dbname=DATABASE)
+        self.broker.start()
+        self.broker.create_topic(self.topic, self.partitions)
+
+    @property
+    def admin_dsn(self) -> str:
+        return self.pg.dsn(DATABASE)
+
+    @property
+    def relay_dsn(self) -> str:
+        return self.pg.dsn(DATABASE, user=ROLE, password=self.password)
+
+    # --- replicas ---
+
+    def start_replica(self, replica: Replica) -> None:
+        replica.incarnation += 1
+        replica.failpoints.mkdir(parents=True, exist_ok=True)
+        for armed in replica.failpoints.iterdir():
+            armed.unlink()
+        extra = {
+            **self.settings,
+            "RELAY_REPLICA_ID": replica.holder,
+            "RELAY_LOG_LEVEL": "debug",
+            "RELAY_FAILPOINTS": str(replica.failpoints),
+            "RELAY_METRICS_ENABLED": "true",
+            "RELAY_METRICS_PORT": str(replica.metrics_port),
+        }
+        env = relay_env(self.relay_dsn, self.broker.bootstrap_servers, **extra)
+        lib = libfaketime()
+        if replica.skew and lib is not None:
+            # Only the wall clock: an NTP-less node. The lease runs on the database's
+            # clock and the relay's own deadlines on the monotonic one.
+            env |= {
+                "LD_PRELOAD": str(lib),
+                "FAKETIME": replica.skew,
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            }
+        replica.expected_exit = False
+        replica.stopped = False
+        replica.proc = start_relay(env, replica.log_path)
+
+    def start_replicas(self) -> None:
+        for replica in self.replicas:
+            self.start_replica(replica)
+
+    def by_holder(self, holder: str | None) -> Replica | None:
+        return next((r for r in self.replicas if r.holder == holder), None)
+
+    def kill(self, replica: Replica) -> None:
+        replica.expected_exit = True
+        replica.signal(signal.SIGKILL)
+        if replica.proc is not None:
+            replica.proc.wait(timeout=10)
+
+    def note_unexpected_exits(self) -> None:
+        for replica in self.replicas:
+            if replica.proc is not None and not replica.alive() and not replica.expected_exit:
+                replica.unexpected_exits.append(
+                    f"{replica.holder} exited with {replica.proc.returncode}"
+                )
+                replica.expected_exit = True
+
+    def freeze_all(self) -> None:
+        for replica in self.replicas:
+            replica.signal(signal.SIGSTOP)
+            replica.stopped = True
+
+    def thaw_all(self) -> None:
+        for replica in self.replicas:
+            replica.signal(signal.SIGCONT)
+            replica.stopped = False
+
+    def scrape(self, replica: Replica) -> str:
+        url = f"http://127.0.0.1:{replica.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body: bytes = response.read()
+        return body.decode(errors="replace")
+
+    def stop_replicas(self) -> None:
+        for replica in self.replicas:
+            replica.signal(signal.SIGCONT)
+            replica.expected_exit = True
+            replica.signal(signal.SIGTERM)
+        for replica in self.replicas:
+            if replica.proc is None:
+                continue
+            try:
+                replica.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                replica.proc.kill()
+                replica.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop_replicas()
+        self.broker.stop()
+        self.pg.stop("immediate")
+
+    # --- reading state ---
+
+    def lease(self) -> dict[str, Any] | None:
+        """The lease row as the database sees it; None while the database is down."""
+        try:
+            with psycopg.connect(self.admin_dsn, autocommit=True, connect_timeout=2) as conn:
+                row = conn.execute(
+                    "SELECT holder, epoch, expires_at > now() AS live FROM leases"
+                    " WHERE name = 'default'"
+                ).fetchone()
+        except psycopg.Error:
+            return None
+        if row is None:
+            return None
+        return {"holder": row[0], "epoch": int(row[1]), "live": bool(row[2])}
+
+    def unsent(self) -> int | None:
+        try:
+            with psycopg.connect(self.admin_dsn, autocommit=True, connect_timeout=2) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+                ).fetchone()
+        except psycopg.Error:
+            return None
+        return None if row is None else int(row[0])
+
+
+def make_workdir() -> Path:
+    workdir = Path(tempfile.mkdtemp(prefix="relay-chaos-"))
+    workdir.chmod(0o755)  # PostgreSQL runs as the postgres user, in a subdirectory
+    return workdir

@@ -1,0 +1,209 @@
+"""The faults, each injected, held and healed by one function that returns its record.
+
+A fault is chosen from the run's seeded RNG; its own random choices (how long to hold,
+crash or clean restart) come from the same RNG, so a seed replays the same schedule.
+`in_flight_bound` is how many messages the fault can make the relay publish twice: one
+batch for a crash or a pause (the drain settles one batch at a time), one batch per
+delivery timeout that a paused broker can swallow and later persist.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tests.chaos.cluster import Cluster, Replica
+from tests.chaos.history import Fault
+from tests.chaos.recorder import Recorder
+from tests.support import wait_until
+
+LEADER_FAULTS = ("kill_leader", "kill_after_publish", "kill_in_settle", "pause_leader")
+ALL_FAULTS = (
+    *LEADER_FAULTS,
+    "restart_postgres",
+    "crash_postgres",
+    "kill_broker",
+    "pause_broker",
+)
+
+
+@dataclass(slots=True)
+class Timing:
+    ttl: float
+    batch: int
+    delivery_timeout: float
+    started: float  # monotonic start of the run
+
+
+class Injector:
+    def __init__(
+        self, cluster: Cluster, recorder: Recorder, timing: Timing, rng: random.Random
+    ) -> None:
+        self.cluster = cluster
+        self.recorder = recorder
+        self.timing = timing
+        self.rng = rng
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self.timing.started, 2)
+
+    # --- helpers ---
+
+    def leader(self, timeout: float = 30.0) -> tuple[Replica, int]:
+        def find() -> tuple[Replica, int] | None:
+            lease = self.cluster.lease()
+            if not lease or not lease["live"]:
+                return None
+            replica = self.cluster.by_holder(lease["holder"])
+            if replica is None or not replica.alive():
+                return None
+            return replica, lease["epoch"]
+
+        return wait_until(find, timeout=timeout, interval=0.05, message="a live leader")
+
+    def wait_takeover(self, old_epoch: int, since: float, timeout: float = 75.0) -> float:
+        # Not ttl-bound: a leader paused inside its settle transaction holds the lease
+        # row's lock until idle_in_transaction_session_timeout (30 s) ends its session.
+        def newer() -> bool:
+            lease = self.cluster.lease()
+            return bool(lease and lease["live"] and lease["epoch"] > old_epoch)
+
+        wait_until(newer, timeout=timeout, interval=0.02, message=f"an epoch after {old_epoch}")
+        return round(time.monotonic() - since, 3)
+
+    def heal(self) -> None:
+        """Every replica running again and someone leading."""
+        for replica in self.cluster.replicas:
+            if not replica.alive():
+                self.cluster.start_replica(replica)
+        self.leader(timeout=60.0)
+
+    # --- the faults ---
+
+    def run(self, kind: str) -> Fault:
+        fault: Callable[[], Fault] = getattr(self, kind)
+        return fault()
+
+    def kill_leader(self) -> Fault:
+        replica, epoch = self.leader()
+        at = self._now()
+        killed = time.monotonic()
+        self.cluster.kill(replica)
+        takeover = self.wait_takeover(epoch, killed)
+        return Fault("kill_leader", at, 0.0, self.timing.batch, takeover, replica.holder)
+
+    def _kill_at(self, point: str, kind: str) -> Fault:
+        replica, epoch = self.leader()
+        at = self._now()
+        armed = replica.failpoints / point
+        replica.expected_exit = True
+        armed.touch()
+        note = f"{replica.holder} at {point}"
+        try:
+            wait_until(lambda: not replica.alive(), timeout=20, interval=0.01)
+        except AssertionError:
+            # No batch reached the point (an idle outbox): crash it anyway.
+            armed.unlink(missing_ok=True)
+            note += " (not reached: plain SIGKILL)"
+            self.cluster.kill(replica)
+        died = time.monotonic()
+        takeover = self.wait_takeover(epoch, died)
+        return Fault(kind, at, 0.0, self.timing.batch, takeover, note)
+
+    def kill_after_publish(self) -> Fault:
+        return self._kill_at("after_publish", "kill_after_publish")
+
+    def kill_in_settle(self) -> Fault:
+        return self._kill_at("in_settle", "kill_in_settle")
+
+    def pause_leader(self) -> Fault:
+        """SIGSTOP past the ttl: a standby takes over; the zombie wakes and must mark
+        nothing (the checker's stale_mark)."""
+        replica, epoch = self.leader()
+        hold = self.timing.ttl + self.rng.uniform(1.0, 2.0)
+        at = self._now()
+        stopped = time.monotonic()
+        replica.signal(signal.SIGSTOP)
+        try:
+            takeover = self.wait_takeover(epoch, stopped)
+            remaining = hold - (time.monotonic() - stopped)
+            if remaining > 0:
+                time.sleep(remaining)  # part of the schedule: the zombie stays asleep
+        finally:
+            replica.signal(signal.SIGCONT)
+        return Fault(
+            "pause_leader", at, round(hold, 2), self.timing.batch, takeover, replica.holder
+        )
+
+    def _postgres_down(self, crash: bool) -> Fault:
+        down = self.rng.uniform(0.5, 3.0)
+        at = self._now()
+        if crash:
+            self.cluster.pg.kill()
+        else:
+            self.cluster.pg.stop("fast")
+        time.sleep(down)
+        self.cluster.pg.start()
+        kind = "crash_postgres" if crash else "restart_postgres"
+        return Fault(kind, at, round(down, 2), self.timing.batch, None, f"down {down:.1f}s")
+
+    def restart_postgres(self) -> Fault:
+        return self._postgres_down(crash=False)
+
+    def crash_postgres(self) -> Fault:
+        return self._postgres_down(crash=True)
+
+    def kill_broker(self) -> Fault:
+        """SIGKILL the broker and start a fresh one on the same port.
+
+        Tansu keeps its log in memory, so a killed broker comes back empty: records it
+        acknowledged but nobody had read yet would vanish — the broker's loss, not the
+        relay's. So the replicas are frozen for a moment, the recorder reads everything
+        the old broker holds, and only then is it killed. What the relay sees is still a
+        dead broker under its producer, with its batch possibly half acknowledged.
+        """
+        at = self._now()
+        frozen = time.monotonic()
+        self.cluster.freeze_all()
+        try:
+            wait_until(self.recorder.caught_up, timeout=30, interval=0.1, message="recorder")
+            if not self.recorder.suspend():
+                raise AssertionError("recorder did not let go of the old broker")
+            self.cluster.broker.kill()
+            self.cluster.broker.start()
+            self.cluster.broker.create_topic(self.cluster.topic, self.cluster.partitions)
+            self.recorder.resume()
+        finally:
+            self.cluster.thaw_all()
+        took = time.monotonic() - frozen
+        note = f"replicas frozen {took:.1f}s"
+        return Fault("kill_broker", at, round(took, 2), self.timing.batch, None, note)
+
+    def pause_broker(self) -> Fault:
+        hold = self.rng.uniform(1.0, 2.5 * self.timing.delivery_timeout)
+        at = self._now()
+        self.cluster.broker.pause()
+        try:
+            time.sleep(hold)
+        finally:
+            self.cluster.broker.resume()
+        # Each delivery timeout inside the pause can leave one batch in the broker's
+        # socket buffer that it persists on waking, while the relay sends it again.
+        copies = math.ceil(hold / self.timing.delivery_timeout) + 1
+        return Fault(
+            "pause_broker", at, round(hold, 2), self.timing.batch * copies, None, f"{hold:.1f}s"
+        )
+
+
+def schedule(rng: random.Random, count: int) -> list[str]:
+    """Every kind at least once (when count allows), the rest drawn at random."""
+    kinds = list(ALL_FAULTS[:count])
+    weights = {kind: 1.0 for kind in ALL_FAULTS} | {"kill_leader": 2.0, "pause_leader": 2.0}
+    while len(kinds) < count:
+        kinds += rng.choices(list(weights), weights=list(weights.values()))
+    rng.shuffle(kinds)
+    return kinds
