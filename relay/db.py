@@ -9,7 +9,7 @@ from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
 from relay.queries import QUERIES
-from relay.settings import CommonSettings
+from relay.settings import CommonSettings, Settings
 
 
 def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def connect(
             {
                 "statement_timeout": f"{settings.database_statement_timeout_ms}ms",
                 "lock_timeout": f"{settings.database_lock_timeout_ms}ms",
-                "idle_timeout": f"{settings.database_idle_in_transaction_timeout_ms}ms",
+                "idle_timeout": f"{idle_in_transaction_timeout_ms(settings)}ms",
                 "application_name": f"relay:{purpose}",
             },
         )
@@ -68,6 +68,20 @@ def connect(
         conn.close()
         raise
     return conn
+
+
+def idle_in_transaction_timeout_ms(settings: CommonSettings) -> int:
+    """The configured timeout, capped at the lease ttl for the daemon's sessions.
+
+    Their transactions (a renewal, a settle) take milliseconds and hold the lease row's
+    lock. A replica frozen inside one (SIGSTOP, a VM pause) would otherwise block every
+    standby's takeover until the server's timeout, 30 s by default, instead of a ttl.
+    """
+    configured = settings.database_idle_in_transaction_timeout_ms
+    if not isinstance(settings, Settings):
+        return configured
+    cap = int(settings.lease_ttl_seconds * 1000)
+    return cap if configured == 0 else min(configured, cap)
 
 
 def describe_error(exc: BaseException) -> str:

@@ -167,3 +167,45 @@ def test_a_stale_holder_cannot_mark_rows(relay_dsn: str, database: str) -> None:
         token = LeaseToken("fence", "B", old.token.epoch + 1)
         assert settle(b, token, 30.0, Settlement(sent=list(ids)), delete_sent=True) is not None
         assert scalar(database, "SELECT count(*) FROM outbox") == 0
+
+
+def test_a_holder_frozen_inside_a_lease_transaction_blocks_takeover_for_a_ttl_at_most(
+    relay_dsn: str,
+) -> None:
+    """A daemon session frozen mid-transaction (SIGSTOP during a settle) holds the lease
+    row's lock; the server must end it within a ttl, not after its 30 s default."""
+    from relay import db
+    from relay.settings import CommonSettings, Settings
+
+    daemon = Settings(database_url=relay_dsn, kafka_bootstrap_servers="x:1", lease_ttl_seconds=3)
+    with db.connect(daemon, purpose="drain") as conn:
+        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == {
+            "idle_in_transaction_session_timeout": "3s"
+        }
+    # Operator commands keep the configured value: they hold no lease lock.
+    with db.connect(CommonSettings(database_url=relay_dsn), purpose="status") as conn:
+        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == {
+            "idle_in_transaction_session_timeout": "30s"
+        }
+
+    frozen = db.connect(daemon, purpose="drain")
+    try:
+        frozen.execute("BEGIN")
+        # Holds a lock on a lease row, then goes quiet: the client is frozen.
+        frozen.execute("INSERT INTO leases (name, holder, epoch) VALUES ('x', 'frozen', 1)")
+        started = time.monotonic()
+        # The other session waits on the row lock until the server ends the frozen one.
+        with psycopg.connect(relay_dsn, autocommit=True) as other:
+            wait_until(
+                lambda: (
+                    other.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay:drain'"
+                    ).fetchone()
+                    == (0,)
+                ),
+                timeout=10,
+                message="the frozen session to be ended",
+            )
+        assert time.monotonic() - started < 6
+    finally:
+        frozen.close()
