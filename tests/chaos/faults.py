@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tests.chaos.cluster import Cluster, Replica
 from tests.chaos.history import Fault
-from tests.chaos.recorder import Recorder
+from tests.chaos.recorder import Recorder, put_markers
 from tests.support import wait_until
 
 LEADER_FAULTS = ("kill_leader", "kill_after_publish", "kill_in_settle", "pause_leader")
@@ -170,7 +170,17 @@ class Injector:
         frozen = time.monotonic()
         self.cluster.freeze_all()
         try:
-            wait_until(self.recorder.caught_up, timeout=30, interval=0.1, message="recorder")
+            # Not the high watermarks: Tansu's lag its log by a batch (an acked batch
+            # would vanish unread). A marker after everything, read back, proves it.
+            markers = put_markers(
+                self.cluster.broker.bootstrap_servers, self.cluster.topic, self.cluster.partitions
+            )
+            wait_until(
+                lambda: self.recorder.read_markers(markers),
+                timeout=30,
+                interval=0.05,
+                message="the recorder to read every partition's marker",
+            )
             if not self.recorder.suspend():
                 raise AssertionError("recorder did not let go of the old broker")
             self.cluster.broker.kill()
