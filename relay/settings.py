@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
@@ -117,6 +119,17 @@ class CommonSettings(BaseSettings):
             raise ValueError("must not be empty")
         if "://" in raw and not raw.startswith(("postgresql://", "postgres://")):
             raise ValueError("must be a postgresql:// URL or a key=value DSN")
+        # Parse it here: libpq's parse errors quote the offending text, which may be the
+        # password, and they would otherwise surface in `relay check` and in logs.
+        try:
+            parsed = conninfo_to_dict(raw)
+        except psycopg.Error:
+            raise ValueError(
+                "is not a valid libpq URL or DSN (not shown: it may hold a password;"
+                " percent-encode special characters such as % @ / in a URL)"
+            ) from None
+        if "@" in str(parsed.get("host", "")):
+            raise ValueError("has an '@' in the host part: write an '@' in the password as %40")
         return SecretStr(raw)
 
     @classmethod

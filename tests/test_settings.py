@@ -130,3 +130,28 @@ def test_pass_through_may_restate_the_guarantees(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("RELAY_KAFKA__ENABLE_IDEMPOTENCE", "true")
     monkeypatch.setenv("RELAY_KAFKA__MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION", "5")
     assert load_settings(Settings).librdkafka_config()["acks"] == "all"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://relay:s3cr%zzet@127.0.0.1:1/db",  # a bare % in the password
+        "postgresql://relay:s3cr@et@127.0.0.1:1/db",  # a bare @ in the password
+        "host=127.0.0.1 password=s3cr et",  # an unquoted space in a DSN
+    ],
+)
+def test_a_malformed_database_url_is_refused_without_quoting_it(url: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, database_url=url, kafka_bootstrap_servers="x:1")
+    assert err.value.name == "RELAY_DATABASE_URL"
+    assert "s3cr" not in str(err.value)
+
+
+def test_check_with_a_malformed_url_exits_2_without_the_password() -> None:
+    env = relay_env("postgresql://relay:s3cr%zzet@127.0.0.1:1/db", "127.0.0.1:1")
+    done = subprocess.run(
+        relay_command("check"), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    assert b"RELAY_DATABASE_URL" in done.stderr
+    assert b"s3cr" not in done.stdout + done.stderr
