@@ -216,8 +216,40 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
     assert row is not None
     plan = json.dumps(row[0])
     assert '"Seq Scan"' not in plan and '"Bitmap Heap Scan"' not in plan, plan
-    for index in ("outbox_unsent_idx", "outbox_backoff_idx", "outbox_dead_letter_idx"):
+    for index in ("outbox_unsent_idx", "outbox_failing_idx", "outbox_dead_letter_idx"):
         assert index in plan
+
+
+def test_lag_sample_cost_follows_the_cap_not_the_number_of_failing_rows(database: str) -> None:
+    """Failing rows with keys of their own (a failing topic of unique keys): ten times
+    as many of them must not make a sample capped at 100 rows read many more pages."""
+
+    def failing(count: int) -> None:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, next_attempt_at)"
+            " SELECT 't', 'u' || g, 'x', now() + interval '1 hour'"
+            " FROM generate_series(1, %s) AS g",
+            (count,),
+        )
+        conn.execute("VACUUM ANALYZE outbox")
+
+    def pages() -> int:
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100}
+        ).fetchone()
+        assert row is not None
+        top = row[0][0]["Plan"]
+        return int(top["Shared Hit Blocks"] + top["Shared Read Blocks"])
+
+    with psycopg.connect(database, autocommit=True) as conn:
+        failing(3_000)
+        few = pages()
+        failing(27_000)
+        many = pages()
+        sample = conn.execute(QUERIES.lag_sample, {"cap": 100}).fetchone()
+    assert many < 2 * few + 50, f"{few} pages with 3,000 failing rows, {many} with 30,000"
+    assert sample is not None
+    assert sample[0] == 100 and sample[2] == 100  # unsent and blocked, both capped
 
 
 def test_a_lease_lost_to_failing_renewals_counts_as_error_not_expired(

@@ -168,8 +168,9 @@ WHERE id IN (
 -- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
 -- outbox (README "Lag metrics: cost"): counts stop at the cap; the oldest unsent row is
 -- the lowest id in outbox_unsent_idx (one index probe); "blocked" counts, among at most
--- cap unsent rows from the first failing one, the rows that have failed
--- (next_attempt_at set) and the later rows of their key, which wait behind them.
+-- cap unsent rows from the first failing one (one probe of outbox_failing_idx), the
+-- rows that have failed (next_attempt_at set) and the later rows of their key, which
+-- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
 SELECT
     (SELECT count(*)
        FROM (SELECT 1 FROM outbox
@@ -186,18 +187,19 @@ SELECT
        FROM (SELECT o.id, o.key, o.next_attempt_at
                FROM outbox AS o
               WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                AND o.id >= (SELECT min(f.id) FROM outbox AS f
+                AND o.id >= (SELECT f.id FROM outbox AS f
                               WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
-                                AND f.next_attempt_at IS NOT NULL)
+                                AND f.next_attempt_at IS NOT NULL
+                              ORDER BY f.id
+                              LIMIT 1)
               ORDER BY o.id
               LIMIT %(cap)s) AS w
-       LEFT JOIN (SELECT f.key, min(f.id) AS first_id
-                    FROM outbox AS f
-                   WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
-                     AND f.next_attempt_at IS NOT NULL
-                   GROUP BY f.key) AS failing
-              ON failing.key = w.key
-      WHERE w.next_attempt_at IS NOT NULL OR w.id > failing.first_id)
+      WHERE w.next_attempt_at IS NOT NULL
+         OR EXISTS (SELECT 1 FROM outbox AS f
+                     WHERE f.key = w.key
+                       AND f.id < w.id
+                       AND f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+                       AND f.next_attempt_at IS NOT NULL))
         AS blocked,
     (SELECT count(*)
        FROM (SELECT 1 FROM outbox
