@@ -301,5 +301,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.OperationalError as exc:
         print(f"relay: database unavailable: {db.describe_error(exc)}", file=sys.stderr)
         return EXIT_FAILURE
+    except psycopg.errors.UndefinedTable as exc:
+        print(
+            f"relay: the schema is missing ({db.describe_error(exc)}): run `relay migrate`",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    except psycopg.Error as exc:
+        print(f"relay: database error: {db.describe_error(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130

@@ -97,7 +97,9 @@ class LagSampler(threading.Thread):
         started = self._clock()
         try:
             sample = measure(self._connection(), self._settings.lag_count_cap)
-        except psycopg.Error as exc:
+        except Exception as exc:
+            # Any failure, not only the database's: this thread only feeds metrics, and
+            # its death would fail /healthz and restart a healthy leader.
             metrics.LAG_SAMPLE_ERRORS.inc()
             if not self._failing:  # one line per outage, not one per interval
                 log.warning("lag.sample_failed", error=db.describe_error(exc))

@@ -99,6 +99,10 @@ OUTBOX_DEAD = Gauge(
 OUTBOX_COUNT_CAP = Gauge(
     "relay_outbox_count_cap", "The row counts above stop at this value (RELAY_LAG_COUNT_CAP)."
 )
+# Unknown until the first sample: NaN, not 0, which would read as "no lag" (and make a
+# dead-letter delta jump from 0 when a new pod's first sample lands).
+for _gauge in (OUTBOX_UNSENT, OUTBOX_OLDEST_AGE, OUTBOX_BLOCKED, OUTBOX_DEAD):
+    _gauge.set(float("nan"))
 LAG_SAMPLE_SECONDS = Gauge(
     "relay_lag_sample_duration_seconds", "Duration of the last lag sample query."
 )

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
+from relay.message import RESERVED_HEADERS
 from relay.queries import QUERIES
 
 Payload = bytes | bytearray | memoryview | str | None
@@ -43,12 +45,26 @@ def _params(
         bad = [k for k, v in headers.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise TypeError(f"header names and values must be str: {bad!r}")
+        reserved = [k for k in headers if k.lower() in RESERVED_HEADERS]
+        if reserved:
+            raise ValueError(f"headers {reserved!r} are set by the relay itself")
     return {
         "topic": topic,
         "key": key,
         "payload": payload.encode("utf-8") if isinstance(payload, str) else payload,
         "headers": None if headers is None else Jsonb(dict(headers)),
     }
+
+
+def _require_transaction(autocommit: bool, status: TransactionStatus) -> None:
+    """On an autocommit connection outside `conn.transaction()` the outbox row would
+    commit on its own, whether or not the business write does: the one thing the
+    outbox pattern exists to prevent."""
+    if autocommit and status == TransactionStatus.IDLE:
+        raise RuntimeError(
+            "relay.enqueue needs a transaction: the connection is in autocommit mode and"
+            " none is open; wrap the business write and the enqueue in conn.transaction()"
+        )
 
 
 def _enqueued(row: tuple[Any, ...] | None) -> Enqueued:
@@ -68,6 +84,7 @@ def enqueue(
     `payload` is bytes (Avro, Protobuf, ...) or str (sent as UTF-8); rows of the same
     `key` are delivered in the order they are enqueued.
     """
+    _require_transaction(conn.autocommit, conn.info.transaction_status)
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(QUERIES.enqueue, _params(topic, payload, key, headers))
         return _enqueued(cur.fetchone())
@@ -81,6 +98,7 @@ async def enqueue_async(
     headers: Mapping[str, str] | None = None,
 ) -> Enqueued:
     """`enqueue` for an asyncio app's `psycopg.AsyncConnection`."""
+    _require_transaction(conn.autocommit, conn.info.transaction_status)
     async with conn.cursor(row_factory=tuple_row) as cur:
         await cur.execute(QUERIES.enqueue, _params(topic, payload, key, headers))
         return _enqueued(await cur.fetchone())

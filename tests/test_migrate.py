@@ -37,15 +37,16 @@ def test_four_concurrent_migrators_apply_each_file_once(empty_db: str) -> None:
     assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
     applied = [out.decode() for out, _ in outputs]
     assert sum("0001_outbox_and_leases.sql" in text for text in applied) == 1
+    assert sum("0002_outbox_failing_idx.sql" in text for text in applied) == 1
     with psycopg.connect(empty_db) as conn:
-        rows = conn.execute("SELECT version FROM schema_migrations").fetchall()
-    assert rows == [("0001",)]
+        rows = conn.execute("SELECT version FROM schema_migrations ORDER BY version").fetchall()
+    assert rows == [("0001",), ("0002",)]
 
 
 def test_migrate_twice_is_a_no_op(empty_db: str) -> None:
     first = run_migrate(empty_db).communicate(timeout=60)[0].decode()
     second = run_migrate(empty_db).communicate(timeout=60)[0].decode()
-    assert first.startswith("applied 1 migration(s)")
+    assert first.startswith("applied 2 migration(s)")
     assert second.strip() == "applied 0 migration(s)"
 
 

@@ -71,7 +71,7 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         assert status["leases"][0]["holder"] == "replica-under-test"
         assert status["leases"][0]["live"] is True
         assert 0 < status["leases"][0]["seconds_to_expiry"] <= 3.0
-        assert status["schema_version"] == "0001"
+        assert status["schema_version"] == "0002"
         assert status["outbox"] == {
             "unsent": 0,
             "oldest_unsent_age_seconds": 0.0,
@@ -91,7 +91,7 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         )
         assert ok.returncode == 0, ok.stderr
         assert b"settings: ok" in ok.stdout
-        assert b"database: ok (schema version 0001" in ok.stdout and b"kafka: ok" in ok.stdout
+        assert b"database: ok (schema version 0002" in ok.stdout and b"kafka: ok" in ok.stdout
 
     bad_url = relay_dsn.replace(":relay-secret-pw@", ":wrong-pw-123@")
     env["RELAY_DATABASE_URL"] = bad_url

@@ -35,6 +35,18 @@ def test_enqueue_commits_and_rolls_back_with_the_business_write(database: str) -
         ]  # fmt: skip
 
 
+def test_enqueue_refuses_to_commit_on_its_own(database: str) -> None:
+    """Autocommit with no transaction open would commit the outbox row alone."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        with pytest.raises(RuntimeError, match=r"conn\.transaction\(\)"):
+            relay.enqueue(conn, "orders", b"x")
+        with pytest.raises(ValueError, match="set by the relay"), conn.transaction():
+            relay.enqueue(conn, "orders", b"x", headers={"Message-Id": "forged"})
+        with conn.transaction():  # the supported way on an autocommit connection
+            relay.enqueue(conn, "orders", b"x")
+    assert scalar(database, "SELECT count(*) FROM outbox") == 1
+
+
 def test_enqueue_async_writes_in_the_async_transaction(database: str) -> None:
     async def app() -> list[relay.Enqueued]:
         async with await psycopg.AsyncConnection.connect(database) as conn:
