@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 
-from relay.app import RelayApp
 from relay.settings import Settings
+from tests.support import running_relay
 
 PAYLOAD = b"x" * 200
 KEYS = 100
@@ -50,18 +47,6 @@ def relay_settings(dsn: str, bootstrap: str | None, **overrides: Any) -> Setting
     return Settings(**values)
 
 
-@contextmanager
-def running(settings: Settings) -> Iterator[RelayApp]:
-    app = RelayApp(settings)
-    thread = threading.Thread(target=app.run, daemon=True)
-    thread.start()
-    try:
-        yield app
-    finally:
-        app.shutdown.request()
-        thread.join(timeout=60)
-
-
 def drain_rate(settings: Settings, rows: int) -> float:
     """rows/s of an in-process relay draining pre-loaded rows (ids contiguous).
 
@@ -74,7 +59,7 @@ def drain_rate(settings: Settings, rows: int) -> float:
         row = conn.execute("SELECT max(id) FROM outbox").fetchone()
         assert first is not None and row is not None
         last = int(row[0])
-        with running(settings):
+        with running_relay(settings):
             while (current := first_unsent_id(conn)) == first:
                 time.sleep(0.002)
             started = time.perf_counter()

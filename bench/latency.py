@@ -17,10 +17,11 @@ from uuid import UUID
 
 import psycopg
 
-from bench.common import PAYLOAD, TOPIC, relay_settings, running
+from bench.common import PAYLOAD, TOPIC, relay_settings
 from relay.message import OutboxMessage
 from relay.settings import Settings
 from relay.sinks import Outcome, Result, Sink, create_sink
+from tests.support import running_relay
 
 
 class TimedSink:
@@ -89,7 +90,7 @@ def run(dsn: str, bootstrap: str, rate: float, seconds: float) -> dict[str, Any]
         return sink
 
     committed: dict[UUID, float] = {}
-    with patch("relay.app.create_sink", timed_sink), running(relay_settings(dsn, bootstrap)):
+    with patch("relay.app.create_sink", timed_sink), running_relay(relay_settings(dsn, bootstrap)):
         time.sleep(1.0)  # lease acquired, producer connected: measure steady state
         inserter = threading.Thread(
             target=lambda: committed.update(insert_steadily(dsn, rate, seconds))

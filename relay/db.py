@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -68,6 +69,32 @@ def connect(
         conn.close()
         raise
     return conn
+
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+class Session:
+    """One long-lived session per loop: opened on first use, and again after `close()`.
+
+    Loops call `close()` when a statement fails, so the next turn starts on a fresh
+    connection instead of a broken one.
+    """
+
+    def __init__(self, open_session: Callable[[], Conn]) -> None:
+        self._open = open_session
+        self._conn: Conn | None = None
+
+    def get(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = None
+            self._conn = self._open()
+        return self._conn
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 def idle_in_transaction_timeout_ms(settings: CommonSettings) -> int:

@@ -76,7 +76,7 @@ class LagSampler(threading.Thread):
         self._health = health
         self._clock = clock
         self._stop_event = threading.Event()
-        self._conn: Conn | None = None
+        self._session = db.Session(self._open)
         self._sampled_at = clock()
         self._failing = False
         metrics.LAG_SAMPLE_AGE.set_function(lambda: self._clock() - self._sampled_at)
@@ -91,12 +91,12 @@ class LagSampler(threading.Thread):
                 self.sample_once()
                 self._stop_event.wait(self._settings.lag_sample_seconds)
         finally:
-            self._close()
+            self._session.close()
 
     def sample_once(self) -> LagSample | None:
         started = self._clock()
         try:
-            sample = measure(self._connection(), self._settings.lag_count_cap)
+            sample = measure(self._session.get(), self._settings.lag_count_cap)
         except Exception as exc:
             # Any failure, not only the database's: this thread only feeds metrics, and
             # its death would fail /healthz and restart a healthy leader.
@@ -104,7 +104,7 @@ class LagSampler(threading.Thread):
             if not self._failing:  # one line per outage, not one per interval
                 log.warning("lag.sample_failed", error=db.describe_error(exc))
             self._failing = True
-            self._close()
+            self._session.close()
             return None
         if self._failing:
             log.info("lag.sample_recovered")
@@ -114,20 +114,11 @@ class LagSampler(threading.Thread):
         metrics.LAG_SAMPLE_SECONDS.set(self._sampled_at - started)
         return sample
 
-    def _connection(self) -> Conn:
-        if self._conn is None or self._conn.closed:
-            conn = db.connect(self._settings, purpose="lag")
-            try:
-                conn.execute(QUERIES.disable_jit)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
-        return self._conn
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+    def _open(self) -> Conn:
+        conn = db.connect(self._settings, purpose="lag")
+        try:
+            conn.execute(QUERIES.disable_jit)
+        except BaseException:
+            conn.close()
+            raise
+        return conn

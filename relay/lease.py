@@ -217,7 +217,7 @@ class Elector(threading.Thread):
         # the loss is an "error", not a plain "expired" (a paused or slow process).
         self._renew_error = False
         self._stop_event = threading.Event()
-        self._conn: Conn | None = None
+        self._session = db.Session(self._open)
         self._last_other: tuple[str | None, int] | None = None
         self._standby_since = clock()
         self.last_db_ok = 0.0
@@ -234,7 +234,7 @@ class Elector(threading.Thread):
             return
         metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="released")
         try:
-            conn = self._connection()
+            conn = self._session.get()
             released = release(conn, token)
         except psycopg.Error as exc:
             log.warning(
@@ -246,7 +246,7 @@ class Elector(threading.Thread):
             )
             return
         finally:
-            self._close()
+            self._session.close()
         log.info(
             "lease.released",
             lease=token.name,
@@ -276,14 +276,14 @@ class Elector(threading.Thread):
                     holder=self._lease.holder,
                     error=db.describe_error(exc),
                 )
-                self._close()
+                self._session.close()
                 self._expire_if_past_deadline()
             except Exception:
                 # A bug must not silently end the elector: this replica would never
                 # campaign again. Log it, start over with a fresh connection.
                 log.exception("lease.elector_error", lease=self._lease.name)
                 self._renew_error = self._lease.held_token() is not None
-                self._close()
+                self._session.close()
                 self._expire_if_past_deadline()
             self._stop_event.wait(self._next_wait())
 
@@ -294,7 +294,7 @@ class Elector(threading.Thread):
         return max(0.05, min(self._settings.renew_interval / 2, self._lease.seconds_left()))
 
     def _attempt(self) -> None:
-        conn = self._connection()
+        conn = self._session.get()
         started = self._clock()
         outcome = try_acquire(
             conn, self._lease.name, self._lease.holder, self._settings.lease_ttl_seconds
@@ -339,7 +339,7 @@ class Elector(threading.Thread):
         token = self._lease.held_token()
         if token is None:
             return
-        conn = self._connection()
+        conn = self._session.get()
         started = self._clock()
         if renew(conn, token, self._settings.lease_ttl_seconds):
             self._lease.renewed(token, started)
@@ -368,17 +368,13 @@ class Elector(threading.Thread):
 
     # -- connection --
 
-    def _connection(self) -> Conn:
-        if self._conn is None or self._conn.closed:
-            self._conn = db.connect(
-                self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
-            )
-            ensure_row(self._conn, self._lease.name)
-        return self._conn
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+    def _open(self) -> Conn:
+        conn = db.connect(
+            self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
+        )
+        try:
+            ensure_row(conn, self._lease.name)
+        except BaseException:
+            conn.close()
+            raise
+        return conn

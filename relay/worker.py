@@ -52,7 +52,7 @@ class Drainer:
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
-        self._conn: repository.Conn | None = None
+        self._session = db.Session(lambda: db.connect(settings, purpose="drain"))
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
@@ -76,12 +76,12 @@ class Drainer:
                 log.warning(
                     "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
                 )
-                self._close()
+                self._session.close()
                 self._shutdown.wait(delay)
             token = self._lease.token()
 
     def _step(self, token: LeaseToken) -> None:
-        conn = self._connection()
+        conn = self._session.get()
         self._purge_if_due(conn)
         batch = repository.fetch_batch(conn, self._settings.batch_size)
         if not batch:
@@ -253,19 +253,5 @@ class Drainer:
             log.info("outbox.purged", rows=deleted)
         self._next_purge = self._clock() + self._settings.purge_interval_seconds
 
-    # --- connection ---
-
-    def _connection(self) -> repository.Conn:
-        if self._conn is None or self._conn.closed:
-            self._conn = db.connect(self._settings, purpose="drain")
-        return self._conn
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
-
     def close(self) -> None:
-        self._close()
+        self._session.close()
