@@ -206,6 +206,7 @@ def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
         ids = repository.requeue_dead_letters(
             conn, ids=args.id or (), key=args.key, everything=args.all
         )
+        overtaking = repository.dead_letters_left_behind(conn, ids)
         if args.dry_run:
             raise_rollback()
     verb = "would requeue" if args.dry_run else "requeued"
@@ -214,6 +215,14 @@ def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
     if missing:
         # Already requeued, sent, or never dead-lettered: nothing to do, but say so.
         print(f"not dead-lettered: {' '.join(map(str, missing))}", file=sys.stderr)
+    if overtaking:
+        print(
+            "warning: earlier dead letters of key(s) "
+            + ", ".join(repr(k) for k in overtaking)
+            + " stay dead-lettered; the requeued rows will be delivered before them"
+            " (requeue by --key to keep per-key order)",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 

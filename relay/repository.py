@@ -117,6 +117,11 @@ def requeue_dead_letters(
     return sorted(int(r["id"]) for r in rows)
 
 
+def dead_letters_left_behind(conn: Conn, ids: Sequence[int]) -> list[str]:
+    rows = conn.execute(QUERIES.dead_letters_left_behind, {"ids": list(ids)}).fetchall()
+    return [str(r["key"]) for r in rows]
+
+
 def lease_status(conn: Conn) -> list[dict[str, Any]]:
     return conn.execute(QUERIES.lease_status).fetchall()
 

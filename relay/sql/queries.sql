@@ -236,6 +236,22 @@ INSERT INTO outbox (topic, key, payload, headers)
 VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s)
 RETURNING id, message_id;
 
+-- name: dead_letters_left_behind
+-- Keys of just-requeued rows that still have an earlier dead letter: the requeued rows
+-- will be delivered before it, out of per-key order (relay dead-letter requeue warns).
+SELECT DISTINCT r.key
+FROM outbox AS r
+WHERE r.id = ANY(%(ids)s::bigint[])
+  AND r.key IS NOT NULL
+  AND EXISTS (
+      SELECT 1
+      FROM outbox AS d
+      WHERE d.key = r.key
+        AND d.id < r.id
+        AND d.dead_lettered_at IS NOT NULL
+  )
+ORDER BY r.key;
+
 -- name: schema_version
 -- Latest applied migration, for `relay check` and `relay status`.
 SELECT max(version) AS version FROM schema_migrations;
