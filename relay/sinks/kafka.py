@@ -147,7 +147,10 @@ class KafkaSink:
     def _on_client_error(self, error: KafkaError) -> None:
         if needs_new_producer(error):
             self._needs_new_producer = True
-        log.warning("kafka.client_error", code=error.name(), error=error.str(), fatal=error.fatal())
+        # A refused or dropped connection is also in librdkafka's own log line
+        # (kafka.client_log, FAIL): at warning level once is enough during an outage.
+        emit = log.debug if error.code() == KafkaError._TRANSPORT else log.warning
+        emit("kafka.client_error", code=error.name(), error=error.str(), fatal=error.fatal())
 
     def topic_for(self, message: OutboxMessage) -> str:
         topic = self._topics.get(message.topic)
