@@ -12,6 +12,9 @@ from psycopg.rows import dict_row
 from relay.queries import QUERIES
 from relay.settings import CommonSettings, Settings
 
+# What every relay session is: autocommit, rows as dicts (see `connect`).
+Conn = psycopg.Connection[dict[str, Any]]
+
 
 def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
     """libpq keyword arguments layered over RELAY_DATABASE_URL."""
@@ -40,7 +43,7 @@ def connect(
     *,
     purpose: str,
     isolation_level: IsolationLevel | None = None,
-) -> psycopg.Connection[dict[str, Any]]:
+) -> Conn:
     """A new autocommit session; transactions are explicit `conn.transaction()` blocks.
 
     Autocommit keeps the session out of "idle in transaction" between our own short
@@ -71,9 +74,6 @@ def connect(
     return conn
 
 
-Conn = psycopg.Connection[dict[str, Any]]
-
-
 class Session:
     """One long-lived session per loop: opened on first use, and again after `close()`.
 
@@ -87,7 +87,6 @@ class Session:
 
     def get(self) -> Conn:
         if self._conn is None or self._conn.closed:
-            self._conn = None
             self._conn = self._open()
         return self._conn
 

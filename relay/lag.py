@@ -15,17 +15,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import psycopg
-
 from relay import db, metrics
+from relay.db import Conn
 from relay.logging import get_logger
 from relay.metrics import Health
 from relay.queries import QUERIES
 from relay.settings import Settings
 
 log = get_logger("relay.lag")
-
-Conn = psycopg.Connection[dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)

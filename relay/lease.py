@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel, errors
 
 from relay import db, metrics
 from relay.backoff import jittered
+from relay.db import Conn
 from relay.logging import get_logger
 from relay.metrics import Health
 from relay.queries import QUERIES
@@ -66,8 +66,6 @@ class LostRace:
 
 
 Attempt = Acquired | HeldByOther | LostRace
-
-Conn = psycopg.Connection[dict[str, Any]]
 
 
 # --- the SQL steps of the protocol -------------------------------------------------

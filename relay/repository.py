@@ -11,11 +11,10 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from relay import failpoints
+from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import OutboxMessage
 from relay.queries import QUERIES
-
-Conn = psycopg.Connection[dict[str, Any]]
 
 
 @dataclass(slots=True)

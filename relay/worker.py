@@ -238,7 +238,7 @@ class Drainer:
         self._idle_polls += 1
         self._shutdown.wait(delay)
 
-    def _purge_if_due(self, conn: repository.Conn) -> None:
+    def _purge_if_due(self, conn: db.Conn) -> None:
         if not self._settings.keep_sent_rows or self._clock() < self._next_purge:
             return
         deleted = 0
