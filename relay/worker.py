@@ -171,36 +171,28 @@ class Drainer:
         # a sick topic or partition, and must back off per row (and eventually be
         # dead-lettered) rather than head every batch and throttle all other keys.
         sink_up = any(result.outcome is Outcome.ACKED for result in results)
-        everything_acked = all(result.outcome is Outcome.ACKED for result in results)
-        if everything_acked:
-            # The common case, kept cheap: it runs for every row the relay moves.
-            settlement.sent = [message.id for message in batch]
-            for message in batch:
-                counts[(message.topic, "acked")] += 1
+        for message, result in zip(batch, results, strict=True):
+            outcome = result.outcome
+            if outcome is Outcome.UNAVAILABLE and sink_up:
+                outcome = Outcome.RETRY
+            counts[(message.topic, outcome.value)] += 1
+            if outcome is Outcome.ACKED:
+                settlement.sent.append(message.id)
                 e2e.observe((now - message.created_at).total_seconds())
-        else:
-            for message, result in zip(batch, results, strict=True):
-                outcome = result.outcome
-                if outcome is Outcome.UNAVAILABLE and sink_up:
-                    outcome = Outcome.RETRY
-                counts[(message.topic, outcome.value)] += 1
-                if outcome is Outcome.ACKED:
-                    settlement.sent.append(message.id)
-                    e2e.observe((now - message.created_at).total_seconds())
-                elif outcome is Outcome.RETRY:
-                    attempts = message.attempts + 1
-                    error = result.error or "unknown error"
-                    if attempts >= self._settings.max_attempts:
-                        self._dead_letter(
-                            settlement, message, f"gave up after {attempts} attempts: {error}"
-                        )
-                    else:
-                        delay = self._retry_delay(attempts, result.retry_after)
-                        settlement.retry(message.id, delay, error)
-                elif outcome is Outcome.DEAD:
-                    self._dead_letter(settlement, message, result.error or "permanent failure")
-                elif outcome is Outcome.UNAVAILABLE:
-                    unavailable = result
+            elif outcome is Outcome.RETRY:
+                attempts = message.attempts + 1
+                error = result.error or "unknown error"
+                if attempts >= self._settings.max_attempts:
+                    self._dead_letter(
+                        settlement, message, f"gave up after {attempts} attempts: {error}"
+                    )
+                else:
+                    delay = self._retry_delay(attempts, result.retry_after)
+                    settlement.retry(message.id, delay, error)
+            elif outcome is Outcome.DEAD:
+                self._dead_letter(settlement, message, result.error or "permanent failure")
+            elif outcome is Outcome.UNAVAILABLE:
+                unavailable = result
         for (topic, outcome_name), count in counts.items():
             metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
         return settlement, unavailable
