@@ -26,29 +26,38 @@ class OutboxMessage:
     created_at: datetime
     attempts: int
 
-    def header_pairs(self) -> list[tuple[str, str | bytes | None]]:
-        """Row headers plus `message-id` and `created-at`, as (name, bytes) pairs.
+    def row_headers(self) -> list[tuple[str, str]]:
+        """The row's own headers as text, validated; the relay's reserved names dropped.
 
-        Row headers must be a JSON object of scalars; strings are sent as UTF-8, other
-        scalars in their JSON form. The relay's own headers always win over the row's.
+        Row headers must be a JSON object of scalars; strings are kept as they are,
+        other scalars in their JSON form, nulls are left out.
         """
-        pairs: list[tuple[str, str | bytes | None]] = []
-        if self.headers is not None:
-            if not isinstance(self.headers, dict):
+        if self.headers is None:
+            return []
+        if not isinstance(self.headers, dict):
+            raise MalformedRow(f"headers must be a JSON object, got {type(self.headers).__name__}")
+        pairs: list[tuple[str, str]] = []
+        for name, value in self.headers.items():
+            if name.lower() in RESERVED_HEADERS or value is None:
+                continue
+            if isinstance(value, str):
+                pairs.append((name, value))
+            elif isinstance(value, bool | int | float):
+                pairs.append((name, json.dumps(value)))
+            else:
                 raise MalformedRow(
-                    f"headers must be a JSON object, got {type(self.headers).__name__}"
+                    f"header {name!r} must be a string or scalar, got {type(value).__name__}"
                 )
-            for name, value in self.headers.items():
-                if name.lower() in RESERVED_HEADERS or value is None:
-                    continue
-                if isinstance(value, str):
-                    pairs.append((name, value.encode()))
-                elif isinstance(value, bool | int | float):
-                    pairs.append((name, json.dumps(value).encode()))
-                else:
-                    raise MalformedRow(
-                        f"header {name!r} must be a string or scalar, got {type(value).__name__}"
-                    )
+        return pairs
+
+    def header_pairs(self) -> list[tuple[str, str | bytes | None]]:
+        """Row headers plus `message-id` and `created-at`, as (name, UTF-8 bytes) pairs.
+
+        The relay's own headers always win over the row's.
+        """
+        pairs: list[tuple[str, str | bytes | None]] = [
+            (name, value.encode()) for name, value in self.row_headers()
+        ]
         pairs.append(("message-id", str(self.message_id).encode()))
         pairs.append(("created-at", self.created_at.isoformat().encode()))
         return pairs

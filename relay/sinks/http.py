@@ -188,11 +188,10 @@ class RequestBuilder:
         body = message.payload or b""
         headers: list[tuple[str, bytes]] = []
         content_type = self._content_type
-        for name, value in message.header_pairs():
+        for name, text in message.row_headers():
             lower = name.lower()
-            if lower in self._reserved or value is None:
+            if lower in self._reserved:
                 continue
-            text = value.decode() if isinstance(value, bytes) else value
             if lower == "content-type":
                 content_type = text  # the row's own content type always wins
                 continue
