@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from tests.chaos.cluster import Cluster, Replica
 from tests.chaos.history import Fault
 from tests.chaos.recorder import Recorder, put_markers
+from tests.harness.kafka import issue_producer_ids
 from tests.support import wait_until
 
 LEADER_FAULTS = ("kill_leader", "kill_after_publish", "kill_in_settle", "pause_leader")
@@ -47,6 +48,8 @@ class Injector:
         self.recorder = recorder
         self.timing = timing
         self.rng = rng
+        # The highest idempotent producer id any broker incarnation has issued.
+        self.producer_id_floor = 0
 
     def _now(self) -> float:
         return round(time.monotonic() - self.timing.started, 2)
@@ -183,9 +186,13 @@ class Injector:
             )
             if not self.recorder.suspend():
                 raise AssertionError("recorder did not let go of the old broker")
+            bootstrap = self.cluster.broker.bootstrap_servers
+            issued = max(issue_producer_ids(bootstrap, 1))
+            self.producer_id_floor = max(self.producer_id_floor, issued)
             self.cluster.broker.kill()
             self.cluster.broker.start()
             self.cluster.broker.create_topic(self.cluster.topic, self.cluster.partitions)
+            issue_producer_ids(bootstrap, self.producer_id_floor)
             self.recorder.resume()
         finally:
             self.cluster.thaw_all()

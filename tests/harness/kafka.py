@@ -4,7 +4,9 @@ wheel) on loopback, plus consumers that read a topic's history back for assertio
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -19,6 +21,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Producer,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -222,3 +225,54 @@ class Collector:
                     self._records.append(_record(msg))
         finally:
             consumer.close()
+
+
+_ACQUIRED_PID = re.compile(r"Acquired PID\{Id:(\d+)")
+
+
+class _PidLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = _ACQUIRED_PID.search(record.getMessage())
+        if match:
+            self.ids.append(int(match.group(1)))
+
+
+def issue_producer_ids(bootstrap: str, count: int, timeout: float = 20.0) -> list[int]:
+    """Have the broker issue `count` idempotent producer ids, and return them.
+
+    Tansu keeps its producer-id counter in memory: a killed and restarted broker hands
+    out 1, 2, ... again, to new producers, while producers that outlived the old broker
+    still use the same ids. The broker then takes one's records for the other's
+    duplicates: acknowledged, never written. A real cluster never reissues an id, so
+    the harness burns through the ids the old incarnation issued before the relay may
+    ask for one (tests/chaos kill_broker). librdkafka only tells the id in its debug log.
+    """
+    handler = _PidLog()
+    logger = logging.getLogger(f"tests.harness.pid.{uuid.uuid4().hex}")
+    logger.handlers = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    config = {
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,
+        "debug": "eos",
+        "log_level": 7,
+        "logger": logger,
+    }
+    producers = [Producer(config) for _ in range(count)]
+    deadline = time.monotonic() + timeout
+    try:
+        while len(handler.ids) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broker issued {len(handler.ids)} of {count} producer ids")
+            for producer in producers:
+                producer.poll(0.01)
+    finally:
+        for producer in producers:
+            producer.flush(0)
+        logging.Logger.manager.loggerDict.pop(logger.name, None)
+    return handler.ids
