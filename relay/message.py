@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
-from uuid import UUID
 
 RESERVED_HEADERS = ("message-id", "created-at")
 
@@ -17,13 +15,16 @@ class MalformedRow(ValueError):
 
 @dataclass(slots=True)
 class OutboxMessage:
+    """Field order = the columns of `fetch_batch` (rows are built positionally)."""
+
     id: int
-    message_id: UUID
+    message_id: str  # the row's uuid, canonical text
     topic: str
     key: str | None
     payload: bytes | None
     headers: Any
-    created_at: datetime
+    created_at: str  # RFC 3339, UTC, microseconds: the `created-at` header as sent
+    created_epoch: float  # the same instant in Unix seconds, for end-to-end latency
     attempts: int
 
     def row_headers(self) -> list[tuple[str, str]]:
@@ -51,13 +52,12 @@ class OutboxMessage:
         return pairs
 
     def header_pairs(self) -> list[tuple[str, str | bytes | None]]:
-        """Row headers plus `message-id` and `created-at`, as (name, UTF-8 bytes) pairs.
-
-        The relay's own headers always win over the row's.
+        """Row headers plus `message-id` and `created-at`, for confluent-kafka (which
+        encodes text values as UTF-8). The relay's own headers always win over the row's.
         """
-        pairs: list[tuple[str, str | bytes | None]] = [
-            (name, value.encode()) for name, value in self.row_headers()
-        ]
-        pairs.append(("message-id", str(self.message_id).encode()))
-        pairs.append(("created-at", self.created_at.isoformat().encode()))
+        pairs: list[tuple[str, str | bytes | None]] = []
+        if self.headers is not None:
+            pairs.extend(self.row_headers())
+        pairs.append(("message-id", self.message_id))
+        pairs.append(("created-at", self.created_at))
         return pairs

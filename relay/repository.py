@@ -43,6 +43,15 @@ class Settlement:
         return bool(self.sent or self.retry_ids or self.dead_ids)
 
 
+def array_literal(ids: Sequence[int]) -> str:
+    """`{1,2,3}`: PostgreSQL parses it as the `::bigint[]` the statement casts to.
+
+    One C-level join instead of psycopg adapting a list element by element in Python,
+    which was a tenth of the drain thread's time at batch 2000.
+    """
+    return "{" + ",".join(map(str, ids)) + "}"
+
+
 def fetch_batch(conn: Conn, limit: int) -> list[OutboxMessage]:
     # Tuples and positional construction: a tenth of the cost of keyword rows, and
     # this runs for every row the relay ever moves. Column order = field order.
@@ -69,7 +78,7 @@ def settle(
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
             query = QUERIES.delete_sent if delete_sent else QUERIES.mark_sent
-            conn.execute(query, {"ids": settlement.sent})
+            conn.execute(query, {"ids": array_literal(settlement.sent)})
         if settlement.retry_ids:
             conn.execute(
                 QUERIES.record_failures,

@@ -16,7 +16,6 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 
 import psycopg
 
@@ -165,7 +164,7 @@ class Drainer:
         settlement = Settlement()
         unavailable: Result | None = None
         counts: Counter[tuple[str, str]] = Counter()
-        now = datetime.now(UTC)
+        now = time.time()
         e2e = metrics.END_TO_END_SECONDS.labels(self._sink.name)
         # A sink that acknowledged part of the batch is up: its "unavailable" rows are
         # a sick topic or partition, and must back off per row (and eventually be
@@ -178,7 +177,7 @@ class Drainer:
             counts[(message.topic, outcome.value)] += 1
             if outcome is Outcome.ACKED:
                 settlement.sent.append(message.id)
-                e2e.observe((now - message.created_at).total_seconds())
+                e2e.observe(now - message.created_epoch)
             elif outcome is Outcome.RETRY:
                 attempts = message.attempts + 1
                 error = result.error or "unknown error"
@@ -211,7 +210,7 @@ class Drainer:
         log.warning(
             "outbox.dead_lettered",
             id=message.id,
-            message_id=str(message.message_id),
+            message_id=message.message_id,
             topic=message.topic,
             key=message.key,
             attempts=message.attempts + 1,

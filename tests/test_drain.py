@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -30,16 +32,23 @@ def test_rows_across_keys_are_all_delivered_in_key_order(
     make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
 ) -> None:
     ids = insert_rows(database, topic, keyed_rows(keys=10, per_key=60), headers={"trace": "t-1"})
-    message_ids = {
-        str(r[0])
-        for r in psycopg.connect(database).execute("SELECT message_id FROM outbox").fetchall()
-    }
+    with psycopg.connect(database) as conn:
+        created = {
+            str(r[0]): r[1]
+            for r in conn.execute("SELECT message_id, created_at FROM outbox").fetchall()
+        }
+    message_ids = set(created)
     with running_relay(make_settings(batch_size=50)):
         wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=30)
     records = consume(kafka.bootstrap_servers, topic, min_count=len(ids), timeout=30)
     unique = dedup_by_message_id(records)
     assert {r.headers["message-id"].decode() for r in unique} == message_ids
-    assert all(r.headers["trace"] == b"t-1" and "created-at" in r.headers for r in unique)
+    assert all(r.headers["trace"] == b"t-1" for r in unique)
+    for r in unique:
+        # RFC 3339 in UTC, to the microsecond, whatever the database's TimeZone.
+        text = r.headers["created-at"].decode()
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", text), text
+        assert datetime.fromisoformat(text) == created[r.headers["message-id"].decode()]
     assert_per_key_order(records)
 
 

@@ -86,12 +86,13 @@ def overlapping(a: Delivery, b: Delivery) -> bool:
 def message(**fields: Any) -> OutboxMessage:
     values: dict[str, Any] = {
         "id": 1,
-        "message_id": uuid.uuid4(),
+        "message_id": str(uuid.uuid4()),
         "topic": TOPIC,
         "key": "k1",
         "payload": b'{"a": 1}',
         "headers": None,
-        "created_at": datetime.now(UTC),
+        "created_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "created_epoch": time.time(),
         "attempts": 0,
     }
     values.update(fields)

@@ -200,13 +200,13 @@ class RequestBuilder:
             if not _is_token(name):
                 raise MalformedRow(f"header name {name!r} is not a valid HTTP header name")
             headers.append((name, _header_value(name, text)))
-        message_id = str(message.message_id)
+        message_id = message.message_id
         headers.append(("content-type", _header_value("content-type", content_type)))
         headers.append(("message-id", message_id.encode()))
         headers.append(("message-topic", quote(message.topic, safe="").encode()))
         if message.key is not None:
             headers.append(("message-key", quote(message.key, safe="").encode()))
-        headers.append(("created-at", message.created_at.isoformat().encode()))
+        headers.append(("created-at", message.created_at.encode()))
         if self._key is not None:
             ts = int(time.time()) if timestamp is None else timestamp
             headers.append(("webhook-id", message_id.encode()))
