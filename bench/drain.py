@@ -19,7 +19,9 @@ def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
         started = time.perf_counter()
         while True:
             with conn.transaction():
-                rows = conn.execute(QUERIES.fetch_batch, {"limit": batch}).fetchall()
+                rows = conn.execute(
+                    QUERIES.fetch_batch, {"limit": batch, "in_flight": "{}"}
+                ).fetchall()
                 if not rows:
                     break
                 conn.execute(settle, {"ids": [r[0] for r in rows]})

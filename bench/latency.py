@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from unittest.mock import patch
-from uuid import UUID
 
 import psycopg
 
@@ -30,7 +29,7 @@ class TimedSink:
     def __init__(self, inner: Sink) -> None:
         self.inner = inner
         self.name = inner.name
-        self.acked_at: dict[UUID, float] = {}
+        self.acked_at: dict[str, float] = {}
 
     def publish(
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
@@ -52,8 +51,8 @@ class TimedSink:
         self.inner.close()
 
 
-def insert_steadily(dsn: str, rate: float, seconds: float) -> dict[UUID, float]:
-    committed: dict[UUID, float] = {}
+def insert_steadily(dsn: str, rate: float, seconds: float) -> dict[str, float]:
+    committed: dict[str, float] = {}
     tick = 0.01
     with psycopg.connect(dsn, autocommit=False) as conn:
         started = time.monotonic()
@@ -64,7 +63,7 @@ def insert_steadily(dsn: str, rate: float, seconds: float) -> dict[UUID, float]:
                 rows = conn.execute(
                     "INSERT INTO outbox (topic, key, payload)"
                     " SELECT %s, 'k' || (g %% 100), %s FROM generate_series(1, %s) g"
-                    " RETURNING message_id",
+                    " RETURNING message_id::text",
                     (TOPIC, PAYLOAD, due),
                 ).fetchall()
                 conn.commit()
@@ -89,7 +88,7 @@ def run(dsn: str, bootstrap: str, rate: float, seconds: float) -> dict[str, Any]
         sinks.append(sink)
         return sink
 
-    committed: dict[UUID, float] = {}
+    committed: dict[str, float] = {}
     with patch("relay.app.create_sink", timed_sink), running_relay(relay_settings(dsn, bootstrap)):
         time.sleep(1.0)  # lease acquired, producer connected: measure steady state
         inserter = threading.Thread(

@@ -52,11 +52,12 @@ def array_literal(ids: Sequence[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
-def fetch_batch(conn: Conn, limit: int) -> list[OutboxMessage]:
+def fetch_batch(conn: Conn, limit: int, in_flight: str = "{}") -> list[OutboxMessage]:
+    """`in_flight`: ids (an `array_literal`) published but not settled yet: left out."""
     # Tuples and positional construction: a tenth of the cost of keyword rows, and
     # this runs for every row the relay ever moves. Column order = field order.
     with conn.cursor(row_factory=tuple_row) as cur:
-        rows = cur.execute(QUERIES.fetch_batch, {"limit": limit}).fetchall()
+        rows = cur.execute(QUERIES.fetch_batch, {"limit": limit, "in_flight": in_flight}).fetchall()
     return [OutboxMessage(*row) for row in rows]
 
 

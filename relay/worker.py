@@ -1,13 +1,17 @@
 """The drain loop (DESIGN.md, "Draining"), run while this replica holds the lease.
 
-    fetch the next unsent rows in id order (never a last-seen-id cursor)
+    fetch the next unsent rows in id order (never a last-seen-id cursor), leaving out
+            the previous batch, which is still being settled
     publish them and wait for every acknowledgement
     settle: in ONE transaction fenced on our lease epoch, mark the acknowledged rows
-            sent (or delete them), back off the failed ones, dead-letter the hopeless
+            sent (or delete them), back off the failed ones, dead-letter the hopeless;
+            this runs on the settler's own session while the loop fetches and
+            publishes the next batch, so at most two batches are ever in flight
     repeat; when there is nothing to do, poll adaptively
 
-A failed row blocks later rows of its key only (the fetch query skips them); the
-lease check inside `settle` is what makes a paused or partitioned ex-leader harmless.
+A failed row blocks later rows of its key only (the fetch query skips them; while its
+settle is still running, the loop holds those keys back itself); the lease check inside
+the settle is what makes a paused or partitioned ex-leader harmless.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from relay.lease import Elector, Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import OutboxMessage
 from relay.metrics import Health
+from relay.queries import QUERIES
 from relay.repository import Settlement
 from relay.settings import Settings
+from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
 
@@ -51,40 +57,70 @@ class Drainer:
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
-        self._session = db.Session(lambda: db.connect(settings, purpose="drain"))
+        self._session = db.Session(self._open_drain_session)
+        self._settler = Settler(
+            lambda: db.connect(settings, purpose="settle"),
+            lease,
+            settings.lease_ttl_seconds,
+            delete_sent=not settings.keep_sent_rows,
+            clock=clock,
+        )
+        self._in_flight: InFlight | None = None
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
         self._next_purge = 0.0
         self._idle_polls = 0
 
+    def _open_drain_session(self) -> db.Conn:
+        conn = db.connect(self._settings, purpose="drain")
+        conn.execute(QUERIES.force_custom_plans)
+        return conn
+
     # --- the loop ---
 
     def drain(self) -> None:
         """Drain until the lease is lost or shutdown is requested."""
         token = self._lease.token()
-        while token is not None and not self._shutdown.requested:
-            self._health.beat()
-            try:
-                self._step(token)
-                self._db_retry.reset()
-            except psycopg.Error as exc:
-                # Rows of a batch published but not settled stay unsent: they will be
-                # published again (a duplicate, never a loss).
-                delay = self._db_retry.next_delay()
-                log.warning(
-                    "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
-                )
-                self._session.close()
-                self._shutdown.wait(delay)
-            token = self._lease.token()
+        try:
+            while token is not None and not self._shutdown.requested:
+                self._health.beat()
+                try:
+                    self._step(token)
+                    self._db_retry.reset()
+                except psycopg.Error as exc:
+                    # Rows of a batch published but not settled stay unsent: they will
+                    # be published again (a duplicate, never a loss).
+                    self._settle_in_flight_quietly()
+                    delay = self._db_retry.next_delay()
+                    log.warning(
+                        "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
+                    )
+                    self._session.close()
+                    self._shutdown.wait(delay)
+                token = self._lease.token()
+        finally:
+            self._settle_in_flight_quietly()
 
     def _step(self, token: LeaseToken) -> None:
         conn = self._session.get()
         self._purge_if_due(conn)
-        batch = repository.fetch_batch(conn, self._settings.batch_size)
+        in_flight = self._in_flight
+        if in_flight is None:
+            batch = repository.fetch_batch(conn, self._settings.batch_size)
+        else:
+            batch = [
+                message
+                for message in repository.fetch_batch(
+                    conn, self._settings.batch_size, in_flight.ids_literal()
+                )
+                if message.key is None or message.key not in in_flight.held_keys
+            ]
         if not batch:
-            self._idle_wait()
+            if in_flight is not None:
+                self._settle_in_flight(in_flight)  # then look again at once
+            else:
+                self._idle_wait()
             return
         self._idle_polls = 0
         if self._lease.token() != token:
@@ -97,33 +133,15 @@ class Drainer:
         failpoints.hit("after_publish")
 
         settlement, unavailable = self._plan(batch, results)
+        if in_flight is not None and not self._settle_in_flight(in_flight):
+            return  # fenced out: this batch stays unsent (published: duplicates later)
         if settlement:
-            settle_started = self._clock()
-            settled_at = repository.settle(
-                conn,
-                token,
-                self._settings.lease_ttl_seconds,
-                settlement,
-                delete_sent=not self._settings.keep_sent_rows,
+            held = frozenset(
+                message.key
+                for message, result in zip(batch, results, strict=True)
+                if message.key is not None and result.outcome is not Outcome.ACKED
             )
-            if settled_at is None:
-                self._elector.lost_by_fencing(token)
-                return
-            self._lease.renewed(token, settle_started)
-            metrics.SETTLE_SECONDS.observe(self._clock() - settle_started)
-            # Debug level: one line a batch is history for tests/chaos, noise in production.
-            log.debug(
-                "batch.settled",
-                lease=token.name,
-                holder=token.holder,
-                epoch=token.epoch,
-                db_time=settled_at.isoformat(),
-                sent=len(settlement.sent),
-                retried=len(settlement.retry_ids),
-                dead=len(settlement.dead_ids),
-                first_id=batch[0].id,
-                last_id=batch[-1].id,
-            )
+            self._in_flight = self._settler.submit(token, batch, settlement, held)
 
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
@@ -140,6 +158,39 @@ class Drainer:
             self._pause(delay, token)
         else:
             self._sink_retry.reset()
+
+    def _settle_in_flight(self, in_flight: InFlight) -> bool:
+        """Wait for the previous batch's settle; False if a newer lease holder fenced
+        it out (raises what the database raised)."""
+        self._in_flight = None
+        settled_at = in_flight.future.result()
+        token, settlement, batch = in_flight.token, in_flight.settlement, in_flight.batch
+        if settled_at is None:
+            self._elector.lost_by_fencing(token)
+            return False
+        # Debug level: one line a batch is history for tests/chaos, noise in production.
+        log.debug(
+            "batch.settled",
+            lease=token.name,
+            holder=token.holder,
+            epoch=token.epoch,
+            db_time=settled_at.isoformat(),
+            sent=len(settlement.sent),
+            retried=len(settlement.retry_ids),
+            dead=len(settlement.dead_ids),
+            first_id=batch[0].id,
+            last_id=batch[-1].id,
+        )
+        return True
+
+    def _settle_in_flight_quietly(self) -> None:
+        """Before the loop stops or starts over: the last settle lands or fails, and
+        nothing is fetched while it might still run."""
+        if self._in_flight is not None:
+            try:
+                self._settle_in_flight(self._in_flight)
+            except psycopg.Error as exc:
+                log.warning("drain.settle_failed", error=db.describe_error(exc))
 
     def _pause(self, delay: float, token: LeaseToken) -> None:
         """Wait out a sink outage in short slices: the liveness probe keeps seeing a
@@ -245,4 +296,5 @@ class Drainer:
         self._next_purge = self._clock() + self._settings.purge_interval_seconds
 
     def close(self) -> None:
+        self._settler.close()
         self._session.close()

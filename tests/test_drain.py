@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Any
 
 import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
+from relay import repository
 from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, Outcome, Result
 from tests.conftest import SettingsFactory
@@ -186,6 +189,34 @@ def test_a_failing_key_waits_in_backoff_while_other_keys_flow(
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
     k0 = [p for k, p in sink.delivered if k == "k0"]
     assert k0 == [f"k0:{i}".encode() for i in range(5)]
+
+
+def test_pipelined_settle_neither_republishes_nor_lets_a_key_overtake(
+    make_settings: SettingsFactory,
+    database: str,
+    scripted: Callable[..., ScriptedSink],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batch N+1 is fetched and published while N is still being settled. Slow settles
+    make that overlap certain: N's rows must not be fetched again (no duplicates in a
+    run without faults), and a key whose row failed in N must not have its later rows
+    published before that row's retry (k0:1 is fetched while k0:0's backoff is not yet
+    written)."""
+    real_settle = repository.settle
+
+    def slow_settle(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.2)
+        return real_settle(*args, **kwargs)
+
+    monkeypatch.setattr("relay.settler.repository.settle", slow_settle)
+    sink = scripted({"k0": 1})
+    rows = [(f"k{n % 2}", f"k{n % 2}:{n // 2}".encode()) for n in range(12)]
+    insert_rows(database, "t", rows)
+    settings = make_settings(batch_size=2, retry_base_seconds=0.1, retry_max_seconds=0.1)
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, timeout=30)
+    assert sorted(sink.delivered) == sorted(rows)  # each exactly once
+    assert [p for k, p in sink.delivered if k == "k0"] == [f"k0:{i}".encode() for i in range(6)]
 
 
 def test_a_row_past_max_attempts_is_dead_lettered_and_its_key_moves_on(

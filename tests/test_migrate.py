@@ -88,7 +88,10 @@ def test_the_drain_query_uses_the_partial_index(database: str) -> None:
         )
         conn.execute("ANALYZE outbox")
         plan = "\n".join(
-            r[0] for r in conn.execute("EXPLAIN " + QUERIES.fetch_batch, {"limit": 500}).fetchall()
+            r[0]
+            for r in conn.execute(
+                "EXPLAIN " + QUERIES.fetch_batch, {"limit": 500, "in_flight": "{}"}
+            ).fetchall()
         )
     assert "outbox_unsent_idx" in plan, plan
     assert "Seq Scan on outbox o" not in plan, plan

@@ -79,6 +79,11 @@ ORDER BY name;
 -- Draining
 ------------------------------------------------------------------------------------
 
+-- name: force_custom_plans
+-- For the drain session: plan fetch_batch with its actual in-flight ids, so the
+-- exclusion is a hashed lookup, not a scan of the array for every row.
+SELECT set_config('plan_cache_mode', 'force_custom_plan', false);
+
 -- name: fetch_batch
 -- The next unsent rows in id order, through outbox_unsent_idx. No "id > last seen"
 -- cursor: a row that commits late with a lower id is still found. A row of a key whose
@@ -100,6 +105,8 @@ FROM outbox AS o
 WHERE o.sent_at IS NULL
   AND o.dead_lettered_at IS NULL
   AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+  -- The batch published just before, still being settled on another session.
+  AND o.id <> ALL(%(in_flight)s::bigint[])
   AND NOT EXISTS (
       SELECT 1
       FROM outbox AS blocker

@@ -2,9 +2,10 @@
 
 A fault is chosen from the run's seeded RNG; its own random choices (how long to hold,
 crash or clean restart) come from the same RNG, so a seed replays the same schedule.
-`in_flight_bound` is how many messages the fault can make the relay publish twice: one
-batch for a crash or a pause (the drain settles one batch at a time), one batch per
-delivery timeout that a paused broker can swallow and later persist.
+`in_flight_bound` is how many messages the fault can make the relay publish twice: two
+batches for a crash or a pause (the drain publishes one batch while the previous one is
+being settled), one batch per delivery timeout that a paused broker can swallow and
+later persist.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class Timing:
     batch: int
     delivery_timeout: float
     started: float  # monotonic start of the run
+
+    @property
+    def in_flight(self) -> int:
+        """Rows published but maybe not settled: the batch being published and the
+        previous one, still being settled (the drain's pipeline)."""
+        return 2 * self.batch
 
 
 class Injector:
@@ -97,7 +104,7 @@ class Injector:
         killed = time.monotonic()
         self.cluster.kill(replica)
         takeover = self.wait_takeover(epoch, killed)
-        return Fault("kill_leader", at, 0.0, self.timing.batch, takeover, replica.holder)
+        return Fault("kill_leader", at, 0.0, self.timing.in_flight, takeover, replica.holder)
 
     def _kill_at(self, point: str, kind: str) -> Fault:
         replica, epoch = self.leader()
@@ -115,7 +122,7 @@ class Injector:
             self.cluster.kill(replica)
         died = time.monotonic()
         takeover = self.wait_takeover(epoch, died)
-        return Fault(kind, at, 0.0, self.timing.batch, takeover, note)
+        return Fault(kind, at, 0.0, self.timing.in_flight, takeover, note)
 
     def kill_after_publish(self) -> Fault:
         return self._kill_at("after_publish", "kill_after_publish")
@@ -139,7 +146,7 @@ class Injector:
         finally:
             replica.signal(signal.SIGCONT)
         return Fault(
-            "pause_leader", at, round(hold, 2), self.timing.batch, takeover, replica.holder
+            "pause_leader", at, round(hold, 2), self.timing.in_flight, takeover, replica.holder
         )
 
     def _postgres_down(self, crash: bool) -> Fault:
@@ -152,7 +159,7 @@ class Injector:
         time.sleep(down)
         self.cluster.pg.start()
         kind = "crash_postgres" if crash else "restart_postgres"
-        return Fault(kind, at, round(down, 2), self.timing.batch, None, f"down {down:.1f}s")
+        return Fault(kind, at, round(down, 2), self.timing.in_flight, None, f"down {down:.1f}s")
 
     def restart_postgres(self) -> Fault:
         return self._postgres_down(crash=False)
@@ -198,7 +205,7 @@ class Injector:
             self.cluster.thaw_all()
         took = time.monotonic() - frozen
         note = f"replicas frozen {took:.1f}s"
-        return Fault("kill_broker", at, round(took, 2), self.timing.batch, None, note)
+        return Fault("kill_broker", at, round(took, 2), self.timing.in_flight, None, note)
 
     def pause_broker(self) -> Fault:
         hold = self.rng.uniform(1.0, 2.5 * self.timing.delivery_timeout)

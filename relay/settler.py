@@ -1,0 +1,81 @@
+"""Settling a published batch on its own session and thread, so the drain loop can
+fetch and publish the next batch meanwhile (DESIGN.md, "Draining": pipelining).
+
+At most one batch is being settled while the next is published: two batches in flight,
+never more. The settle itself is unchanged: ONE transaction, fenced on the lease epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+
+from relay import db, metrics, repository
+from relay.lease import Lease, LeaseToken
+from relay.message import OutboxMessage
+from relay.repository import Settlement
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A batch that was published and whose outcomes are being written."""
+
+    token: LeaseToken
+    batch: list[OutboxMessage]
+    settlement: Settlement
+    # Keys with a row not acknowledged in this batch: until the settle lands (and the
+    # fetch query sees the retry), later rows of these keys must not be published.
+    held_keys: frozenset[str]
+    future: Future[datetime | None]
+
+    def ids_literal(self) -> str:
+        return repository.array_literal([m.id for m in self.batch])
+
+
+class Settler:
+    def __init__(
+        self,
+        open_session: Callable[[], db.Conn],
+        lease: Lease,
+        ttl: float,
+        *,
+        delete_sent: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._session = db.Session(open_session)
+        self._lease = lease
+        self._ttl = ttl
+        self._delete_sent = delete_sent
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-settle")
+
+    def submit(
+        self,
+        token: LeaseToken,
+        batch: list[OutboxMessage],
+        settlement: Settlement,
+        held_keys: frozenset[str],
+    ) -> InFlight:
+        future = self._pool.submit(self._settle, token, settlement)
+        return InFlight(token, batch, settlement, held_keys, future)
+
+    def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:
+        started = self._clock()
+        try:
+            settled_at = repository.settle(
+                self._session.get(), token, self._ttl, settlement, delete_sent=self._delete_sent
+            )
+        except BaseException:
+            self._session.close()  # the next settle starts on a fresh connection
+            raise
+        if settled_at is not None:
+            self._lease.renewed(token, started)
+            metrics.SETTLE_SECONDS.observe(self._clock() - started)
+        return settled_at
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._session.close()
