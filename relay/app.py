@@ -122,6 +122,9 @@ class RelayApp:
                 log.warning("sink.flush_incomplete", messages=left)
         except Exception as exc:  # a dead producer must not keep the lease held
             log.warning("sink.flush_failed", error=str(exc))
+        # The drain loop has returned and waited for its last settle; closing it first
+        # makes sure no settle (which renews the lease) runs after the release.
+        self.drainer.close()
         self.elector.stop()
         self.elector.join(timeout=5.0)
         if self.elector.is_alive():
@@ -133,7 +136,6 @@ class RelayApp:
         if self.lag_sampler is not None:
             self.lag_sampler.stop()
             self.lag_sampler.join(timeout=5.0)
-        self.drainer.close()
         self.sink.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()

@@ -106,6 +106,11 @@ class Drainer:
         conn = self._session.get()
         self._purge_if_due(conn)
         in_flight = self._in_flight
+        if in_flight is not None and in_flight.future.done():
+            # Landed already (say, during a pause): no need to leave its rows out.
+            if not self._settle_in_flight(in_flight):
+                return
+            in_flight = None
         if in_flight is None:
             batch = repository.fetch_batch(conn, self._settings.batch_size)
         else:

@@ -177,15 +177,18 @@ def test_a_failing_key_waits_in_backoff_while_other_keys_flow(
         # Other keys finish while k0 is still backing off.
         wait_until(lambda: sum(1 for k, _ in sink.delivered if k != "k0") == 15, timeout=10)
         assert not any(k == "k0" for k, _ in sink.delivered)
-        row = (
-            psycopg.connect(database)
-            .execute(
-                "SELECT attempts, last_error, next_attempt_at IS NOT NULL FROM outbox"
-                " WHERE key = 'k0' ORDER BY id LIMIT 1"
-            )
-            .fetchone()
-        )
-        assert row is not None and row[0] >= 1 and "503" in row[1] and row[2]
+
+        def k0_head() -> tuple[Any, ...] | None:
+            # The batch's settle runs beside the next fetch: wait for it to land.
+            with psycopg.connect(database) as conn:
+                row = conn.execute(
+                    "SELECT attempts, last_error, next_attempt_at IS NOT NULL FROM outbox"
+                    " WHERE key = 'k0' ORDER BY id LIMIT 1"
+                ).fetchone()
+            return row if row is not None and row[0] >= 1 else None
+
+        row = wait_until(k0_head, timeout=5)
+        assert "503" in row[1] and row[2]
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
     k0 = [p for k, p in sink.delivered if k == "k0"]
     assert k0 == [f"k0:{i}".encode() for i in range(5)]

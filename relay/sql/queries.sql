@@ -105,7 +105,9 @@ FROM outbox AS o
 WHERE o.sent_at IS NULL
   AND o.dead_lettered_at IS NULL
   AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
-  -- The batch published just before, still being settled on another session.
+  -- The batch published just before, still being settled on another session. The
+  -- parameter is sent untyped, so the cast makes it a bigint[] constant of the custom
+  -- plan and the test is a hash lookup; typed as text it could not be folded.
   AND o.id <> ALL(%(in_flight)s::bigint[])
   AND NOT EXISTS (
       SELECT 1
