@@ -1,17 +1,18 @@
 """The drain loop (DESIGN.md, "Draining"), run while this replica holds the lease.
 
-    fetch the next unsent rows in id order (never a last-seen-id cursor), leaving out
-            the previous batch, which is still being settled
-    publish them and wait for every acknowledgement
+    fetch the next unsent rows in id order (never a last-seen-id cursor)
+    publish them; while their acknowledgements come back, fetch the batch after them
+    wait for every acknowledgement
     settle: in ONE transaction fenced on our lease epoch, mark the acknowledged rows
             sent (or delete them), back off the failed ones, dead-letter the hopeless;
-            this runs on the settler's own session while the loop fetches and
-            publishes the next batch, so at most two batches are ever in flight
+            this runs on the settler's own session while the loop publishes the next
+            batch, so at most two batches are ever published and not yet settled
     repeat; when there is nothing to do, poll adaptively
 
-A failed row blocks later rows of its key only (the fetch query skips them; while its
-settle is still running, the loop holds those keys back itself); the lease check inside
-the settle is what makes a paused or partitioned ex-leader harmless.
+Every fetch leaves out the rows published and not yet settled. A failed row blocks later
+rows of its key only: the fetch query skips them once the failure is written, and until
+then the loop holds the key back itself. The lease check inside the settle is what makes
+a paused or partitioned ex-leader harmless.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import psycopg
 
@@ -35,8 +37,18 @@ from relay.settings import Settings
 from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
+from relay.sinks.base import start_publishing
 
 log = get_logger("relay.worker")
+
+
+@dataclass(slots=True)
+class Prefetched:
+    """The next batch, read while the previous one was being acknowledged."""
+
+    rows: list[OutboxMessage]
+    # Keys whose failures may not be written yet: the batches in flight at the read.
+    held: frozenset[str]
 
 
 class Drainer:
@@ -65,7 +77,8 @@ class Drainer:
             delete_sent=not settings.keep_sent_rows,
             clock=clock,
         )
-        self._in_flight: InFlight | None = None
+        self._in_flight: InFlight | None = None  # published, being settled
+        self._prefetched: Prefetched | None = None  # fetched, not published yet
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
@@ -92,6 +105,7 @@ class Drainer:
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
                     self._settle_in_flight_quietly()
+                    self._prefetched = None
                     delay = self._db_retry.next_delay()
                     log.warning(
                         "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
@@ -101,29 +115,23 @@ class Drainer:
                 token = self._lease.token()
         finally:
             self._settle_in_flight_quietly()
+            self._prefetched = None
 
     def _step(self, token: LeaseToken) -> None:
         conn = self._session.get()
         self._purge_if_due(conn)
         in_flight = self._in_flight
-        if in_flight is not None and in_flight.future.done():
-            # Landed already (say, during a pause): no need to leave its rows out.
-            if not self._settle_in_flight(in_flight):
-                return
-            in_flight = None
-        if in_flight is None:
-            batch = repository.fetch_batch(conn, self._settings.batch_size)
-        else:
-            batch = [
-                message
-                for message in repository.fetch_batch(
-                    conn, self._settings.batch_size, in_flight.ids_literal()
-                )
-                if message.key is None or message.key not in in_flight.held_keys
-            ]
+        # Landed already (say, during a pause): no need to leave its rows out.
+        if (
+            in_flight is not None
+            and in_flight.future.done()
+            and not self._settle_in_flight(in_flight)
+        ):
+            return
+        batch = self._next_batch(conn)
         if not batch:
-            if in_flight is not None:
-                self._settle_in_flight(in_flight)  # then look again at once
+            if self._in_flight is not None:
+                self._settle_in_flight(self._in_flight)  # then look again at once
             else:
                 self._idle_wait()
             return
@@ -133,20 +141,26 @@ class Drainer:
         metrics.BATCH_SIZE.observe(len(batch))
 
         started = self._clock()
-        results = self._sink.publish(batch, lambda: self._abandon(token))
+        publishing = start_publishing(self._sink, batch, lambda: self._abandon(token))
+        self._prefetch(conn, batch)
+        results = publishing.wait()
         metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(self._clock() - started)
         failpoints.hit("after_publish")
 
         settlement, unavailable = self._plan(batch, results)
-        if in_flight is not None and not self._settle_in_flight(in_flight):
+        unacked = frozenset(
+            message.key
+            for message, result in zip(batch, results, strict=True)
+            if message.key is not None and result.outcome is not Outcome.ACKED
+        )
+        if self._prefetched is not None:
+            # Usually also held through the settle submitted below; not when this
+            # batch has nothing to settle (every row skipped).
+            self._prefetched.held |= unacked
+        if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
             return  # fenced out: this batch stays unsent (published: duplicates later)
         if settlement:
-            held = frozenset(
-                message.key
-                for message, result in zip(batch, results, strict=True)
-                if message.key is not None and result.outcome is not Outcome.ACKED
-            )
-            self._in_flight = self._settler.submit(token, batch, settlement, held)
+            self._in_flight = self._settler.submit(token, batch, settlement, unacked)
 
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
@@ -160,9 +174,47 @@ class Drainer:
                 error=unavailable.error or "sink unavailable",
                 retry_in=round(delay, 3),
             )
+            self._prefetched = None  # read again when the sink is back
             self._pause(delay, token)
         else:
             self._sink_retry.reset()
+
+    def _next_batch(self, conn: db.Conn) -> list[OutboxMessage]:
+        """The prefetched batch, or a fresh fetch; minus the keys held back."""
+        prefetched, self._prefetched = self._prefetched, None
+        in_flight = self._in_flight
+        held = in_flight.held_keys if in_flight is not None else frozenset()
+        if prefetched is not None:
+            rows, held = prefetched.rows, held | prefetched.held
+        else:
+            exclude = in_flight.ids_literal() if in_flight is not None else "{}"
+            rows = repository.fetch_batch(conn, self._settings.batch_size, exclude)
+        if not held:
+            return rows
+        return [m for m in rows if m.key is None or m.key not in held]
+
+    def _prefetch(self, conn: db.Conn, publishing: list[OutboxMessage]) -> None:
+        """Read the batch after `publishing` while its acknowledgements come back.
+
+        It leaves out every row not yet settled (this batch and the one the settler
+        has), and remembers the keys that batch held back: when the prefetched rows are
+        published, the failures of both may still be unwritten.
+        """
+        in_flight = self._in_flight
+        ids = [m.id for m in publishing]
+        held: frozenset[str] = frozenset()
+        if in_flight is not None:
+            ids += [m.id for m in in_flight.batch]
+            held = in_flight.held_keys
+        try:
+            rows = repository.fetch_batch(
+                conn, self._settings.batch_size, repository.array_literal(ids)
+            )
+        except psycopg.Error:
+            # The next step's own fetch will meet (and report) the same trouble.
+            self._session.close()
+            return
+        self._prefetched = Prefetched(rows, held)
 
     def _settle_in_flight(self, in_flight: InFlight) -> bool:
         """Wait for the previous batch's settle; False if a newer lease holder fenced
@@ -171,6 +223,7 @@ class Drainer:
         settled_at = in_flight.future.result()
         token, settlement, batch = in_flight.token, in_flight.settlement, in_flight.batch
         if settled_at is None:
+            self._prefetched = None
             self._elector.lost_by_fencing(token)
             return False
         # Debug level: one line a batch is history for tests/chaos, noise in production.

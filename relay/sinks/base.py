@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from relay.message import OutboxMessage
 
@@ -60,3 +60,34 @@ class Sink(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Pending(Protocol):
+    def wait(self) -> list[Result]:
+        """The batch's results, as `Sink.publish` returns them."""
+        ...
+
+
+@runtime_checkable
+class StartsPublishing(Protocol):
+    """A sink that can hand a batch over and report later (Kafka: produce now, delivery
+    reports after), so the drain loop reads its next batch meanwhile."""
+
+    def start(self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]) -> Pending: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Published:
+    results: list[Result]
+
+    def wait(self) -> list[Result]:
+        return self.results
+
+
+def start_publishing(
+    sink: Sink, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+) -> Pending:
+    """Two-phase where the sink can do it; otherwise publish now (HTTP)."""
+    if isinstance(sink, StartsPublishing):
+        return sink.start(messages, abandon)
+    return _Published(sink.publish(messages, abandon))

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from relay.logging import get_logger, library_logger
 from relay.message import MalformedRow, OutboxMessage
@@ -165,26 +165,20 @@ class KafkaSink:
     def publish(
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> list[Result]:
+        return self.start(messages, abandon).wait()
+
+    def start(self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]) -> Publishing:
+        """Hand the batch to librdkafka and return at once; `wait()` collects the
+        reports. The drain loop fetches its next batch in between."""
         if self._needs_new_producer:
             self._replace_producer()
-        results: list[Result | None] = [None] * len(messages)
-        pending = [0]
+        publishing = Publishing(self, self._producer, len(messages), abandon)
+        results = publishing.results
         blocked: set[str] = set()
         # Kafka orders a key only within one partition of one topic. A later row of a
         # key bound for another topic waits for the next batch, after the earlier one
         # is settled, so a failure of the first cannot be overtaken by the second.
         key_topic: dict[str, str] = {}
-        producer = self._producer
-
-        def report(index: int, error: KafkaError | None, _msg: Message) -> None:
-            if error is None:
-                results[index] = ACKED
-            else:
-                results[index] = classify(error)
-                if needs_new_producer(error):
-                    self._needs_new_producer = True
-            pending[0] -= 1
-
         for index, message in enumerate(messages):
             if message.key is not None and message.key in blocked:
                 results[index] = SKIPPED
@@ -203,38 +197,14 @@ class KafkaSink:
                 continue
             if index % 64 == 0 and abandon():
                 break  # lease gone or shutdown grace over: publish nothing more
-            pending[0] += 1
-            if not self._produce(producer, topic, message, headers, index, report, abandon):
-                pending[0] -= 1
+            publishing.pending += 1
+            if not self._produce(publishing, topic, message, headers, index):
+                publishing.pending -= 1
                 break  # abandoned while the local queue was full: the rest stay unsent
             if results[index] is not None and message.key is not None:
                 blocked.add(message.key)  # produce() refused it (too large, bad argument)
-        failure = self._serve(producer, 0)
-
-        deadline = time.monotonic() + self._max_wait
-        abandoned = False
-        while failure is None and pending[0] > 0:
-            if abandon():
-                abandoned = True
-                break
-            if time.monotonic() > deadline:
-                failure = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report in time")
-                self._needs_new_producer = True
-                break
-            failure = self._serve(producer, 0.05, flush=True)
-        if abandoned and pending[0] > 0:
-            # Stop publishing at once (lease lost or shutdown overdue): drop what has
-            # not left the client yet. What is already in flight may still land.
-            with contextlib.suppress(KafkaException):
-                producer.purge(in_queue=True, in_flight=False, blocking=False)
-                producer.poll(0)
-        if failure is not None:
-            # The producer died, or reports are overdue: nothing unreported can be
-            # trusted as sent, and nothing about these rows is wrong. The drain loop
-            # backs off and they go again (possibly as duplicates).
-            lost = classify(failure)
-            return [lost if result is None else result for result in results]
-        return [SKIPPED if result is None else result for result in results]
+        publishing.failure = self._serve(self._producer, 0)
+        return publishing
 
     def _serve(
         self, producer: Producer, timeout: float, *, flush: bool = False
@@ -260,15 +230,14 @@ class KafkaSink:
 
     def _produce(
         self,
-        producer: Producer,
+        publishing: Publishing,
         topic: str,
         message: OutboxMessage,
         headers: list[tuple[str, str | bytes | None]],
         index: int,
-        report: Callable[[int, KafkaError | None, Message], None],
-        abandon: Callable[[], bool],
     ) -> bool:
         """Hand one message to librdkafka; False if we gave up waiting for queue room."""
+        producer = publishing.producer
         while True:
             try:
                 producer.produce(
@@ -276,15 +245,15 @@ class KafkaSink:
                     value=message.payload,
                     key=message.key,
                     headers=headers,
-                    on_delivery=lambda err, msg: report(index, err, msg),
+                    on_delivery=lambda err, msg: publishing.report(index, err),
                 )
                 return True
             except BufferError:
                 # Local queue full: serve delivery reports to make room.
-                if self._serve(producer, 0.05) is not None or abandon():
+                if self._serve(producer, 0.05) is not None or publishing.abandon():
                     return False
             except KafkaException as exc:
-                report(index, exc.args[0], None)  # type: ignore[arg-type]
+                publishing.report(index, exc.args[0])
                 return True
 
     def _replace_producer(self) -> None:
@@ -308,3 +277,55 @@ class KafkaSink:
 
     def close(self) -> None:
         self._producer.flush(0)
+
+
+class Publishing:
+    """One batch handed to librdkafka, its delivery reports still coming back."""
+
+    def __init__(
+        self, sink: KafkaSink, producer: Producer, size: int, abandon: Callable[[], bool]
+    ) -> None:
+        self.sink = sink
+        self.producer = producer
+        self.abandon = abandon
+        self.results: list[Result | None] = [None] * size
+        self.pending = 0
+        self.failure: KafkaError | None = None
+
+    def report(self, index: int, error: KafkaError | None) -> None:
+        if error is None:
+            self.results[index] = ACKED
+        else:
+            self.results[index] = classify(error)
+            if needs_new_producer(error):
+                self.sink._needs_new_producer = True
+        self.pending -= 1
+
+    def wait(self) -> list[Result]:
+        """Every message's outcome, once each has its report (or we stop waiting)."""
+        sink, producer = self.sink, self.producer
+        deadline = time.monotonic() + sink._max_wait
+        abandoned = False
+        failure = self.failure
+        while failure is None and self.pending > 0:
+            if self.abandon():
+                abandoned = True
+                break
+            if time.monotonic() > deadline:
+                failure = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report in time")
+                sink._needs_new_producer = True
+                break
+            failure = sink._serve(producer, 0.05, flush=True)
+        if abandoned and self.pending > 0:
+            # Stop publishing at once (lease lost or shutdown overdue): drop what has
+            # not left the client yet. What is already in flight may still land.
+            with contextlib.suppress(KafkaException):
+                producer.purge(in_queue=True, in_flight=False, blocking=False)
+                producer.poll(0)
+        if failure is not None:
+            # The producer died, or reports are overdue: nothing unreported can be
+            # trusted as sent, and nothing about these rows is wrong. The drain loop
+            # backs off and they go again (possibly as duplicates).
+            lost = classify(failure)
+            return [lost if result is None else result for result in self.results]
+        return [SKIPPED if result is None else result for result in self.results]
