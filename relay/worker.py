@@ -154,8 +154,6 @@ class Drainer:
             if message.key is not None and result.outcome is not Outcome.ACKED
         )
         if self._prefetched is not None:
-            # Usually also held through the settle submitted below; not when this
-            # batch has nothing to settle (every row skipped).
             self._prefetched.held |= unacked
         if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
             return  # fenced out: this batch stays unsent (published: duplicates later)

@@ -15,7 +15,8 @@ from prometheus_client import REGISTRY
 
 from relay import repository
 from relay.message import OutboxMessage
-from relay.sinks.base import ACKED, Outcome, Result
+from relay.sinks.base import ACKED, Outcome, Pending, Published, Result
+from relay.worker import Drainer
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.postgres import PostgresServer
@@ -220,6 +221,42 @@ def test_pipelined_settle_neither_republishes_nor_lets_a_key_overtake(
         wait_until(lambda: unsent_count(database) == 0, timeout=30)
     assert sorted(sink.delivered) == sorted(rows)  # each exactly once
     assert [p for k, p in sink.delivered if k == "k0"] == [f"k0:{i}".encode() for i in range(6)]
+
+
+class TwoPhaseScriptedSink(ScriptedSink):
+    """The same, publishing in two phases as the Kafka sink does: the drain loop reads
+    its next batch between `start_publish` and `wait`."""
+
+    def start_publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> Pending:
+        return Published(self.publish(messages, abandon))
+
+
+def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_landed(
+    make_settings: SettingsFactory,
+    database: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """k0:1 is prefetched while k0:0 is being published; k0:0 fails. A pause before
+    the next step lets that batch's settle land first, so nothing is in flight when the
+    prefetched k0:1 comes up: it must still wait for k0:0's retry."""
+    sink = TwoPhaseScriptedSink({"k0": 1})
+    monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
+    real_purge = Drainer._purge_if_due
+
+    def purge_slowly(self: Drainer, conn: Any) -> None:
+        time.sleep(0.1)  # the previous settle lands meanwhile
+        real_purge(self, conn)
+
+    monkeypatch.setattr(Drainer, "_purge_if_due", purge_slowly)
+    rows = [(f"k{n % 2}", f"k{n % 2}:{n // 2}".encode()) for n in range(8)]
+    insert_rows(database, "t", rows)
+    settings = make_settings(batch_size=2, retry_base_seconds=0.1, retry_max_seconds=0.1)
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, timeout=30)
+    assert sorted(sink.delivered) == sorted(rows)
+    assert [p for k, p in sink.delivered if k == "k0"] == [f"k0:{i}".encode() for i in range(4)]
 
 
 def test_a_row_past_max_attempts_is_dead_lettered_and_its_key_moves_on(

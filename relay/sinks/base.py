@@ -73,11 +73,13 @@ class StartsPublishing(Protocol):
     """A sink that can hand a batch over and report later (Kafka: produce now, delivery
     reports after), so the drain loop reads its next batch meanwhile."""
 
-    def start(self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]) -> Pending: ...
+    def start_publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> Pending: ...
 
 
 @dataclass(frozen=True, slots=True)
-class _Published:
+class Published:
     results: list[Result]
 
     def wait(self) -> list[Result]:
@@ -89,5 +91,5 @@ def start_publishing(
 ) -> Pending:
     """Two-phase where the sink can do it; otherwise publish now (HTTP)."""
     if isinstance(sink, StartsPublishing):
-        return sink.start(messages, abandon)
-    return _Published(sink.publish(messages, abandon))
+        return sink.start_publish(messages, abandon)
+    return Published(sink.publish(messages, abandon))

@@ -165,9 +165,11 @@ class KafkaSink:
     def publish(
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> list[Result]:
-        return self.start(messages, abandon).wait()
+        return self.start_publish(messages, abandon).wait()
 
-    def start(self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]) -> Publishing:
+    def start_publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> Publishing:
         """Hand the batch to librdkafka and return at once; `wait()` collects the
         reports. The drain loop fetches its next batch in between."""
         if self._needs_new_producer:
