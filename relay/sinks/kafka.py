@@ -205,7 +205,9 @@ class KafkaSink:
                 break  # abandoned while the local queue was full: the rest stay unsent
             if results[index] is not None and message.key is not None:
                 blocked.add(message.key)  # produce() refused it (too large, bad argument)
-        publishing.failure = self._serve(self._producer, 0)
+        # flush(0): ask librdkafka to send the batch's tail now rather than after
+        # linger.ms, so its acknowledgements come back while the loop reads ahead.
+        publishing.failure = self._serve(self._producer, 0, flush=True)
         return publishing
 
     def _serve(
