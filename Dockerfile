@@ -65,7 +65,7 @@ EXPOSE 9108
 # For `docker run` and compose; Kubernetes ignores HEALTHCHECK and uses the Deployment's
 # probes on the same endpoints (/healthz liveness, /readyz readiness).
 HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('RELAY_METRICS_PORT', '9108'), timeout=2)"]
+    CMD ["relay", "healthcheck", "--timeout", "2"]
 # The relay handles SIGTERM itself (stop taking batches, flush, release the lease); it
 # starts no child processes, so running as PID 1 without an init is fine.
 STOPSIGNAL SIGTERM

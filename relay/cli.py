@@ -1,4 +1,5 @@
-"""Command line: `relay run|migrate|status|check|dead-letter|purge` (also `python -m relay`)."""
+"""Command line: `relay run|migrate|status|check|healthcheck|dead-letter|purge` (also
+`python -m relay`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 import re
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
@@ -60,6 +63,40 @@ def cmd_run(_args: argparse.Namespace) -> int:
     settings = load_settings(Settings)
     configure(settings.log_format, settings.log_level)
     return run(settings)
+
+
+# A server bound to every address is probed on loopback.
+_WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104
+
+
+def health_url(host: str, port: int) -> str:
+    host = _WILDCARDS.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/healthz"
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    """The container's HEALTHCHECK: GET /healthz on this replica's own metrics server,
+    wherever RELAY_METRICS_HOST/PORT put it (a wildcard address is probed on loopback)."""
+    settings = load_settings(Settings)
+    if not settings.metrics_enabled:
+        print("relay: no health endpoint (RELAY_METRICS_ENABLED=false): nothing to probe")
+        return EXIT_OK
+    if settings.metrics_port == 0:
+        print("relay: RELAY_METRICS_PORT=0 picks a random port: nothing to probe", file=sys.stderr)
+        return EXIT_FAILURE
+    url = health_url(settings.metrics_host, settings.metrics_port)
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:  # noqa: S310
+            body = response.read(200).decode(errors="replace").strip()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(200).decode(errors="replace").strip()
+        print(f"relay: unhealthy: {url} answered {exc.code} {detail}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        print(f"relay: unhealthy: {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"healthy: {url} {body}")
+    return EXIT_OK
 
 
 def cmd_migrate(_args: argparse.Namespace) -> int:
@@ -273,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop counting rows at N (bounds the query on a huge outbox; default 1000000)",
     )
     add("check", cmd_check, "validate settings and connect to the database and the sink")
+    health = add("healthcheck", cmd_healthcheck, "probe this replica's /healthz (for Docker)")
+    health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS")
 
     dead = sub.add_parser("dead-letter", help="list or requeue dead-lettered rows")
     dead_sub = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")

@@ -773,11 +773,14 @@ def test_the_image_healthcheck_passes_on_a_live_relay_only(relay_metrics_port: i
     match = re.search(r"^\s+CMD (\[.*\])$", DOCKERFILE.read_text(), re.MULTILINE)
     assert match, "HEALTHCHECK ... CMD [exec form] expected"
     argv = json.loads(match[1])
-    assert argv[0] == "python"
-    argv[0] = sys.executable
+    assert argv[0] == "relay"  # the image's console script
+    argv[:1] = [sys.executable, "-m", "relay"]
 
     def healthcheck(port: int) -> int:
+        # The container's environment: valid settings, nothing the probe connects to.
         env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+        env["RELAY_DATABASE_URL"] = "postgresql://relay@127.0.0.1:9/relay"
+        env["RELAY_KAFKA_BOOTSTRAP_SERVERS"] = "127.0.0.1:9"
         env["RELAY_METRICS_PORT"] = str(port)
         done = subprocess.run(argv, env=env, capture_output=True, timeout=10, check=False)
         return done.returncode

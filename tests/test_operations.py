@@ -8,6 +8,7 @@ import uuid
 
 import psycopg
 
+from relay.cli import health_url
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker, consume
@@ -53,6 +54,41 @@ def test_metrics_and_probes_report_the_leader_and_its_work(
         assert get(f"{base}/healthz")[0] == 200
         assert get(f"{base}/readyz")[0] == 200
         assert get(f"{base}/nope")[0] == 404
+
+
+def test_healthcheck_probes_the_configured_metrics_address(
+    make_settings: SettingsFactory, relay_dsn: str
+) -> None:
+    """`relay healthcheck` (the image's HEALTHCHECK) follows RELAY_METRICS_HOST/PORT and
+    fails clearly when nothing answers there."""
+    port = free_port()
+    host = "127.0.0.2"  # loopback, but not the default: the probe must follow the setting
+    env = relay_env(
+        relay_dsn,
+        "127.0.0.1:9",  # valid settings need a broker address; the probe never uses it
+        RELAY_METRICS_ENABLED="true",
+        RELAY_METRICS_HOST=host,
+        RELAY_METRICS_PORT=str(port),
+    )
+    down = subprocess.run(
+        relay_command("healthcheck"), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert down.returncode == 1
+    assert f"unhealthy: http://{host}:{port}/healthz".encode() in down.stderr
+    settings = make_settings(metrics_enabled=True, metrics_host=host, metrics_port=port)
+    with running_relay(settings):
+        wait_until(lambda: get(f"http://{host}:{port}/healthz")[0] == 200, timeout=10)
+        assert b"healthy" in run_cli(env, "healthcheck").stdout
+    off = run_cli(
+        relay_env(relay_dsn, "127.0.0.1:9"), "healthcheck"
+    )  # metrics disabled: nothing to probe
+    assert b"nothing to probe" in off.stdout
+
+
+def test_healthcheck_probes_a_wildcard_bind_on_loopback() -> None:
+    assert health_url("0.0.0.0", 9108) == "http://127.0.0.1:9108/healthz"  # noqa: S104
+    assert health_url("::", 9108) == "http://[::1]:9108/healthz"
+    assert health_url("10.1.2.3", 80) == "http://10.1.2.3:80/healthz"
 
 
 def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak(
