@@ -42,6 +42,13 @@ from relay.sinks.base import start_publishing
 log = get_logger("relay.worker")
 
 
+def _without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessage]:
+    """`rows` minus those of the keys held back."""
+    if not held:
+        return rows
+    return [m for m in rows if m.key is None or m.key not in held]
+
+
 @dataclass(slots=True)
 class Prefetched:
     """The next batch, read while the previous one was being acknowledged."""
@@ -142,9 +149,14 @@ class Drainer:
 
         started = self._clock()
         publishing = start_publishing(self._sink, batch, lambda: self._abandon(token))
-        self._prefetch(conn, batch)
+        prefetch_started = self._clock()
+        if not self._abandon(token):
+            self._prefetch(conn, batch)
+        prefetching = self._clock() - prefetch_started
         results = publishing.wait()
-        metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(self._clock() - started)
+        metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(
+            self._clock() - started - prefetching
+        )
         failpoints.hit("after_publish")
 
         settlement, unavailable = self._plan(batch, results)
@@ -154,6 +166,8 @@ class Drainer:
             if message.key is not None and result.outcome is not Outcome.ACKED
         )
         if self._prefetched is not None:
+            # The prefetched rows were read before this batch's failures are written:
+            # its settle may land before they are published (and then no longer holds).
             self._prefetched.held |= unacked
         if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
             return  # fenced out: this batch stays unsent (published: duplicates later)
@@ -183,13 +197,11 @@ class Drainer:
         in_flight = self._in_flight
         held = in_flight.held_keys if in_flight is not None else frozenset()
         if prefetched is not None:
-            rows, held = prefetched.rows, held | prefetched.held
-        else:
-            exclude = in_flight.ids_literal() if in_flight is not None else "{}"
-            rows = repository.fetch_batch(conn, self._settings.batch_size, exclude)
-        if not held:
-            return rows
-        return [m for m in rows if m.key is None or m.key not in held]
+            batch = _without(prefetched.rows, held | prefetched.held)
+            if batch:
+                return batch
+        exclude = in_flight.ids_literal() if in_flight is not None else "{}"
+        return _without(repository.fetch_batch(conn, self._settings.batch_size, exclude), held)
 
     def _prefetch(self, conn: db.Conn, publishing: list[OutboxMessage]) -> None:
         """Read the batch after `publishing` while its acknowledgements come back.
