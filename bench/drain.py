@@ -10,6 +10,16 @@ from confluent_kafka import Producer
 from bench.common import PAYLOAD, TOPIC, drain_rate, preload, relay_settings
 from relay.queries import QUERIES
 
+# The bare loop's select: the next unsent rows through the partial index, nothing else
+# (no per-key blocking or fairness, no byte bound): the database's limit, not the relay's.
+RAW_FETCH = """
+SELECT id, message_id, topic, key, payload, headers, created_at, attempts
+FROM outbox
+WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+ORDER BY id
+LIMIT %(limit)s
+"""
+
 
 def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
     """rows/s of a bare loop: select a batch through the partial index, mark or delete it."""
@@ -19,9 +29,7 @@ def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
         started = time.perf_counter()
         while True:
             with conn.transaction():
-                rows = conn.execute(
-                    QUERIES.fetch_batch, {"limit": batch, "in_flight": "{}"}
-                ).fetchall()
+                rows = conn.execute(RAW_FETCH, {"limit": batch}).fetchall()
                 if not rows:
                     break
                 conn.execute(settle, {"ids": [r[0] for r in rows]})

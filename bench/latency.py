@@ -29,6 +29,7 @@ class TimedSink:
     def __init__(self, inner: Sink) -> None:
         self.inner = inner
         self.name = inner.name
+        self.serial_per_key = inner.serial_per_key
         self.acked_at: dict[str, float] = {}
 
     def publish(

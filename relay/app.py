@@ -12,6 +12,7 @@ from relay.lag import LagSampler
 from relay.lease import Elector, Lease
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
+from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import create_sink
@@ -49,6 +50,7 @@ class RelayApp:
         if settings.lag_sample_seconds > 0:
             self.health.register("lag", max(60.0, 3 * settings.lag_sample_seconds + db_wait))
             self.lag_sampler = LagSampler(settings, self.health)
+        self.purger = Purger(settings, self.lease) if settings.keep_sent_rows else None
         self.drainer = Drainer(
             settings, self.sink, self.lease, self.elector, self.shutdown, self.health
         )
@@ -94,6 +96,8 @@ class RelayApp:
         self.elector.start()
         if self.lag_sampler is not None:
             self.lag_sampler.start()
+        if self.purger is not None:
+            self.purger.start()
         try:
             while not self.shutdown.requested:
                 self.health.beat()
@@ -133,9 +137,10 @@ class RelayApp:
             log.warning("lease.release_skipped", reason="elector busy")
         else:
             self.elector.release()
-        if self.lag_sampler is not None:
-            self.lag_sampler.stop()
-            self.lag_sampler.join(timeout=5.0)
+        for loop in (self.lag_sampler, self.purger):
+            if loop is not None:
+                loop.stop()
+                loop.join(timeout=5.0)
         self.sink.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 RESERVED_HEADERS = ("message-id", "created-at")
 
@@ -22,41 +20,32 @@ class OutboxMessage:
     topic: str
     key: str | None
     payload: bytes | None
-    headers: Any
+    # The row's own headers as PostgreSQL prints them, flat: [name, value, name, ...];
+    # nulls and the reserved names already left out by the query. Never parsed here: a
+    # jsonb value Python's json could not load (a 5,000-digit number, deep nesting)
+    # never reaches Python as anything but text.
+    headers: list[str] | None
+    header_error: str | None  # why the headers cannot be sent as they are (dead-letter)
     created_at: str  # RFC 3339, UTC, microseconds: the `created-at` header as sent
     created_epoch: float  # the same instant in Unix seconds, for end-to-end latency
     attempts: int
 
     def row_headers(self) -> list[tuple[str, str]]:
-        """The row's own headers as text, validated; the relay's reserved names dropped.
-
-        Row headers must be a JSON object of scalars; strings are kept as they are,
-        other scalars in their JSON form, nulls are left out.
-        """
-        if self.headers is None:
+        """The row's own headers as (name, text) pairs, byte for byte as written:
+        strings as they are, numbers and booleans in their JSON text."""
+        if self.header_error is not None:
+            raise MalformedRow(self.header_error)
+        flat = self.headers
+        if not flat:
             return []
-        if not isinstance(self.headers, dict):
-            raise MalformedRow(f"headers must be a JSON object, got {type(self.headers).__name__}")
-        pairs: list[tuple[str, str]] = []
-        for name, value in self.headers.items():
-            if name.lower() in RESERVED_HEADERS or value is None:
-                continue
-            if isinstance(value, str):
-                pairs.append((name, value))
-            elif isinstance(value, bool | int | float):
-                pairs.append((name, json.dumps(value)))
-            else:
-                raise MalformedRow(
-                    f"header {name!r} must be a string or scalar, got {type(value).__name__}"
-                )
-        return pairs
+        return list(zip(flat[::2], flat[1::2], strict=True))
 
     def header_pairs(self) -> list[tuple[str, str | bytes | None]]:
         """Row headers plus `message-id` and `created-at`, for confluent-kafka (which
         encodes text values as UTF-8). The relay's own headers always win over the row's.
         """
         pairs: list[tuple[str, str | bytes | None]] = []
-        if self.headers is not None:
+        if self.headers or self.header_error is not None:
             pairs.extend(self.row_headers())
         pairs.append(("message-id", self.message_id))
         pairs.append(("created-at", self.created_at))

@@ -47,6 +47,13 @@ MESSAGES = Counter(
 DEAD_LETTERED = Counter(
     "relay_dead_lettered_total", "Rows moved to the dead-letter state.", ["sink", "topic"]
 )
+PURGED = Counter(
+    "relay_purged_rows_total", "Sent rows deleted by the retention purge (retention mode)."
+)
+PURGE_ERRORS = Counter(
+    "relay_purge_errors_total",
+    "Retention purge runs that failed (logged; tried again at the next interval).",
+)
 BATCH_SIZE = Histogram(
     "relay_batch_size",
     "Rows per fetched batch.",

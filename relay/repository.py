@@ -52,12 +52,35 @@ def array_literal(ids: Sequence[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
-def fetch_batch(conn: Conn, limit: int, in_flight: str = "{}") -> list[OutboxMessage]:
-    """`in_flight`: ids (an `array_literal`) published but not settled yet: left out."""
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """How big a batch may be, and how much of it one key may take (`fetch_batch`)."""
+
+    rows: int
+    bytes: int
+    per_key: int
+    # Fill the rest of the batch with more rows of busy keys when no other key waits.
+    fill: bool = True
+
+
+def fetch_batch(
+    conn: Conn, limits: BatchLimits, in_flight: str = "{}", after_key: str | None = None
+) -> list[OutboxMessage]:
+    """`in_flight`: ids (an `array_literal`) published but not settled yet: left out.
+    `after_key`: where the round over keys starts when the head of the backlog is
+    crowded (the largest key of the previous batch: every key gets its turn)."""
+    params = {
+        "limit": limits.rows,
+        "max_bytes": limits.bytes,
+        "key_cap": limits.per_key,
+        "fill": limits.fill,
+        "in_flight": in_flight,
+        "after_key": after_key,
+    }
     # Tuples and positional construction: a tenth of the cost of keyword rows, and
     # this runs for every row the relay ever moves. Column order = field order.
     with conn.cursor(row_factory=tuple_row) as cur:
-        rows = cur.execute(QUERIES.fetch_batch, {"limit": limit, "in_flight": in_flight}).fetchall()
+        rows = cur.execute(QUERIES.fetch_batch, params).fetchall()
     return [OutboxMessage(*row) for row in rows]
 
 

@@ -206,6 +206,19 @@ class Settings(CommonSettings):
 
     # --- draining ---
     batch_size: int = Field(default=500, ge=1, le=50_000)
+    batch_max_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        description="A batch stops at this many bytes of payload and headers (at least one "
+        "row): a batch is held in up to three stages at once, so this bounds memory.",
+    )
+    batch_max_per_key: int | None = Field(
+        default=None,
+        ge=1,
+        description="Rows of one key in one batch while other keys' rows wait. Default: a "
+        "fifth of the batch for Kafka (a key alone still fills whole batches); 4 for HTTP, "
+        "which sends a key's rows one at a time (there it holds even when nobody waits).",
+    )
     poll_interval_min_seconds: float = Field(default=0.005, gt=0, le=10)
     poll_interval_max_seconds: float = Field(default=0.1, gt=0, le=60)
     max_attempts: int = Field(default=10, ge=1)
@@ -384,6 +397,20 @@ _KAFKA_GUARDED: dict[str, tuple[Callable[[str], bool], str]] = {
     "max.in.flight": (  # librdkafka's alias of the above
         lambda v: v.isdigit() and 1 <= int(v) <= 5,
         "must be 1-5: the idempotent producer keeps order only up to 5",
+    ),
+    "message.timeout.ms": (
+        lambda v: v.strip() == "0",
+        "must stay 0: the relay times deliveries out itself"
+        " (RELAY_KAFKA_DELIVERY_TIMEOUT_MS), keeping per-key order",
+    ),
+    "delivery.timeout.ms": (  # librdkafka's alias of the above
+        lambda v: v.strip() == "0",
+        "must stay 0: the relay times deliveries out itself"
+        " (RELAY_KAFKA_DELIVERY_TIMEOUT_MS), keeping per-key order",
+    ),
+    "enable.gapless.guarantee": (
+        lambda v: v.lower() in {"true", "1"},
+        "must stay true: a gap in a partition would break per-key order",
     ),
     "transactional.id": (
         lambda _v: False,

@@ -24,7 +24,9 @@ class InFlight:
     """A batch that was published and whose outcomes are being written."""
 
     token: LeaseToken
-    batch: list[OutboxMessage]
+    # Ids only: the rows' payloads are let go once published, so a batch of large rows
+    # is held in two stages at most (read ahead, publishing), not three.
+    ids: list[int]
     settlement: Settlement
     # Keys with a row not acknowledged in this batch: until the settle lands (and the
     # fetch query sees the retry), later rows of these keys must not be published.
@@ -32,7 +34,7 @@ class InFlight:
     future: Future[datetime | None]
 
     def ids_literal(self) -> str:
-        return repository.array_literal([m.id for m in self.batch])
+        return repository.array_literal(self.ids)
 
 
 class Settler:
@@ -60,7 +62,7 @@ class Settler:
         held_keys: frozenset[str],
     ) -> InFlight:
         future = self._pool.submit(self._settle, token, settlement)
-        return InFlight(token, batch, settlement, held_keys, future)
+        return InFlight(token, [m.id for m in batch], settlement, held_keys, future)
 
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:
         started = self._clock()

@@ -32,7 +32,7 @@ from relay.logging import get_logger
 from relay.message import OutboxMessage
 from relay.metrics import Health
 from relay.queries import QUERIES
-from relay.repository import Settlement
+from relay.repository import BatchLimits, Settlement
 from relay.settings import Settings
 from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
@@ -47,6 +47,19 @@ def _without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMess
     if not held:
         return rows
     return [m for m in rows if m.key is None or m.key not in held]
+
+
+def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
+    """The batch bounds and the per-key cap, with the sink's default for the cap."""
+    per_key = settings.batch_max_per_key
+    if per_key is None:
+        per_key = 4 if sink.serial_per_key else max(1, settings.batch_size // 5)
+    return BatchLimits(
+        rows=settings.batch_size,
+        bytes=settings.batch_max_bytes,
+        per_key=per_key,
+        fill=not sink.serial_per_key,
+    )
 
 
 @dataclass(slots=True)
@@ -89,13 +102,25 @@ class Drainer:
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
-        self._next_purge = 0.0
         self._idle_polls = 0
+        self._limits = batch_limits(settings, sink)
+        self._after_key: str | None = None  # where the next round over keys starts
 
     def _open_drain_session(self) -> db.Conn:
         conn = db.connect(self._settings, purpose="drain")
-        conn.execute(QUERIES.force_custom_plans)
+        try:
+            conn.execute(QUERIES.force_custom_plans)
+        except BaseException:
+            conn.close()  # never leak a session whose set-up failed
+            raise
         return conn
+
+    def _fetch(self, conn: db.Conn, in_flight: str) -> list[OutboxMessage]:
+        rows = repository.fetch_batch(conn, self._limits, in_flight, self._after_key)
+        last = max((m.key for m in rows if m.key is not None), default=None)
+        if last is not None:
+            self._after_key = last
+        return rows
 
     # --- the loop ---
 
@@ -126,7 +151,6 @@ class Drainer:
 
     def _step(self, token: LeaseToken) -> None:
         conn = self._session.get()
-        self._purge_if_due(conn)
         in_flight = self._in_flight
         # Landed already (say, during a pause): no need to leave its rows out.
         if (
@@ -201,7 +225,7 @@ class Drainer:
             if batch:
                 return batch
         exclude = in_flight.ids_literal() if in_flight is not None else "{}"
-        return _without(repository.fetch_batch(conn, self._settings.batch_size, exclude), held)
+        return _without(self._fetch(conn, exclude), held)
 
     def _prefetch(self, conn: db.Conn, publishing: list[OutboxMessage]) -> None:
         """Read the batch after `publishing` while its acknowledgements come back.
@@ -214,12 +238,10 @@ class Drainer:
         ids = [m.id for m in publishing]
         held: frozenset[str] = frozenset()
         if in_flight is not None:
-            ids += [m.id for m in in_flight.batch]
+            ids += in_flight.ids
             held = in_flight.held_keys
         try:
-            rows = repository.fetch_batch(
-                conn, self._settings.batch_size, repository.array_literal(ids)
-            )
+            rows = self._fetch(conn, repository.array_literal(ids))
         except psycopg.Error:
             # The next step's own fetch will meet (and report) the same trouble.
             self._session.close()
@@ -231,7 +253,7 @@ class Drainer:
         it out (raises what the database raised)."""
         self._in_flight = None
         settled_at = in_flight.future.result()
-        token, settlement, batch = in_flight.token, in_flight.settlement, in_flight.batch
+        token, settlement, ids = in_flight.token, in_flight.settlement, in_flight.ids
         if settled_at is None:
             self._prefetched = None
             self._elector.lost_by_fencing(token)
@@ -246,8 +268,8 @@ class Drainer:
             sent=len(settlement.sent),
             retried=len(settlement.retry_ids),
             dead=len(settlement.dead_ids),
-            first_id=batch[0].id,
-            last_id=batch[-1].id,
+            first_id=ids[0],
+            last_id=ids[-1],
         )
         return True
 
@@ -347,21 +369,6 @@ class Drainer:
         )
         self._idle_polls += 1
         self._shutdown.wait(delay)
-
-    def _purge_if_due(self, conn: db.Conn) -> None:
-        if not self._settings.keep_sent_rows or self._clock() < self._next_purge:
-            return
-        deleted = 0
-        for _ in range(10):  # bounded: purging must not starve the drain
-            count = repository.purge_sent(
-                conn, self._settings.retention_seconds, self._settings.purge_batch_size
-            )
-            deleted += count
-            if count < self._settings.purge_batch_size:
-                break
-        if deleted:
-            log.info("outbox.purged", rows=deleted)
-        self._next_purge = self._clock() + self._settings.purge_interval_seconds
 
     def close(self) -> None:
         self._settler.close()

@@ -121,6 +121,7 @@ class ScriptedSink:
     test is the database side (per-key blocking, backoff, dead-lettering), for real."""
 
     name = "scripted"
+    serial_per_key = False
 
     def __init__(self, failures: dict[str, int], outcome: Outcome = Outcome.RETRY) -> None:
         self.failures = dict(failures)
@@ -243,13 +244,13 @@ def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_lande
     prefetched k0:1 comes up: it must still wait for k0:0's retry."""
     sink = TwoPhaseScriptedSink({"k0": 1})
     monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
-    real_purge = Drainer._purge_if_due
+    real_step = Drainer._step
 
-    def purge_slowly(self: Drainer, conn: Any) -> None:
+    def step_slowly(self: Drainer, token: Any) -> None:
         time.sleep(0.1)  # the previous settle lands meanwhile
-        real_purge(self, conn)
+        real_step(self, token)
 
-    monkeypatch.setattr(Drainer, "_purge_if_due", purge_slowly)
+    monkeypatch.setattr(Drainer, "_step", step_slowly)
     rows = [(f"k{n % 2}", f"k{n % 2}:{n // 2}".encode()) for n in range(8)]
     insert_rows(database, "t", rows)
     settings = make_settings(batch_size=2, retry_base_seconds=0.1, retry_max_seconds=0.1)
@@ -323,6 +324,82 @@ def test_retention_keeps_sent_rows_then_purges_them(
             timeout=20,
             message="the purge to delete them after the retention",
         )
+
+
+def test_a_failing_purge_never_stalls_the_drain(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """Before: the purge ran inside the drain loop before each fetch; once it failed
+    (here: no DELETE privilege; in production a statement timeout on a huge table) it
+    failed again before every fetch, and nothing drained while /healthz stayed green."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("REVOKE DELETE ON outbox FROM relay")
+    settings = make_settings(retention_seconds=0.2, purge_interval_seconds=0.2)
+    errors_before = _sample("relay_purge_errors_total")
+    with running_relay(settings):
+        insert_rows(database, topic, keyed_rows(keys=2, per_key=5))
+        wait_until(lambda: unsent_count(database) == 0, timeout=20, message="first rows sent")
+        wait_until(
+            lambda: _sample("relay_purge_errors_total") > errors_before,
+            timeout=10,
+            message="the purge to fail on rows past their retention",
+        )
+        for round_ in range(3):
+            insert_rows(database, topic, keyed_rows(keys=2, per_key=5, start=5 * (round_ + 1)))
+            wait_until(
+                lambda: unsent_count(database) == 0,
+                timeout=5,
+                message="later rows sent while every purge fails",
+            )
+        assert scalar(database, "SELECT count(*) FROM outbox") == 40  # none purged
+        with psycopg.connect(database, autocommit=True) as conn:
+            conn.execute("GRANT DELETE ON outbox TO relay")
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+            timeout=20,
+            message="the purge to catch up once it can",
+        )
+
+
+def _sample(name: str) -> float:
+    value = REGISTRY.get_sample_value(name)
+    return 0.0 if value is None else value
+
+
+def test_a_key_never_overtakes_its_own_failed_message_at_the_broker(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """Before: with the broker stalled, librdkafka timed out the first messages of a
+    key (queue full, so the rest of the batch was still waiting to be produced), bumped
+    its epoch and sent the later ones as soon as the broker was back: the consumer saw
+    K:20.. before the retried K:0. Now nothing produced after an unacknowledged
+    message goes out; per key, the consumed sequence never goes back."""
+    settings = make_settings(
+        batch_size=200,
+        kafka_delivery_timeout_ms=1_500,
+        # A small queue, and requests of two messages: five requests in flight hold ten,
+        # the other ten wait in the queue while the broker is stalled.
+        kafka={"queue_buffering_max_messages": "20", "batch_num_messages": "2"},
+    )
+    with running_relay(settings):
+        insert_rows(database, topic, [("warm", b"warm:0")])
+        wait_until(lambda: unsent_count(database) == 0, timeout=20, message="producer warm")
+        kafka.pause()
+        try:
+            insert_rows(database, topic, [("K", f"K:{i}".encode()) for i in range(300)])
+            # The fault: a stall just past the delivery timeout, so the first messages
+            # of the batch time out while later ones are still waiting to be produced.
+            time.sleep(2.2)
+        finally:
+            kafka.resume()
+        wait_until(lambda: unsent_count(database) == 0, timeout=60, message="all delivered")
+    records = consume(kafka.bootstrap_servers, topic, min_count=301, timeout=30)
+    steps = [
+        int(r.value.decode().split(":")[1])
+        for r in dedup_by_message_id(records)
+        if r.key == "K" and r.value is not None
+    ]
+    assert steps == list(range(300)), steps[:40]
 
 
 def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(

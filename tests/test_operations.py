@@ -9,6 +9,7 @@ import uuid
 import psycopg
 
 from relay.cli import health_url
+from relay.migrate import migrations_dir
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker, consume
@@ -25,6 +26,8 @@ from tests.support import (
 )
 
 get = http_get
+
+LATEST_MIGRATION = max(p.name[:4] for p in migrations_dir().glob("0*.sql"))
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
@@ -107,7 +110,7 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         assert status["leases"][0]["holder"] == "replica-under-test"
         assert status["leases"][0]["live"] is True
         assert 0 < status["leases"][0]["seconds_to_expiry"] <= 3.0
-        assert status["schema_version"] == "0002"
+        assert status["schema_version"] == LATEST_MIGRATION
         assert status["outbox"] == {
             "unsent": 0,
             "oldest_unsent_age_seconds": 0.0,
@@ -127,7 +130,10 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         )
         assert ok.returncode == 0, ok.stderr
         assert b"settings: ok" in ok.stdout
-        assert b"database: ok (schema version 0002" in ok.stdout and b"kafka: ok" in ok.stdout
+        assert (
+            f"database: ok (schema version {LATEST_MIGRATION}".encode() in ok.stdout
+            and b"kafka: ok" in ok.stdout
+        )
 
     bad_url = relay_dsn.replace(":relay-secret-pw@", ":wrong-pw-123@")
     env["RELAY_DATABASE_URL"] = bad_url

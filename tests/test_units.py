@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import re
-import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaError
 
 from relay.backoff import Backoff
-from relay.message import MalformedRow, OutboxMessage
 from relay.metrics import Health
 from relay.queries import QUERIES
 from relay.sinks.base import Outcome
@@ -35,42 +32,6 @@ def test_backoff_grows_is_jittered_and_capped() -> None:
         assert all(ceiling / 2 <= d <= ceiling for d in delays)
         assert len(delays) > 1  # jittered
     assert backoff.delay(0) == 0.0
-
-
-def message(headers: object) -> OutboxMessage:
-    return OutboxMessage(
-        id=1,
-        message_id=str(uuid.UUID(int=7)),
-        topic="t",
-        key="k",
-        payload=b"x",
-        headers=headers,
-        created_at="2026-01-02T03:04:05.000000Z",
-        created_epoch=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp(),
-        attempts=0,
-    )
-
-
-def test_headers_carry_row_headers_and_message_id() -> None:
-    pairs = dict(message({"trace": "abc", "n": 3, "ok": True, "none": None}).header_pairs())
-    assert pairs == {
-        "trace": "abc",
-        "n": "3",
-        "ok": "true",
-        "message-id": str(uuid.UUID(int=7)),
-        "created-at": "2026-01-02T03:04:05.000000Z",
-    }
-
-
-def test_a_row_cannot_forge_the_message_id() -> None:
-    pairs = message({"message-id": "forged"}).header_pairs()
-    assert [v for k, v in pairs if k == "message-id"] == [str(uuid.UUID(int=7))]
-
-
-@pytest.mark.parametrize("headers", [[1, 2], "text", {"nested": {"a": 1}}, {"list": [1]}])
-def test_undecodable_headers_are_malformed(headers: object) -> None:
-    with pytest.raises(MalformedRow):
-        message(headers).header_pairs()
 
 
 @pytest.mark.parametrize(

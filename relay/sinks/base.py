@@ -40,6 +40,9 @@ SKIPPED = Result(Outcome.SKIPPED)
 
 class Sink(Protocol):
     name: str
+    # True if the sink sends a key's rows one at a time (HTTP): more rows of one key in a
+    # batch then only make the other keys wait, so the per-key cap always holds.
+    serial_per_key: bool
 
     def publish(
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]

@@ -231,6 +231,7 @@ def ssl_context(settings: Settings) -> ssl.SSLContext:
 
 class HttpSink:
     name = "http"
+    serial_per_key = True
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings

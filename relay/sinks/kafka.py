@@ -110,9 +110,17 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "acks": "all",
         "compression.type": settings.kafka_compression,
         "linger.ms": settings.kafka_linger_ms,
-        # Every produced message gets a delivery report within this time, success or
-        # _MSG_TIMED_OUT, so a publish never waits forever on a dead broker.
-        "message.timeout.ms": settings.kafka_delivery_timeout_ms,
+        # Per-key order across failures. librdkafka never times a message out itself
+        # (0 = no limit): a message it timed out while later ones of its partition were
+        # still queued would make it bump the idempotent producer's epoch and send those
+        # later ones, so a consumer would see K:j before the retried K:i. The relay keeps
+        # the deadline instead (RELAY_KAFKA_DELIVERY_TIMEOUT_MS): when it passes, every
+        # message of the batch still queued or in flight is purged and the producer is
+        # replaced, so nothing produced after an unacknowledged message is ever sent.
+        "message.timeout.ms": 0,
+        # Any other failure that could leave a gap in a partition (a batch the broker
+        # refused mid-sequence) is fatal instead of papered over with an epoch bump.
+        "enable.gapless.guarantee": True,
     }
     if settings.kafka_security_protocol:
         config["security.protocol"] = settings.kafka_security_protocol
@@ -128,6 +136,7 @@ def producer_config(settings: Settings) -> dict[str, Any]:
 
 class KafkaSink:
     name = "kafka"
+    serial_per_key = False
 
     def __init__(self, settings: Settings) -> None:
         self._config = producer_config(settings)
@@ -135,12 +144,8 @@ class KafkaSink:
         self._config["logger"] = library_logger("librdkafka", "kafka.client_log")
         self._topic_map = settings.kafka_topic_map
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
-        # librdkafka reports every message by message.timeout.ms (whatever the final,
-        # pass-through-adjusted config says); the margin covers the report's trip back.
-        timeout_ms = self._config.get("message.timeout.ms") or self._config.get(
-            "delivery.timeout.ms", settings.kafka_delivery_timeout_ms
-        )
-        self._max_wait = int(timeout_ms) / 1000 + 5.0
+        # How long a batch may wait for room in librdkafka's queue and for its reports.
+        self._max_wait = settings.kafka_delivery_timeout_ms / 1000
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 
@@ -207,7 +212,9 @@ class KafkaSink:
                 blocked.add(message.key)  # produce() refused it (too large, bad argument)
         # flush(0): ask librdkafka to send the batch's tail now rather than after
         # linger.ms, so its acknowledgements come back while the loop reads ahead.
-        publishing.failure = self._serve(self._producer, 0, flush=True)
+        failure = self._serve(self._producer, 0, flush=True)
+        if publishing.failure is None:  # expired while producing: keep that verdict
+            publishing.failure = failure
         return publishing
 
     def _serve(
@@ -256,14 +263,22 @@ class KafkaSink:
                 # Local queue full: serve delivery reports to make room.
                 if self._serve(producer, 0.05) is not None or publishing.abandon():
                     return False
+                if time.monotonic() > publishing.deadline:
+                    publishing.expire()  # the broker has taken nothing for too long
+                    return False
             except KafkaException as exc:
                 publishing.report(index, exc.args[0])
                 return True
 
     def _replace_producer(self) -> None:
-        log.warning("kafka.producer_recreated", reason="producer state lost (fatal or fenced)")
-        with contextlib.suppress(KafkaException):
-            self._producer.flush(1.0)
+        log.warning(
+            "kafka.producer_recreated",
+            reason="producer state lost (fatal or fenced), or a batch timed out",
+        )
+        # Nothing the old producer still holds may go out now: it would land after
+        # messages its replacement sends (and after an earlier message of its key that
+        # failed). What it already sent may still land: a possible duplicate.
+        _purge_everything(self._producer)
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 
@@ -283,6 +298,12 @@ class KafkaSink:
         self._producer.flush(0)
 
 
+def _purge_everything(producer: Producer) -> None:
+    with contextlib.suppress(KafkaException, RuntimeError):
+        producer.purge(in_queue=True, in_flight=True, blocking=False)
+        producer.poll(0)  # hand the purge reports to their callbacks now
+
+
 class Publishing:
     """One batch handed to librdkafka, its delivery reports still coming back."""
 
@@ -295,6 +316,17 @@ class Publishing:
         self.results: list[Result | None] = [None] * size
         self.pending = 0
         self.failure: KafkaError | None = None
+        self.deadline = time.monotonic() + sink._max_wait
+
+    def expire(self) -> None:
+        """The batch's deadline passed: purge what is queued or in flight (its reports
+        come back as purged, i.e. unavailable) and start a fresh producer next batch."""
+        _purge_everything(self.producer)
+        self.sink._needs_new_producer = True
+        self.failure = KafkaError(
+            KafkaError._MSG_TIMED_OUT,
+            "no delivery report within RELAY_KAFKA_DELIVERY_TIMEOUT_MS (purged, not lost)",
+        )
 
     def report(self, index: int, error: KafkaError | None) -> None:
         if error is None:
@@ -308,16 +340,15 @@ class Publishing:
     def wait(self) -> list[Result]:
         """Every message's outcome, once each has its report (or we stop waiting)."""
         sink, producer = self.sink, self.producer
-        deadline = time.monotonic() + sink._max_wait
         abandoned = False
         failure = self.failure
         while failure is None and self.pending > 0:
             if self.abandon():
                 abandoned = True
                 break
-            if time.monotonic() > deadline:
-                failure = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report in time")
-                sink._needs_new_producer = True
+            if time.monotonic() > self.deadline:
+                self.expire()
+                failure = self.failure
                 break
             failure = sink._serve(producer, 0.05, flush=True)
         if abandoned and self.pending > 0:

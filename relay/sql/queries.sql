@@ -80,47 +80,201 @@ ORDER BY name;
 ------------------------------------------------------------------------------------
 
 -- name: force_custom_plans
--- For the drain session: plan fetch_batch with its actual in-flight ids, so the
--- exclusion is a hashed lookup, not a scan of the array for every row.
-SELECT set_config('plan_cache_mode', 'force_custom_plan', false);
+-- For the drain session: plan fetch_batch with its actual parameters, so the in-flight
+-- exclusion is a hashed lookup and the key cursor a constant; and no JIT: compiling a
+-- millisecond query would cost more than it saves, on every execution.
+SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
+       set_config('jit', 'off', false);
 
 -- name: fetch_batch
--- The next unsent rows in id order, through outbox_unsent_idx. No "id > last seen"
--- cursor: a row that commits late with a lower id is still found. A row of a key whose
--- earlier row is waiting out a retry backoff is skipped, so that key keeps its order
--- while other keys flow. The message id and the created-at header come as text made
--- here, in C, rather than as Python uuid and datetime objects the relay would only turn
--- back into text (a fifth of the relay's per-row work); created-at is RFC 3339 in UTC
--- whatever the session's TimeZone.
+-- The next batch: fair across keys, bounded in rows and bytes, and at a cost that does
+-- not grow with any key's backlog (README "Fetching: fair and bounded").
+--
+-- 1. head: the first %(limit)s unsent rows in id order, through outbox_unsent_idx,
+--    whatever they are. No "id > last seen" cursor: a row that commits late with a
+--    lower id is still found. A row is `ready` unless it, or an earlier row of its key,
+--    waits out a retry backoff (one probe of the tiny outbox_backoff_idx).
+-- 2. crowded: the head is full and holds rows it may not send (held back) or more rows
+--    of one key than %(key_cap)s. Only then does the fetch look further:
+-- 3. keys: up to %(limit)s keys with unsent rows, in key order from just after
+--    %(after_key)s, wrapping around once (a loose index scan of outbox_key_idx: one
+--    descent per key); beyond: each key's next rows after the head, an equal share of
+--    the batch each, and the next rows without a key.
+-- 4. chosen: every key's first %(key_cap)s ready rows come first, in id order; the
+--    batch is then filled, in id order, with the further rows of busy keys (only if
+--    %(fill)s: a sink that sends a key's rows one at a time gains nothing from them);
+--    and cut at %(limit)s rows and at %(max_bytes)s bytes (at least one row). Each key
+--    gets a prefix of its rows, so per-key order holds.
+--
+-- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
+-- 2 x %(limit)s rows beyond the head. The output is in id order. The message id and
+-- the created-at header come as text made here, in C; headers come as one flat text
+-- array [name, value, ...] exactly as PostgreSQL prints each value (headers->>'name'),
+-- nulls and the relay's own names left out, never parsed by Python (a value Python's
+-- json cannot load cannot hurt the relay); header_error says why a row's headers
+-- cannot be sent (not an object, or a value that is not a scalar).
+WITH RECURSIVE head AS MATERIALIZED (
+    SELECT o.id,
+           o.key,
+           coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
+           (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+           AND NOT EXISTS (
+               SELECT 1
+               FROM outbox AS blocker
+               WHERE blocker.key = o.key
+                 AND blocker.id < o.id
+                 AND blocker.sent_at IS NULL
+                 AND blocker.dead_lettered_at IS NULL
+                 AND blocker.next_attempt_at IS NOT NULL
+                 AND blocker.next_attempt_at > now()
+           ) AS ready
+    FROM outbox AS o
+    WHERE o.sent_at IS NULL
+      AND o.dead_lettered_at IS NULL
+      -- The batches published and not yet settled. The parameter is sent untyped, so
+      -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
+      AND o.id <> ALL(%(in_flight)s::bigint[])
+    ORDER BY o.id
+    LIMIT %(limit)s
+),
+crowded AS (
+    SELECT count(*) = %(limit)s
+           AND (bool_or(NOT h.ready)
+                OR EXISTS (SELECT 1
+                           FROM head AS g
+                           WHERE g.ready AND g.key IS NOT NULL
+                           GROUP BY g.key
+                           HAVING count(*) > %(key_cap)s)) AS yes,
+           max(h.id) AS last_id
+    FROM head AS h
+),
+keys_after (key) AS (
+    SELECT s.key
+    FROM (SELECT min(o.key) AS key
+          FROM outbox AS o
+          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
+    WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
+    UNION ALL
+    SELECT (SELECT min(o.key)
+            FROM outbox AS o
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key)
+    FROM keys_after AS k
+    WHERE k.key IS NOT NULL
+),
+keys_before (key) AS (
+    SELECT s.key
+    FROM (SELECT min(o.key) AS key
+          FROM outbox AS o
+          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL) AS s
+    WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
+    UNION ALL
+    SELECT (SELECT min(o.key)
+            FROM outbox AS o
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key)
+    FROM keys_before AS k
+    WHERE k.key < %(after_key)s::text
+),
+keys AS MATERIALIZED (
+    SELECT u.key
+    FROM (SELECT key FROM keys_after WHERE key IS NOT NULL
+          UNION ALL
+          SELECT key FROM keys_before WHERE key <= %(after_key)s::text) AS u
+    LIMIT %(limit)s
+),
+beyond AS (
+    SELECT p.id, p.key, p.size, p.ready
+    FROM keys AS k
+    CROSS JOIN LATERAL (
+        SELECT o.id,
+               o.key,
+               coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
+               (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+               AND NOT EXISTS (
+                   SELECT 1
+                   FROM outbox AS blocker
+                   WHERE blocker.key = o.key
+                     AND blocker.id < o.id
+                     AND blocker.sent_at IS NULL
+                     AND blocker.dead_lettered_at IS NULL
+                     AND blocker.next_attempt_at IS NOT NULL
+                     AND blocker.next_attempt_at > now()
+               ) AS ready
+        FROM outbox AS o
+        WHERE o.key = k.key
+          AND o.sent_at IS NULL
+          AND o.dead_lettered_at IS NULL
+          AND o.id <> ALL(%(in_flight)s::bigint[])
+        ORDER BY o.id
+        LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
+    ) AS p
+    -- Filtered after the LIMIT, so the key's index range is walked from its first row:
+    -- its rows in the head count against its share.
+    WHERE p.id > (SELECT last_id FROM crowded)
+    UNION ALL
+    (SELECT o.id,
+            o.key,
+            coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0),
+            o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
+     FROM outbox AS o
+     WHERE (SELECT yes FROM crowded)
+       AND o.key IS NULL
+       AND o.id > (SELECT last_id FROM crowded)
+       AND o.sent_at IS NULL
+       AND o.dead_lettered_at IS NULL
+       AND o.id <> ALL(%(in_flight)s::bigint[])
+     ORDER BY o.id
+     LIMIT %(limit)s)
+),
+ranked AS (
+    -- place: 1 for a key's first ready row, 2 for its second, ...; rows without a key
+    -- have no order to keep and are each their own first.
+    SELECT pool.id,
+           pool.size,
+           CASE WHEN pool.key IS NULL THEN 1
+                ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
+           END AS place
+    FROM (SELECT id, key, size FROM head WHERE ready
+          UNION ALL
+          SELECT id, key, size FROM beyond WHERE ready) AS pool
+),
+chosen AS (
+    SELECT r.id,
+           r.size,
+           sum(r.size) OVER (ORDER BY r.place > %(key_cap)s, r.id) AS bytes
+    FROM ranked AS r
+    WHERE %(fill)s OR r.place <= %(key_cap)s
+    ORDER BY r.place > %(key_cap)s, r.id
+    LIMIT %(limit)s
+)
 SELECT o.id,
        o.message_id::text,
        o.topic,
        o.key,
        o.payload,
-       o.headers,
+       CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
+           (SELECT array_agg(pair.text ORDER BY header.n, pair.n)
+            FROM jsonb_each_text(o.headers) WITH ORDINALITY AS header (key, value, n)
+            CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
+            WHERE header.value IS NOT NULL
+              AND lower(header.key) NOT IN ('message-id', 'created-at'))
+       END AS headers,
+       CASE WHEN o.headers IS NULL OR jsonb_typeof(o.headers) = 'null' THEN NULL
+            WHEN jsonb_typeof(o.headers) <> 'object' THEN
+                'headers must be a JSON object, got ' || jsonb_typeof(o.headers)
+            ELSE (SELECT 'header ' || to_jsonb(header.key)::text
+                         || ' must be a string or scalar, got ' || jsonb_typeof(header.value)
+                  FROM jsonb_each(o.headers) AS header
+                  WHERE jsonb_typeof(header.value) IN ('object', 'array')
+                  LIMIT 1)
+       END AS header_error,
        to_char(o.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
        extract(epoch FROM o.created_at)::float8 AS created_epoch,
        o.attempts
-FROM outbox AS o
-WHERE o.sent_at IS NULL
-  AND o.dead_lettered_at IS NULL
-  AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
-  -- The batch published just before, still being settled on another session. The
-  -- parameter is sent untyped, so the cast makes it a bigint[] constant of the custom
-  -- plan and the test is a hash lookup; typed as text it could not be folded.
-  AND o.id <> ALL(%(in_flight)s::bigint[])
-  AND NOT EXISTS (
-      SELECT 1
-      FROM outbox AS blocker
-      WHERE blocker.key = o.key
-        AND blocker.id < o.id
-        AND blocker.sent_at IS NULL
-        AND blocker.dead_lettered_at IS NULL
-        AND blocker.next_attempt_at IS NOT NULL
-        AND blocker.next_attempt_at > now()
-  )
-ORDER BY o.id
-LIMIT %(limit)s;
+FROM chosen AS c
+JOIN outbox AS o ON o.id = c.id
+WHERE c.bytes <= %(max_bytes)s OR c.bytes = c.size  -- the first row goes even if larger
+ORDER BY o.id;
 
 -- name: lease_fence
 -- First statement of every transaction that settles rows: renews our lease only if we
@@ -168,16 +322,20 @@ FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]) AS f (
 WHERE o.id = f.id;
 
 -- name: purge_sent
--- Retention: delete one small batch of rows sent before the cutoff. Small batches keep
--- locks and WAL bursts short; call repeatedly until it deletes nothing.
+-- Retention: delete one small batch of rows sent before the cutoff, oldest sent first,
+-- through outbox_sent_idx: finding them (or that there are none) is one index descent,
+-- however many sent rows are kept. Small batches keep locks and WAL bursts short; call
+-- repeatedly until it deletes fewer than the limit. Rows another session has locked
+-- are skipped, not waited for.
 DELETE FROM outbox
 WHERE id IN (
     SELECT id
     FROM outbox
     WHERE sent_at IS NOT NULL
       AND sent_at < now() - make_interval(secs => %(older_than)s)
-    ORDER BY id
+    ORDER BY sent_at
     LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
 );
 
 ------------------------------------------------------------------------------------

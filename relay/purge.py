@@ -1,0 +1,84 @@
+"""Retention: the purge of sent rows, on its own thread and session.
+
+Only in retention mode (RELAY_RETENTION_SECONDS > 0) and only while this replica holds
+the lease, so N replicas do not purge the same rows. It runs apart from the drain loop
+on purpose: a purge that fails (a lock, a timeout, a missing privilege) is logged and
+tried again at its next interval, and never delays a fetch. Each run is bounded in
+batches, each batch one index-driven statement (`purge_sent`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from relay import db, metrics, repository
+from relay.lease import Lease
+from relay.logging import get_logger
+from relay.settings import Settings
+
+log = get_logger("relay.purge")
+
+# Batches per run: at the default 1,000 rows a batch, 10,000 rows a minute at most, far
+# above any sustained outbox rate; a backlog of old rows is worked off over a few runs.
+MAX_BATCHES_PER_RUN = 10
+
+
+class Purger(threading.Thread):
+    def __init__(
+        self,
+        settings: Settings,
+        lease: Lease,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="relay-purge", daemon=True)
+        self._settings = settings
+        self._lease = lease
+        self._clock = clock
+        self._stop_event = threading.Event()
+        self._session = db.Session(lambda: db.connect(settings, purpose="purge"))
+        self._failing = False
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.wait(self._settings.purge_interval_seconds):
+                if self._lease.token() is not None:
+                    self.purge_once()
+        finally:
+            self._session.close()
+
+    def purge_once(self) -> int:
+        """One bounded run; the number of rows deleted (0 on failure)."""
+        deleted = 0
+        try:
+            for _ in range(MAX_BATCHES_PER_RUN):
+                if self._lease.token() is None or self._stop_event.is_set():
+                    break
+                count = repository.purge_sent(
+                    self._session.get(),
+                    self._settings.retention_seconds,
+                    self._settings.purge_batch_size,
+                )
+                deleted += count
+                if count < self._settings.purge_batch_size:
+                    break
+        except Exception as exc:
+            # Any failure: this thread only keeps the table small, and its death would
+            # let the outbox grow without a word.
+            metrics.PURGE_ERRORS.inc()
+            if not self._failing:  # one line per outage, not one per interval
+                log.warning("outbox.purge_failed", error=db.describe_error(exc))
+            self._failing = True
+            self._session.close()
+            return deleted
+        if self._failing:
+            log.info("outbox.purge_recovered")
+            self._failing = False
+        if deleted:
+            metrics.PURGED.inc(deleted)
+            log.info("outbox.purged", rows=deleted)
+        return deleted

@@ -1,0 +1,340 @@
+"""The fetch on real PostgreSQL: fair across keys, bounded in rows, bytes and cost, and
+headers handed over exactly as written; then the same promises end to end over Kafka."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from relay import repository
+from relay.message import MalformedRow, OutboxMessage
+from relay.queries import QUERIES
+from relay.repository import BatchLimits
+from tests.conftest import SettingsFactory
+from tests.harness.kafka import TansuBroker, consume
+from tests.support import (
+    assert_per_key_order,
+    dedup_by_message_id,
+    insert_rows,
+    running_relay,
+    scalar,
+    wait_until,
+)
+
+LIMITS = BatchLimits(rows=100, bytes=8 << 20, per_key=20)
+
+
+def fetch(
+    dsn: str, limits: BatchLimits = LIMITS, after_key: str | None = None
+) -> list[OutboxMessage]:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        return repository.fetch_batch(conn, limits, "{}", after_key)
+
+
+def bulk(dsn: str, topic: str, key: str | None, count: int, payload_bytes: int = 0) -> None:
+    """`count` rows of one key; payload `key:i` (padded to `payload_bytes`)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT %(topic)s, %(key)s, convert_to(rpad(coalesce(%(key)s, '-') || ':' || g,"
+            "        greatest(%(pad)s, length(coalesce(%(key)s, '-') || ':' || g)), ' '), 'UTF8')"
+            " FROM generate_series(0, %(count)s - 1) AS g",
+            {"topic": topic, "key": key, "count": count, "pad": payload_bytes},
+        )
+        conn.execute("ANALYZE outbox")
+
+
+def keys_of(rows: list[OutboxMessage]) -> dict[str | None, int]:
+    counts: dict[str | None, int] = {}
+    for row in rows:
+        counts[row.key] = counts.get(row.key, 0) + 1
+    return counts
+
+
+def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
+    """Rows are built positionally: the query's columns must be the dataclass's fields."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        cur = conn.execute(
+            QUERIES.fetch_batch,
+            {
+                "limit": 1,
+                "max_bytes": 1,
+                "key_cap": 1,
+                "fill": True,
+                "in_flight": "{}",
+                "after_key": None,
+            },
+        )
+        assert cur.description is not None
+        columns = [c.name for c in cur.description]
+    assert columns == [f.name for f in dataclasses.fields(OutboxMessage)]
+
+
+def test_a_key_alone_still_fills_whole_batches(database: str) -> None:
+    bulk(database, "t", "H", 1_000)
+    rows = fetch(database)
+    assert keys_of(rows) == {"H": 100}
+    assert [r.payload for r in rows] == [f"H:{i}".encode() for i in range(100)]
+
+
+def test_a_hot_key_in_front_shares_the_batch_with_the_keys_behind_it(database: str) -> None:
+    bulk(database, "t", "H", 1_000)
+    for k in range(10):
+        bulk(database, "t", f"k{k}", 5)
+    bulk(database, "t", None, 3)
+    rows = fetch(database)
+    counts = keys_of(rows)
+    # Every other key's rows (5 each, under the cap of 20) and the keyless ones are in;
+    # the hot key fills the rest of the batch with its oldest rows, in order.
+    assert {k: counts.get(k) for k in [f"k{k}" for k in range(10)]} == {
+        f"k{k}": 5 for k in range(10)
+    }
+    assert counts[None] == 3
+    assert counts["H"] == 100 - 53
+    h_rows = [r.payload for r in rows if r.key == "H"]
+    assert h_rows == [f"H:{i}".encode() for i in range(47)]
+    assert [r.id for r in rows] == sorted(r.id for r in rows)
+
+    # A sink that sends a key's rows one at a time: the cap holds, no filling.
+    strict = fetch(database, dataclasses.replace(LIMITS, per_key=2, fill=False))
+    expected: dict[str | None, int] = {"H": 2, None: 3}
+    expected.update({f"k{k}": 2 for k in range(10)})
+    assert keys_of(strict) == expected
+
+
+def test_past_a_crowded_head_the_keys_take_turns(database: str) -> None:
+    """More keys wait behind the hot one than fit a batch, and the first ones keep
+    getting new rows: the round over keys goes on from the last key served, so every
+    key gets its turn (without it, keys late in key order would wait for ever)."""
+    bulk(database, "t", "H", 500)
+    for k in range(30):
+        bulk(database, "t", f"k{k:02}", 1)
+    limits = BatchLimits(rows=12, bytes=8 << 20, per_key=2, fill=False)
+    seen: set[str | None] = set()
+    after: str | None = None
+    with psycopg.connect(database, autocommit=True) as conn:
+        for _ in range(4):
+            rows = fetch(database, limits, after_key=after)
+            seen |= set(keys_of(rows))
+            after = max(r.key for r in rows if r.key is not None)
+            # Settled as the relay would; the busy keys get new rows meanwhile.
+            conn.execute("DELETE FROM outbox WHERE id = ANY(%s)", ([r.id for r in rows],))
+            for key in {r.key for r in rows if r.key != "H"}:
+                conn.execute("INSERT INTO outbox (topic, key) VALUES ('t', %s)", (key,))
+    assert {f"k{k:02}" for k in range(30)} <= seen
+
+
+def test_a_batch_is_bounded_in_bytes(database: str) -> None:
+    bulk(database, "t", "big", 10, payload_bytes=400_000)
+    rows = fetch(database, dataclasses.replace(LIMITS, bytes=1_000_000))
+    assert len(rows) == 2  # a third would pass 1 MB
+    one = fetch(database, dataclasses.replace(LIMITS, bytes=1_024))
+    assert len(one) == 1  # never zero: a row larger than the bound still goes alone
+
+
+def _fetch_cost(dsn: str) -> int:
+    """Index and heap tuples the fetch touches: the sum of actual rows x loops of every
+    scan node in its plan."""
+    params = {
+        "limit": 100,
+        "max_bytes": 8 << 20,
+        "key_cap": 20,
+        "fill": True,
+        "in_flight": "{}",
+        "after_key": None,
+    }
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_batch, params
+        ).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+
+    def walk(node: dict[str, Any]) -> int:
+        own = 0
+        if "Scan" in node["Node Type"] and node.get("Relation Name") == "outbox":
+            own = int(node["Actual Rows"]) * int(node["Actual Loops"])
+            own += int(node.get("Rows Removed by Filter", 0))
+        return own + sum(walk(child) for child in node.get("Plans", []))
+
+    return walk(plan[0]["Plan"])
+
+
+def test_a_blocked_key_backlog_costs_the_fetch_nothing(database: str) -> None:
+    """A key whose first row waits out a retry backoff, with a deep backlog behind it:
+    the fetch finds the other keys' rows at a cost that does not grow with it."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, attempts, next_attempt_at)"
+            " VALUES ('t', 'K', 'K:0', 1, now() + interval '1 hour')"
+        )
+    bulk(database, "t", "K", 2_000)
+    for k in range(20):
+        bulk(database, "t", f"k{k}", 2)
+    small = _fetch_cost(database)
+    rows = fetch(database)
+    assert "K" not in keys_of(rows)
+    assert len(rows) == 40
+
+    bulk(database, "t", "K", 40_000)  # twenty times the backlog, now in front and behind
+    for k in range(20, 40):
+        bulk(database, "t", f"k{k}", 2)
+    large = _fetch_cost(database)
+    rows = fetch(database)
+    assert "K" not in keys_of(rows)
+    assert len(rows) == 80
+    # Bounded by the batch (100 head rows, 100 keys, 200 beyond: a few per row), not
+    # by the 42,000 blocked rows.
+    assert large < 2_000, large
+    assert large < 3 * small + 500, (small, large)
+
+
+HOSTILE_HEADERS = (
+    '{"a": 1.10, "b": 0.000001, "c": 12345678901234567890.5, "d": 1e-400,'
+    ' "e": 0.1234567890123456789012345678901234567890123, "f": true, "g": false,'
+    ' "h": "quote \\" and \\\\ backslash", "i": "ünï €", "j": -0, "k": 1E+2,'
+    ' "l": "", "m": null, "big": ' + "9" * 5000 + "}"
+)
+
+
+def _as_postgresql_prints(dsn: str, row_id: int) -> list[tuple[str, str]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pairs = conn.execute(
+            "SELECT e.key, o.headers ->> e.key FROM outbox AS o,"
+            " jsonb_each(o.headers) WITH ORDINALITY AS e (key, value, n)"
+            " WHERE o.id = %s AND jsonb_typeof(e.value) <> 'null' ORDER BY e.n",
+            (row_id,),
+        ).fetchall()
+    return [(str(k), str(v)) for k, v in pairs]
+
+
+def test_header_values_come_exactly_as_postgresql_prints_them(database: str) -> None:
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO outbox (topic, key, headers) VALUES ('t', 'k', %s::jsonb) RETURNING id",
+            (HOSTILE_HEADERS,),
+        ).fetchone()
+    assert row is not None
+    (message,) = fetch(database)
+    expected = _as_postgresql_prints(database, row[0])
+    assert message.row_headers() == expected
+    got = dict(expected)
+    assert got["a"] == "1.10"
+    assert got["b"] == "0.000001"
+    assert got["c"] == "12345678901234567890.5"
+    assert got["big"] == "9" * 5000
+    assert "m" not in got
+
+
+def test_headers_that_cannot_be_sent_are_named(database: str) -> None:
+    nested = '{"deep": ' + "[" * 2000 + "]" * 2000 + "}"
+    cases = {
+        "array": ("[1, 2]", "headers must be a JSON object, got array"),
+        "string": ('"text"', "headers must be a JSON object, got string"),
+        "nested": ('{"x": "ok", "obj": {"a": 1}}', 'header "obj" must be a string or scalar'),
+        "deep": (nested, 'header "deep" must be a string or scalar, got array'),
+    }
+    with psycopg.connect(database, autocommit=True) as conn:
+        for key, (headers, _) in cases.items():
+            conn.execute(
+                "INSERT INTO outbox (topic, key, headers) VALUES ('t', %s, %s::jsonb)",
+                (key, headers),
+            )
+        conn.execute("INSERT INTO outbox (topic, key, headers) VALUES ('t', 'null', 'null')")
+    rows = {r.key: r for r in fetch(database)}
+    for key, (_, reason) in cases.items():
+        error = rows[key].header_error
+        assert error is not None and reason in error
+        try:
+            rows[key].header_pairs()
+        except MalformedRow as exc:
+            assert reason in str(exc)
+        else:
+            raise AssertionError(f"{key}: headers accepted")
+    assert rows["null"].row_headers() == []
+
+
+# --- end to end ---------------------------------------------------------------------
+
+
+def test_hostile_headers_are_dead_lettered_or_delivered_exactly_and_the_relay_goes_on(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """Before: a 2,000-level nesting or a 5,000-digit number made psycopg's json loader
+    raise outside psycopg.Error; the leader exited, and every standby after it."""
+    nested = '{"deep": ' + "[" * 2000 + "]" * 2000 + "}"
+    with psycopg.connect(database, autocommit=False) as conn:
+        for key, headers in (
+            ("a", '{"n": 1}'),
+            ("b", nested),
+            ("c", HOSTILE_HEADERS),
+            ("d", "[1]"),
+            ("a", '{"n": 2}'),
+        ):
+            conn.execute(
+                "INSERT INTO outbox (topic, key, payload, headers) VALUES (%s, %s, 'x', %s::jsonb)",
+                (topic, key, headers),
+            )
+        conn.commit()
+    hostile_id = scalar(database, "SELECT id FROM outbox WHERE key = 'c'")
+    expected = _as_postgresql_prints(database, hostile_id)
+    with running_relay(make_settings()) as app:
+        wait_until(
+            lambda: (
+                scalar(
+                    database,
+                    "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+                )
+                == 0
+            ),
+            30,
+            message="outbox drained",
+        )
+        assert not app.shutdown.requested
+    with psycopg.connect(database, autocommit=True) as conn:
+        dead: dict[str, str] = dict(
+            conn.execute(
+                "SELECT key, dead_letter_reason FROM outbox WHERE dead_lettered_at IS NOT NULL"
+            ).fetchall()
+        )
+    assert set(dead) == {"b", "d"}
+    assert "must be a string or scalar" in dead["b"]
+    assert "must be a JSON object" in dead["d"]
+    records = dedup_by_message_id(consume(kafka.bootstrap_servers, topic, min_count=3))
+    assert [r.key for r in records if r.key == "a"] == ["a", "a"]
+    (hostile,) = [r for r in records if r.key == "c"]
+    for name, value in expected:
+        assert hostile.headers[name] == value.encode(), name
+
+
+def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it_kafka(
+    make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
+) -> None:
+    """100k-style backlog of one key in front: the other keys' rows, committed while it
+    drains, go out long before it is drained; the hot key keeps its order."""
+    bulk(database, topic, "H", 60_000)
+    unsent_h = "SELECT count(*) FROM outbox WHERE key = 'H' AND sent_at IS NULL"
+    others = [(f"k{k}", f"k{k}:{i}".encode()) for i in range(5) for k in range(50)]
+    with running_relay(make_settings(batch_size=500)):
+        wait_until(lambda: scalar(database, unsent_h) < 60_000, 30, message="H flowing")
+        insert_rows(database, topic, others)
+        wait_until(
+            lambda: (
+                scalar(database, "SELECT count(*) FROM outbox WHERE key <> 'H' AND sent_at IS NULL")
+                == 0
+            ),
+            30,
+            message="other keys delivered",
+        )
+        h_left = scalar(database, unsent_h)
+        assert h_left > 0, "the other keys waited for the whole hot backlog"
+        wait_until(lambda: scalar(database, unsent_h) == 0, 60, message="H drained")
+    records = consume(kafka.bootstrap_servers, topic, min_count=60_250, timeout=60)
+    assert len(dedup_by_message_id(records)) == 60_250
+    assert_per_key_order(records)
