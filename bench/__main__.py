@@ -14,6 +14,8 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
   5. idle CPU of a leader and a standby on an empty outbox
   6. SIGTERM handover and SIGKILL takeover: signal -> the other replica publishing
   7. RSS with a backlog (start, peak, after draining); drain rate over a kept history
+  8-10. fairness: a key in backoff with a deep backlog, a hot key in front, big rows'
+     peak RSS with and without RELAY_BATCH_MAX_BYTES (see bench/fairness.py)
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -41,6 +43,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=None, help="rows per drain run")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--in-flight", type=int, default=16, help="RELAY_HTTP_MAX_IN_FLIGHT")
+    parser.add_argument("--only", choices=["fairness"], default=None, help="run one section alone")
     args = parser.parse_args()
 
     from relay.logging import configure
@@ -48,11 +51,28 @@ def main() -> int:
     configure("console", "warning")
     if args.sink == "http":
         return bench_http(args.rows or 10_000, args.batch or [500], args.in_flight)
+    if args.only == "fairness":
+        return bench_fairness(args.quick)
     return bench_kafka(args)
 
 
+def bench_fairness(quick: bool) -> int:
+    from bench import fairness
+
+    with (
+        PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
+        TansuBroker() as broker,
+    ):
+        dsn = pg.create_database("bench")
+        migrate(CommonSettings(database_url=dsn))
+        broker.create_topic("bench", partitions=3)
+        report = fairness.run(dsn, broker.bootstrap_servers, quick)
+    save({"sink": "kafka", "quick": quick, "fairness": report})
+    return 0
+
+
 def bench_kafka(args: argparse.Namespace) -> int:
-    from bench import drain, latency, processes
+    from bench import drain, fairness, latency, processes
 
     quick = args.quick
     rows = args.rows or (20_000 if quick else 50_000)
@@ -116,6 +136,7 @@ def bench_kafka(args: argparse.Namespace) -> int:
             f" ({mem['drain_rows_per_s']:,.0f} rows/s, a relay process)",
             flush=True,
         )
+        report["fairness"] = fairness.run(dsn, bootstrap, quick)
         if args.full:
             hist = drain.history_effect(dsn, bootstrap, rows, history=10_000_000)
             report["history"] = hist

@@ -1,0 +1,164 @@
+"""Fairness, blocked keys and big rows: the figures behind the fetch's promises.
+
+- blocked backlog: one key waits out a retry backoff with a deep backlog behind it; how
+  long 250 rows of 50 other keys, committed then, take to be delivered, and what one
+  fetch costs with that backlog in front.
+- hot key: one key with a large backlog in front; how long the other keys' rows,
+  committed while it drains, take, against the time to drain the hot key.
+- big rows: peak RSS of a relay process draining 400 KB rows, with the default
+  RELAY_BATCH_MAX_BYTES and with the byte bound effectively off (the baseline).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from bench.common import TOPIC, relay_settings
+from bench.processes import holder, rss_mib, start_relay, stop, wait_for
+from relay import repository
+from relay.queries import QUERIES
+from relay.repository import BatchLimits
+from tests.support import running_relay
+
+OTHERS = 50
+PER_OTHER = 5
+
+
+def _fill(conn: psycopg.Connection[Any], key: str, rows: int, payload_bytes: int = 200) -> None:
+    conn.execute(
+        "INSERT INTO outbox (topic, key, payload)"
+        " SELECT %s, %s, convert_to(repeat('x', %s), 'UTF8') FROM generate_series(1, %s)",
+        (TOPIC, key, payload_bytes, rows),
+    )
+
+
+def _others(conn: psycopg.Connection[Any]) -> float:
+    """Insert the other keys' rows in one transaction; return the commit time."""
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT %s, 'o' || (g %% %s), 'o' FROM generate_series(1, %s) g",
+            (TOPIC, OTHERS, OTHERS * PER_OTHER),
+        )
+    return time.monotonic()
+
+
+def _unsent(conn: psycopg.Connection[Any], key: str | None = None, *, of: bool = True) -> int:
+    """Unsent rows: all (no key), of `key`, or of every other key (`of=False`)."""
+    row = conn.execute(
+        "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        " AND (%(key)s::text IS NULL OR (key = %(key)s) = %(of)s)",
+        {"key": key, "of": of},
+    ).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _fetch_ms(dsn: str, batch: int) -> float:
+    limits = BatchLimits(rows=batch, bytes=8 << 20, per_key=max(1, batch // 5))
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        repository.fetch_batch(conn, limits)
+        started = time.perf_counter()
+        for _ in range(5):
+            repository.fetch_batch(conn, limits)
+        return (time.perf_counter() - started) / 5 * 1000
+
+
+def blocked_backlog(dsn: str, bootstrap: str, backlog: int) -> dict[str, float]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox")
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, attempts, next_attempt_at)"
+            " VALUES (%s, 'K', 'K', 1, now() + interval '1 hour')",
+            (TOPIC,),
+        )
+        _fill(conn, "K", backlog)
+        conn.execute("VACUUM ANALYZE outbox")
+        with running_relay(relay_settings(dsn, bootstrap)):
+            wait_for(lambda: holder(conn), 30, "a lease holder")
+            committed = _others(conn)
+            wait_for(lambda: _unsent(conn, "K", of=False) == 0, 120, "the other keys")
+            others_s = time.monotonic() - committed
+        fetch_ms = _fetch_ms(dsn, 500)
+    return {"backlog_rows": backlog, "others_delivered_s": others_s, "fetch_ms": fetch_ms}
+
+
+def hot_key(dsn: str, bootstrap: str, backlog: int) -> dict[str, float]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox")
+        _fill(conn, "H", backlog)
+        conn.execute("VACUUM ANALYZE outbox")
+        with running_relay(relay_settings(dsn, bootstrap)):
+            wait_for(lambda: _unsent(conn, "H") < backlog, 60, "the hot key flowing")
+            committed = _others(conn)
+            wait_for(lambda: _unsent(conn, "H", of=False) == 0, 300, "the other keys")
+            others_s = time.monotonic() - committed
+            h_left = _unsent(conn, "H")
+            wait_for(lambda: _unsent(conn, "H") == 0, 600, "the hot key drained")
+            drained_s = time.monotonic() - committed
+    return {
+        "backlog_rows": backlog,
+        "others_delivered_s": others_s,
+        "hot_rows_left_then": h_left,
+        "hot_drained_s": drained_s,
+    }
+
+
+def big_rows(dsn: str, bootstrap: str, rows: int, max_bytes: int) -> dict[str, float]:
+    """Peak RSS of a relay process draining `rows` rows of 400 KB."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox")
+        for key in range(10):
+            _fill(conn, f"b{key}", rows // 10, payload_bytes=400_000)
+        conn.execute("VACUUM ANALYZE outbox")
+        proc = start_relay(dsn, bootstrap, RELAY_BATCH_MAX_BYTES=str(max_bytes))
+        try:
+            wait_for(lambda: holder(conn), 30, "a lease holder")
+            peak = rss_mib(proc.pid)
+            started = time.monotonic()
+            while _unsent(conn) > 0:
+                peak = max(peak, rss_mib(proc.pid))
+                if time.monotonic() - started > 300:
+                    raise TimeoutError("bench: big rows not drained in 300 s")
+                time.sleep(0.05)
+            drained = time.monotonic() - started
+        finally:
+            stop([proc])
+    return {"rows": rows, "max_bytes": max_bytes, "rss_peak_mib": peak, "drain_s": drained}
+
+
+def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
+    backlog = 100_000 if quick else 300_000
+    report: dict[str, Any] = {
+        "blocked": blocked_backlog(dsn, bootstrap, backlog),
+        "hot": hot_key(dsn, bootstrap, backlog),
+        "big_rows": [
+            big_rows(dsn, bootstrap, 300, 8 << 20),
+            big_rows(dsn, bootstrap, 300, 1 << 40),
+        ],
+    }
+    b, h = report["blocked"], report["hot"]
+    print(
+        f"\n8. a key in backoff with {b['backlog_rows']:,} rows behind it: 250 rows of"
+        f" {OTHERS} other keys delivered in {b['others_delivered_s']:.2f} s; one fetch"
+        f" {b['fetch_ms']:.1f} ms",
+        flush=True,
+    )
+    print(
+        f"9. a hot key with {h['backlog_rows']:,} rows in front: the other keys' 250 rows"
+        f" in {h['others_delivered_s']:.2f} s ({h['hot_rows_left_then']:,} hot rows still"
+        f" waiting then); the hot key drained in {h['hot_drained_s']:.1f} s",
+        flush=True,
+    )
+    on, off = report["big_rows"]
+    print(
+        f"10. {on['rows']} rows of 400 KB: peak RSS {on['rss_peak_mib']:.0f} MiB with"
+        f" RELAY_BATCH_MAX_BYTES={on['max_bytes']:,} ({on['drain_s']:.1f} s) vs"
+        f" {off['rss_peak_mib']:.0f} MiB unbounded ({off['drain_s']:.1f} s)",
+        flush=True,
+    )
+    return report
