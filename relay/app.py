@@ -57,8 +57,12 @@ class RelayApp:
         self.metrics_server: MetricsServer | None = None
 
     def _db_recently_ok(self) -> bool:
+        """A lease statement (the elector's, or a settle's renewal) came back within
+        max(3 x standby poll, ttl): measured from the last real round trip, so a
+        leader whose database is gone turns unready within that window."""
         window = max(3 * self.settings.standby_poll_seconds, self.settings.lease_ttl_seconds)
-        return time.monotonic() - self.elector.last_db_ok < window
+        since = min(time.monotonic() - self.elector.last_db_ok, self.lease.since_renewal())
+        return since < window
 
     def install_signal_handlers(self) -> None:
         def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -74,6 +78,11 @@ class RelayApp:
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
         metrics.declare_lease(s.lease_name)
         metrics.LEASE_SINCE_RENEWAL.labels(s.lease_name).set_function(self.lease.since_renewal)
+        # Read from the lease at scrape time: it drops to 0 at the local deadline even
+        # while the elector is stuck inside a renewal the database never answers.
+        metrics.LEASE_HELD.labels(s.lease_name).set_function(
+            lambda: 0.0 if self.lease.token() is None else 1.0
+        )
         if s.metrics_enabled:
             try:
                 self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)

@@ -66,6 +66,11 @@ def connect(
                 "application_name": f"relay:{purpose}",
             },
         )
+        if settings.database_synchronous_commit is not None:
+            conn.execute(
+                QUERIES.set_synchronous_commit,
+                {"synchronous_commit": settings.database_synchronous_commit},
+            )
         if isolation_level is not None:
             conn.isolation_level = isolation_level
     except BaseException:

@@ -218,6 +218,8 @@ class Elector(threading.Thread):
         self._session = db.Session(self._open)
         self._last_other: tuple[str | None, int] | None = None
         self._standby_since = clock()
+        # When a lease statement last came back from the database (readiness). Only real
+        # round trips count: a leader's turns that had nothing to renew prove nothing.
         self.last_db_ok = 0.0
 
     # -- public --
@@ -264,7 +266,6 @@ class Elector(threading.Thread):
                     self._attempt()
                 else:
                     self._keep()
-                self.last_db_ok = self._clock()
                 self._renew_error = False
             except psycopg.Error as exc:
                 self._renew_error = self._lease.held_token() is not None
@@ -297,6 +298,7 @@ class Elector(threading.Thread):
         outcome = try_acquire(
             conn, self._lease.name, self._lease.holder, self._settings.lease_ttl_seconds
         )
+        self.last_db_ok = self._clock()
         if isinstance(outcome, Acquired):
             self._lease.acquired(outcome.token, started)
             self._last_other = None
@@ -339,7 +341,9 @@ class Elector(threading.Thread):
             return
         conn = self._session.get()
         started = self._clock()
-        if renew(conn, token, self._settings.lease_ttl_seconds):
+        renewed = renew(conn, token, self._settings.lease_ttl_seconds)
+        self.last_db_ok = self._clock()
+        if renewed:
             self._lease.renewed(token, started)
         elif self._lease.lose(token) is not None:
             self._on_lost(token, "fenced")

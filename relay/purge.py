@@ -20,9 +20,10 @@ from relay.settings import Settings
 
 log = get_logger("relay.purge")
 
-# Batches per run: at the default 1,000 rows a batch, 10,000 rows a minute at most, far
-# above any sustained outbox rate; a backlog of old rows is worked off over a few runs.
-MAX_BATCHES_PER_RUN = 10
+# A run deletes batch after batch until it finds fewer rows due than a batch, or for
+# this long; a run cut short is followed by the next at once, not after the interval,
+# so the purge keeps up with any drain rate while never holding a lock for long.
+RUN_SECONDS = 2.0
 
 
 class Purger(threading.Thread):
@@ -44,20 +45,26 @@ class Purger(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        wait = self._settings.purge_interval_seconds
         try:
-            while not self._stop_event.wait(self._settings.purge_interval_seconds):
-                if self._lease.token() is not None:
-                    self.purge_once()
+            while not self._stop_event.wait(wait):
+                wait = self._settings.purge_interval_seconds
+                if self._lease.token() is not None and self.purge_once() is None:
+                    wait = 0.05  # more rows are due: go on, after a breath
         finally:
             self._session.close()
 
-    def purge_once(self) -> int:
-        """One bounded run; the number of rows deleted (0 on failure)."""
+    def purge_once(self) -> int | None:
+        """One run; the rows deleted, or None if it stopped with more rows due."""
         deleted = 0
+        ends = self._clock() + RUN_SECONDS
         try:
-            for _ in range(MAX_BATCHES_PER_RUN):
+            while True:
                 if self._lease.token() is None or self._stop_event.is_set():
                     break
+                if self._clock() > ends:
+                    self._report(deleted)
+                    return None
                 count = repository.purge_sent(
                     self._session.get(),
                     self._settings.retention_seconds,
@@ -78,7 +85,10 @@ class Purger(threading.Thread):
         if self._failing:
             log.info("outbox.purge_recovered")
             self._failing = False
+        self._report(deleted)
+        return deleted
+
+    def _report(self, deleted: int) -> None:
         if deleted:
             metrics.PURGED.inc(deleted)
             log.info("outbox.purged", rows=deleted)
-        return deleted

@@ -106,6 +106,15 @@ class CommonSettings(BaseSettings):
     database_statement_timeout_ms: int = Field(default=10_000, ge=0)
     database_lock_timeout_ms: int = Field(default=2_000, ge=0)
     database_idle_in_transaction_timeout_ms: int = Field(default=30_000, ge=0)
+    database_synchronous_commit: (
+        Literal["on", "off", "local", "remote_write", "remote_apply"] | None
+    ) = Field(
+        default=None,
+        description="synchronous_commit for the relay's lease, settle and drain sessions "
+        "(default: the server's). With asynchronous replication a failover can lose "
+        "acknowledged lease writes and marks; remote_apply (or on, with synchronous "
+        "standbys configured) trades commit latency for keeping them.",
+    )
 
     lease_name: str = Field(default="default", min_length=1, max_length=200)
     log_format: Literal["json", "console"] | None = None

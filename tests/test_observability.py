@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from relay.queries import QUERIES
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker
+from tests.harness.postgres import PostgresServer
 from tests.harness.prometheus import PrometheusServer
 from tests.support import (
     http_get,
@@ -274,3 +276,43 @@ def test_a_lease_lost_to_failing_renewals_counts_as_error_not_expired(
         wait_until(lambda: losses("error") == 1.0, timeout=10, message="a loss by error")
         assert losses("expired") == 0.0
         assert REGISTRY.get_sample_value("relay_lease_held", {"lease": lease}) == 0.0
+
+
+def test_a_leader_whose_database_freezes_drops_the_lease_gauge_and_readiness_in_time(
+    make_settings: SettingsFactory, pg: PostgresServer
+) -> None:
+    """Before: the gauge followed the elector, stuck inside a renewal the frozen server
+    never answers (10 s and more), and readiness counted the leader's turns that had
+    nothing to renew as database contact, so /readyz stayed 200 for a second or more past
+    its window. Now both follow the last real round trip: 0 at the local deadline
+    (ttl - margin), 503 within max(3 x standby poll, ttl)."""
+    lease = f"frozen-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    settings = make_settings(
+        lease_name=lease, metrics_enabled=True, metrics_port=port, lag_sample_seconds=0
+    )
+    window = max(3 * settings.standby_poll_seconds, settings.lease_ttl_seconds)
+
+    def held() -> float | None:
+        return REGISTRY.get_sample_value("relay_lease_held", {"lease": lease})
+
+    with running_relay(settings) as app:
+        wait_until(lambda: held() == 1.0, timeout=10, message="the lease")
+        wait_until(
+            lambda: http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200, 10, message="ready"
+        )
+        pg.pause()
+        try:
+            frozen = time.monotonic()
+            wait_until(lambda: held() == 0.0, timeout=settings.lease_ttl_seconds + 1.0)
+            gauge_zero = time.monotonic() - frozen
+            wait_until(
+                lambda: http_get(f"http://127.0.0.1:{port}/readyz", timeout=1)[0] == 503,
+                timeout=window + 2.0,
+            )
+            unready = time.monotonic() - frozen
+            assert app.lease.token() is None
+        finally:
+            pg.resume()
+    assert gauge_zero <= settings.lease_ttl_seconds - settings.safety_margin + 0.3, gauge_zero
+    assert unready <= window + 0.3, unready

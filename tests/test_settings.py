@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relay.settings import Settings, SettingsError, load_settings
-from tests.conftest import relay_command, relay_env
+from tests.conftest import SettingsFactory, relay_command, relay_env
 
 URL = "postgresql://app:s3cr3t-pw@127.0.0.1:1/db"
 
@@ -110,6 +110,9 @@ def test_cli_exits_2_with_one_clear_line_and_no_password() -> None:
         ("RELAY_KAFKA__DELIVERY_REPORT_ONLY_ERROR", "true"),
         ("RELAY_KAFKA__MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION", "20"),
         ("RELAY_KAFKA__TRANSACTIONAL_ID", "relay-1"),
+        ("RELAY_KAFKA__MESSAGE_TIMEOUT_MS", "30000"),
+        ("RELAY_KAFKA__DELIVERY_TIMEOUT_MS", "30000"),
+        ("RELAY_KAFKA__ENABLE_GAPLESS_GUARANTEE", "false"),
     ],
 )
 def test_pass_through_cannot_switch_off_the_delivery_guarantees(
@@ -155,3 +158,20 @@ def test_check_with_a_malformed_url_exits_2_without_the_password() -> None:
     assert done.returncode == 2
     assert b"RELAY_DATABASE_URL" in done.stderr
     assert b"s3cr" not in done.stdout + done.stderr
+
+
+def test_synchronous_commit_reaches_every_daemon_session(make_settings: SettingsFactory) -> None:
+    from relay import db
+
+    settings = make_settings(database_synchronous_commit="remote_apply")
+    with db.connect(settings, purpose="settle") as conn:
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+    assert row is not None and row["synchronous_commit"] == "remote_apply"
+    with pytest.raises(SettingsError) as err:
+        load_settings(
+            Settings,
+            database_url="postgresql://h/db",
+            kafka_bootstrap_servers="k:9092",
+            database_synchronous_commit="sometimes",
+        )
+    assert err.value.name == "RELAY_DATABASE_SYNCHRONOUS_COMMIT"

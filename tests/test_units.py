@@ -61,3 +61,23 @@ def test_health_names_the_loop_that_stopped_beating() -> None:
     assert health.describe() == "elector=40.0s main=0.0s"
     health.beat("elector")
     assert health.alive()
+
+
+@pytest.mark.parametrize(
+    ("code", "collateral"),
+    [
+        (KafkaError._PURGE_QUEUE, True),
+        (KafkaError._PURGE_INFLIGHT, True),
+        (KafkaError._FATAL, True),
+        (KafkaError._GAPLESS_GUARANTEE, True),
+        (KafkaError.PRODUCER_FENCED, True),
+        (KafkaError._MSG_TIMED_OUT, False),  # a sick partition: its rows back off
+        (KafkaError._ALL_BROKERS_DOWN, False),
+    ],
+)
+def test_messages_dropped_with_their_producer_spend_no_attempt(code: int, collateral: bool) -> None:
+    """A producer turned fatal by another message's permanent error (the gapless
+    guarantee) purges the rest: those rows must not back off or be dead-lettered."""
+    result = classify(KafkaError(code))
+    assert result.outcome is Outcome.UNAVAILABLE
+    assert result.collateral is collateral

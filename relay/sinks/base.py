@@ -32,6 +32,9 @@ class Result:
     outcome: Outcome
     error: str | None = None
     retry_after: float | None = None  # seconds the sink asked us to wait (HTTP 429)
+    # The message failed for another's sake (its producer died or was purged): never
+    # its own fault, so it spends no attempt even while the sink acks other messages.
+    collateral: bool = False
 
 
 ACKED = Result(Outcome.ACKED)

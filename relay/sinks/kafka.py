@@ -6,6 +6,7 @@ Delivery reports, not `produce()` returning, are what let the drain loop mark a 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -88,8 +89,24 @@ def needs_new_producer(error: KafkaError) -> bool:
     )
 
 
+# The message was dropped with the producer it sat in (purged, or the producer turned
+# fatal, e.g. by the gapless guarantee after another message's permanent error): its
+# row is left untouched, without an attempt, whatever happened to the rest.
+_COLLATERAL = frozenset(
+    {
+        KafkaError._PURGE_QUEUE,
+        KafkaError._PURGE_INFLIGHT,
+        KafkaError._FATAL,
+        KafkaError._GAPLESS_GUARANTEE,
+        KafkaError._FENCED,
+    }
+)
+
+
 def classify(error: KafkaError) -> Result:
     text = f"{error.name()}: {error.str()}"
+    if error.code() in _COLLATERAL or error.code() in _PRODUCER_STATE or error.fatal():
+        return Result(Outcome.UNAVAILABLE, text, collateral=True)
     if needs_new_producer(error) or error.code() in _UNAVAILABLE:
         return Result(Outcome.UNAVAILABLE, text)
     if error.code() in _PERMANENT:
@@ -141,7 +158,10 @@ class KafkaSink:
     def __init__(self, settings: Settings) -> None:
         self._config = producer_config(settings)
         self._config["error_cb"] = self._on_client_error
-        self._config["logger"] = library_logger("librdkafka", "kafka.client_log")
+        client_log = library_logger("librdkafka", "kafka.client_log")
+        if not any(isinstance(f, _KnownConfigWarnings) for f in client_log.filters):
+            client_log.addFilter(_KnownConfigWarnings())
+        self._config["logger"] = client_log
         self._topic_map = settings.kafka_topic_map
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # How long a batch may wait for room in librdkafka's queue and for its reports.
@@ -298,10 +318,24 @@ class KafkaSink:
         self._producer.flush(0)
 
 
+class _KnownConfigWarnings(logging.Filter):
+    """librdkafka calls enable.gapless.guarantee "experimental" at every producer start;
+    the relay sets it on purpose (see producer_config), so that line is only noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("CONFWARN" in message and "enable.gapless.guarantee" in message)
+
+
 def _purge_everything(producer: Producer) -> None:
+    """Drop what the producer holds and collect the purge reports now: an unreported
+    message keeps its callback, and through it the producer, alive."""
     with contextlib.suppress(KafkaException, RuntimeError):
-        producer.purge(in_queue=True, in_flight=True, blocking=False)
-        producer.poll(0)  # hand the purge reports to their callbacks now
+        producer.purge(in_queue=True, in_flight=True, blocking=True)
+        for _ in range(20):
+            producer.poll(0.01)
+            if len(producer) == 0:
+                break
 
 
 class Publishing:
@@ -347,6 +381,11 @@ class Publishing:
                 abandoned = True
                 break
             if time.monotonic() > self.deadline:
+                # Reports that arrived while we were away (a slow read-ahead) count:
+                # purging acknowledged messages would only make duplicates.
+                failure = sink._serve(producer, 0, flush=True)
+                if failure is not None or self.pending == 0:
+                    break
                 self.expire()
                 failure = self.failure
                 break

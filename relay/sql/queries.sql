@@ -13,6 +13,12 @@ SELECT set_config('statement_timeout', %(statement_timeout)s, false),
        set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, false),
        set_config('application_name', %(application_name)s, false);
 
+-- name: set_synchronous_commit
+-- RELAY_DATABASE_SYNCHRONOUS_COMMIT, for the daemon's sessions: with asynchronous
+-- replication a failover can lose acknowledged lease writes and marks; `remote_apply`
+-- (or `on` with synchronous standbys) makes them wait for a standby.
+SELECT set_config('synchronous_commit', %(synchronous_commit)s, false);
+
 ------------------------------------------------------------------------------------
 -- Lease (see relay/lease.py for the protocol)
 ------------------------------------------------------------------------------------
@@ -86,20 +92,79 @@ ORDER BY name;
 SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
        set_config('jit', 'off', false);
 
+-- name: fetch_head
+-- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
+-- order through outbox_unsent_idx, whatever they are, each with its size and whether
+-- it is `ready` (not waiting out a retry backoff, and no earlier row of its key is: one
+-- probe of the tiny outbox_backoff_idx). No "id > last seen" cursor: a row that commits
+-- late with a lower id is still found. When these rows need no sharing out (the relay
+-- decides: see fetch_batch, step 2), the ready ones are the batch; otherwise the relay
+-- runs fetch_batch. The projection is fetch_batch's, kept in step (a test pins both to
+-- OutboxMessage): the message id and created-at as text made here, in C; headers as one
+-- flat text array [name, value, ...] exactly as PostgreSQL prints each value
+-- (headers->>'name'), nulls and the relay's own names left out, never parsed by Python
+-- (a value Python's json cannot load cannot hurt the relay); header_error says why a
+-- row's headers cannot be sent (not an object, or a value that is not a scalar).
+SELECT o.id,
+       o.message_id::text,
+       o.topic,
+       o.key,
+       o.payload,
+       CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
+           (SELECT array_agg(pair.text ORDER BY header.n, pair.n)
+            FROM jsonb_each_text(o.headers) WITH ORDINALITY AS header (key, value, n)
+            CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
+            WHERE header.value IS NOT NULL
+              AND lower(header.key) NOT IN ('message-id', 'created-at'))
+       END AS headers,
+       CASE WHEN o.headers IS NULL OR jsonb_typeof(o.headers) = 'null' THEN NULL
+            WHEN jsonb_typeof(o.headers) <> 'object' THEN
+                'headers must be a JSON object, got ' || jsonb_typeof(o.headers)
+            ELSE (SELECT 'header ' || to_jsonb(header.key)::text
+                         || ' must be a string or scalar, got ' || jsonb_typeof(header.value)
+                  FROM jsonb_each(o.headers) AS header
+                  WHERE jsonb_typeof(header.value) IN ('object', 'array')
+                  LIMIT 1)
+       END AS header_error,
+       to_char(o.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
+       extract(epoch FROM o.created_at)::float8 AS created_epoch,
+       o.attempts,
+       coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
+       (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+       AND NOT EXISTS (
+           SELECT 1
+           FROM outbox AS blocker
+           WHERE blocker.key = o.key
+             AND blocker.id < o.id
+             AND blocker.sent_at IS NULL
+             AND blocker.dead_lettered_at IS NULL
+             AND blocker.next_attempt_at IS NOT NULL
+             AND blocker.next_attempt_at > now()
+       ) AS ready
+FROM outbox AS o
+WHERE o.sent_at IS NULL
+  AND o.dead_lettered_at IS NULL
+  -- The batches published and not yet settled. The parameter is sent untyped, so the
+  -- cast makes it a bigint[] constant of the custom plan: a hash lookup.
+  AND o.id <> ALL(%(in_flight)s::bigint[])
+ORDER BY o.id
+LIMIT %(limit)s;
+
 -- name: fetch_batch
--- The next batch: fair across keys, bounded in rows and bytes, and at a cost that does
--- not grow with any key's backlog (README "Fetching: fair and bounded").
+-- The fetch when the head needs sharing out (the relay runs fetch_head first): fair
+-- across keys, bounded in rows and bytes, at a cost that does not grow with any key's
+-- backlog (README "Fetching: fair and bounded").
 --
--- 1. head: the first %(limit)s unsent rows in id order, through outbox_unsent_idx,
---    whatever they are. No "id > last seen" cursor: a row that commits late with a
---    lower id is still found. A row is `ready` unless it, or an earlier row of its key,
---    waits out a retry backoff (one probe of the tiny outbox_backoff_idx).
--- 2. crowded: the head is full and holds rows it may not send (held back) or more rows
---    of one key than %(key_cap)s. Only then does the fetch look further:
+-- 1. head: fetch_head's rows again (the first %(limit)s unsent rows in id order).
+-- 2. crowded: the head is full and holds rows it may not send, or more ready rows of
+--    one key than %(key_cap)s. Only then does the fetch look further (the relay runs
+--    this statement when either holds, or when a key passes the cap in a head that is
+--    not full):
 -- 3. keys: up to %(limit)s keys with unsent rows, in key order from just after
 --    %(after_key)s, wrapping around once (a loose index scan of outbox_key_idx: one
---    descent per key); beyond: each key's next rows after the head, an equal share of
---    the batch each, and the next rows without a key.
+--    descent per key), leaving out keys that already have their share in a head full
+--    of ready rows; beyond: each key's next rows after the head, an equal share of the
+--    batch each, and the next rows without a key.
 -- 4. chosen: every key's first %(key_cap)s ready rows come first, in id order; the
 --    batch is then filled, in id order, with the further rows of busy keys (only if
 --    %(fill)s: a sink that sends a key's rows one at a time gains nothing from them);
@@ -107,15 +172,11 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
 --    gets a prefix of its rows, so per-key order holds.
 --
 -- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
--- 2 x %(limit)s rows beyond the head. The output is in id order. The message id and
--- the created-at header come as text made here, in C; headers come as one flat text
--- array [name, value, ...] exactly as PostgreSQL prints each value (headers->>'name'),
--- nulls and the relay's own names left out, never parsed by Python (a value Python's
--- json cannot load cannot hurt the relay); header_error says why a row's headers
--- cannot be sent (not an object, or a value that is not a scalar).
+-- 2 x %(limit)s rows beyond the head. Rows come in id order, in fetch_head's projection
+-- plus walked_to, NULL on every row but a last one that carries where the round over
+-- keys stopped.
 WITH RECURSIVE head AS MATERIALIZED (
-    SELECT o.id,
-           o.key,
+    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at, o.attempts,
            coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
            (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
            AND NOT EXISTS (
@@ -137,14 +198,20 @@ WITH RECURSIVE head AS MATERIALIZED (
     ORDER BY o.id
     LIMIT %(limit)s
 ),
+head_keys AS (
+    -- Ready rows per key in the head.
+    SELECT h.key, count(*) AS n
+    FROM head AS h
+    WHERE h.ready AND h.key IS NOT NULL
+    GROUP BY h.key
+),
 crowded AS (
     SELECT count(*) = %(limit)s
            AND (bool_or(NOT h.ready)
-                OR EXISTS (SELECT 1
-                           FROM head AS g
-                           WHERE g.ready AND g.key IS NOT NULL
-                           GROUP BY g.key
-                           HAVING count(*) > %(key_cap)s)) AS yes,
+                OR EXISTS (SELECT 1 FROM head_keys WHERE n > %(key_cap)s)) AS yes,
+           -- Full of ready rows: a key with its share in the head gets nothing beyond
+           -- it (those rows could never outrank a head row).
+           count(*) = %(limit)s AND bool_and(h.ready) AS filled,
            max(h.id) AS last_id
     FROM head AS h
 ),
@@ -176,18 +243,21 @@ keys_before (key) AS (
     WHERE k.key < %(after_key)s::text
 ),
 keys AS MATERIALIZED (
-    SELECT u.key
+    SELECT u.key, row_number() OVER () AS walk
     FROM (SELECT key FROM keys_after WHERE key IS NOT NULL
           UNION ALL
           SELECT key FROM keys_before WHERE key <= %(after_key)s::text) AS u
+    WHERE NOT ((SELECT filled FROM crowded)
+               AND EXISTS (SELECT 1 FROM head_keys AS hk
+                           WHERE hk.key = u.key AND hk.n >= %(key_cap)s))
     LIMIT %(limit)s
 ),
 beyond AS (
-    SELECT p.id, p.key, p.size, p.ready
+    SELECT p.*
     FROM keys AS k
     CROSS JOIN LATERAL (
-        SELECT o.id,
-               o.key,
+        SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+               o.attempts,
                coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
                (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
                AND NOT EXISTS (
@@ -201,19 +271,24 @@ beyond AS (
                      AND blocker.next_attempt_at > now()
                ) AS ready
         FROM outbox AS o
-        WHERE o.key = k.key
+        -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
+        -- and not "key = k" ordered by id. With equality the planner may walk
+        -- outbox_unsent_idx in id order and filter on the key (it did, when the
+        -- statistics saw one key), reading a hot key's whole backlog to find a rare
+        -- key's rows. This way only outbox_key_idx yields the order without reading
+        -- every candidate row first; "id > last head id" is checked in the index.
+        WHERE o.key >= k.key
+          AND o.key <= k.key
+          AND o.id > (SELECT last_id FROM crowded)
           AND o.sent_at IS NULL
           AND o.dead_lettered_at IS NULL
           AND o.id <> ALL(%(in_flight)s::bigint[])
-        ORDER BY o.id
+        ORDER BY o.key, o.id
         LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
     ) AS p
-    -- Filtered after the LIMIT, so the key's index range is walked from its first row:
-    -- its rows in the head count against its share.
-    WHERE p.id > (SELECT last_id FROM crowded)
     UNION ALL
-    (SELECT o.id,
-            o.key,
+    (SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+            o.attempts,
             coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0),
             o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
      FROM outbox AS o
@@ -223,58 +298,71 @@ beyond AS (
        AND o.sent_at IS NULL
        AND o.dead_lettered_at IS NULL
        AND o.id <> ALL(%(in_flight)s::bigint[])
-     ORDER BY o.id
+     ORDER BY o.key, o.id  -- the (key, id) order of outbox_key_idx: see above
      LIMIT %(limit)s)
 ),
 ranked AS (
     -- place: 1 for a key's first ready row, 2 for its second, ...; rows without a key
     -- have no order to keep and are each their own first.
-    SELECT pool.id,
-           pool.size,
+    SELECT pool.*,
            CASE WHEN pool.key IS NULL THEN 1
                 ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
            END AS place
-    FROM (SELECT id, key, size FROM head WHERE ready
+    FROM (SELECT * FROM head WHERE ready
           UNION ALL
-          SELECT id, key, size FROM beyond WHERE ready) AS pool
+          SELECT * FROM beyond WHERE ready) AS pool
 ),
 chosen AS (
-    SELECT r.id,
-           r.size,
+    SELECT r.id, r.message_id, r.topic, r.key, r.payload, r.headers, r.created_at,
+           r.attempts, r.size,
            sum(r.size) OVER (ORDER BY r.place > %(key_cap)s, r.id) AS bytes
     FROM ranked AS r
     WHERE %(fill)s OR r.place <= %(key_cap)s
     ORDER BY r.place > %(key_cap)s, r.id
     LIMIT %(limit)s
 )
-SELECT o.id,
-       o.message_id::text,
-       o.topic,
-       o.key,
-       o.payload,
-       CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
+SELECT c.id,
+       c.message_id::text,
+       c.topic,
+       c.key,
+       c.payload,
+       CASE WHEN jsonb_typeof(c.headers) = 'object' THEN
            (SELECT array_agg(pair.text ORDER BY header.n, pair.n)
-            FROM jsonb_each_text(o.headers) WITH ORDINALITY AS header (key, value, n)
+            FROM jsonb_each_text(c.headers) WITH ORDINALITY AS header (key, value, n)
             CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
             WHERE header.value IS NOT NULL
               AND lower(header.key) NOT IN ('message-id', 'created-at'))
        END AS headers,
-       CASE WHEN o.headers IS NULL OR jsonb_typeof(o.headers) = 'null' THEN NULL
-            WHEN jsonb_typeof(o.headers) <> 'object' THEN
-                'headers must be a JSON object, got ' || jsonb_typeof(o.headers)
+       CASE WHEN c.headers IS NULL OR jsonb_typeof(c.headers) = 'null' THEN NULL
+            WHEN jsonb_typeof(c.headers) <> 'object' THEN
+                'headers must be a JSON object, got ' || jsonb_typeof(c.headers)
             ELSE (SELECT 'header ' || to_jsonb(header.key)::text
                          || ' must be a string or scalar, got ' || jsonb_typeof(header.value)
-                  FROM jsonb_each(o.headers) AS header
+                  FROM jsonb_each(c.headers) AS header
                   WHERE jsonb_typeof(header.value) IN ('object', 'array')
                   LIMIT 1)
        END AS header_error,
-       to_char(o.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
-       extract(epoch FROM o.created_at)::float8 AS created_epoch,
-       o.attempts
+       to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
+       extract(epoch FROM c.created_at)::float8 AS created_epoch,
+       c.attempts,
+       NULL::text AS walked_to
 FROM chosen AS c
-JOIN outbox AS o ON o.id = c.id
 WHERE c.bytes <= %(max_bytes)s OR c.bytes = c.size  -- the first row goes even if larger
-ORDER BY o.id;
+UNION ALL
+-- Last, a row of its own: where the next fetch's round over keys starts (%(after_key)s):
+-- after the last key of this round that got rows, so keys it reached but had no room
+-- for come first next time; after the whole round if none got rows (all held back); or
+-- NULL, from the start, when this round went all the way round.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
+            THEN coalesce((SELECT k.key
+                           FROM keys AS k
+                           WHERE EXISTS (SELECT 1 FROM chosen AS c WHERE c.key = k.key)
+                           ORDER BY k.walk DESC
+                           LIMIT 1),
+                          (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
+       END
+ORDER BY id NULLS LAST;
 
 -- name: lease_fence
 -- First statement of every transaction that settles rows: renews our lease only if we
