@@ -94,24 +94,26 @@ def fetch_batch(
     anyway (`limits.fill`): the caller's way to look for other keys less often while
     a key drains alone.
     """
-    params: dict[str, Any] = {"limit": limits.rows, "in_flight": in_flight}
+    params: dict[str, Any] = {
+        "limit": limits.rows,
+        "in_flight": in_flight,
+        "max_bytes": limits.bytes,
+    }
     # Tuples and positional construction: a tenth of the cost of keyword rows, and
     # this runs for every row the relay ever moves. Column order = field order.
     with conn.cursor(row_factory=tuple_row) as cur:
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
             return Fetched(_within_bytes(head, limits.bytes))
-        params.update(
-            max_bytes=limits.bytes, key_cap=limits.per_key, fill=limits.fill, after_key=after_key
-        )
+        params.update(key_cap=limits.per_key, fill=limits.fill, after_key=after_key)
         *rows, last = cur.execute(QUERIES.fetch_batch, params).fetchall()
     ids = [row[0] for row in rows]
     alone = ids == [row[0] for row in head[: len(ids)] if row[_READY]]
     return Fetched([OutboxMessage(*row[:-1]) for row in rows], last[-1], alone)
 
 
-# fetch_head's columns: OutboxMessage's fields, then these two.
-_SIZE, _READY = -2, -1
+# fetch_head's columns: OutboxMessage's fields, then these three.
+_SIZE, _READY, _WITHIN = -3, -2, -1
 _KEY = 3
 
 
@@ -127,16 +129,13 @@ def _needs_sharing(head: list[tuple[Any, ...]], limits: BatchLimits, busy_keys: 
 
 
 def _within_bytes(head: list[tuple[Any, ...]], max_bytes: int) -> list[OutboxMessage]:
-    """The ready rows, cut at `max_bytes` in id order (the first one always goes)."""
+    """The ready rows up to the byte bound (fetch_head's `within`), in id order."""
     batch: list[OutboxMessage] = []
-    total = 0
     for row in head:
-        if not row[_READY]:
-            continue
-        total += row[_SIZE]
-        if total > max_bytes and batch:
-            break
-        batch.append(OutboxMessage(*row[:_SIZE]))
+        if row[_READY]:
+            if not row[_WITHIN]:
+                break
+            batch.append(OutboxMessage(*row[:_SIZE]))
     return batch
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import os
 import re
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -487,11 +488,61 @@ def _env_name(loc: tuple[int | str, ...]) -> str:
     return head
 
 
+# RELAY_* variables that are not settings and must never stop a replica: the service
+# links Kubernetes injects into every pod of a namespace with a Service named `relay`
+# (RELAY_SERVICE_HOST, RELAY_SERVICE_PORT_METRICS, RELAY_PORT, RELAY_PORT_9108_TCP_ADDR,
+# ...; the manifests also set enableServiceLinks: false), and the test-only failpoint
+# hook (relay/failpoints.py).
+_NOT_SETTINGS = re.compile(
+    r"RELAY_(SERVICE_(HOST|PORT)(_[A-Z0-9_]+)?"
+    r"|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?"
+    r"|FAILPOINTS)"
+)
+
+
+def _setting_names() -> tuple[set[str], tuple[str, ...]]:
+    """Every settings variable, and the prefixes of the nested ones (dict settings:
+    RELAY_KAFKA__SSL_CA_LOCATION)."""
+    names = {f"{ENV_PREFIX}{field.upper()}" for field in Settings.model_fields}
+    names |= {f"{ENV_PREFIX}{field.upper()}_FILE" for field in SECRET_FIELDS}
+    nested = tuple(
+        f"{ENV_PREFIX}{field.upper()}__"
+        for field, info in Settings.model_fields.items()
+        if info.annotation is not None and "dict" in str(info.annotation)
+    )
+    return names, nested
+
+
+def is_setting_variable(name: str) -> bool:
+    names, nested = _setting_names()
+    return name in names or name.startswith(nested)
+
+
+def check_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A misspelled setting (RELAY_BATCHSIZE) is an error, not a silent default."""
+    names, nested = _setting_names()
+    for variable in sorted(environ):
+        name = variable.upper()  # settings are case-insensitive
+        if (
+            not name.startswith(ENV_PREFIX)
+            or name in names
+            or name.startswith(nested)
+            or _NOT_SETTINGS.fullmatch(name)
+        ):
+            continue
+        close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise SettingsError(variable, f"is not a relay setting{hint}")
+
+
 def load_settings(cls: type[S], **overrides: Any) -> S:
     """Build the settings or raise `SettingsError` naming the first bad variable.
 
-    The message never carries the offending value: it might be a password.
+    Every command checks the whole RELAY_* environment against every setting (not
+    only its own): one environment usually serves all of them. The message never
+    carries the offending value: it might be a password.
     """
+    check_unknown_variables(os.environ)
     try:
         return cls(**overrides)
     except SettingsError:

@@ -30,7 +30,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.settings import SECRET_FIELDS, Settings
+from relay.settings import SECRET_FIELDS, Settings, is_setting_variable
 from tests.conftest import REPO, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker
@@ -185,6 +185,9 @@ def test_deployment_runs_replicas_safely() -> None:
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     spec = pod["spec"]
 
+    assert spec["enableServiceLinks"] is False
+    job = _manifest("Job", "relay-migrate")["spec"]["template"]["spec"]
+    assert job["enableServiceLinks"] is False
     spread = {c["topologyKey"]: c for c in spec["topologySpreadConstraints"]}
     assert spread["kubernetes.io/hostname"]["whenUnsatisfiable"] == "DoNotSchedule"
 
@@ -305,15 +308,7 @@ def test_service_monitor_scrapes_the_relay_service() -> None:
 
 
 def _known_setting(name: str) -> bool:
-    fields = {f"RELAY_{field.upper()}" for field in Settings.model_fields}
-    files = {f"RELAY_{field.upper()}_FILE" for field in SECRET_FIELDS}
-    # Dict settings also take nested variables: RELAY_KAFKA__SSL_CA_LOCATION.
-    nested = tuple(
-        f"RELAY_{field.upper()}__"
-        for field, info in Settings.model_fields.items()
-        if info.annotation is not None and "dict" in str(info.annotation)
-    )
-    return name in fields | files or name.startswith(nested)
+    return is_setting_variable(name)
 
 
 def _relay_env_names() -> dict[str, set[str]]:

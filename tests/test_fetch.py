@@ -83,7 +83,7 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
     fields = [f.name for f in dataclasses.fields(OutboxMessage)]
     with psycopg.connect(database, autocommit=True) as conn:
         for query, extra in (
-            (QUERIES.fetch_head, ["size", "ready"]),
+            (QUERIES.fetch_head, ["size", "ready", "within"]),
             (QUERIES.fetch_batch, ["walked_to"]),
         ):
             cur = conn.execute(query, params)
@@ -99,8 +99,8 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
             " ('t', 'k', 'x', %s::jsonb), ('t', 'k', 'y', '[1]'), ('t', NULL, NULL, NULL)",
             (HOSTILE_HEADERS,),
         )
-        params = {"limit": 10, "in_flight": "{}"}
-        head = [row[:-2] for row in conn.execute(QUERIES.fetch_head, params).fetchall()]
+        params = {"limit": 10, "in_flight": "{}", "max_bytes": 1 << 30}
+        head = [row[:-3] for row in conn.execute(QUERIES.fetch_head, params).fetchall()]
         fair = conn.execute(
             QUERIES.fetch_batch,
             {**params, "max_bytes": 1 << 30, "key_cap": 10, "fill": True, "after_key": None},

@@ -9,6 +9,7 @@ import pytest
 
 from relay.settings import Settings, SettingsError, load_settings
 from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.harness.kafka import TansuBroker
 
 URL = "postgresql://app:s3cr3t-pw@127.0.0.1:1/db"
 
@@ -175,3 +176,36 @@ def test_synchronous_commit_reaches_every_daemon_session(make_settings: Settings
             database_synchronous_commit="sometimes",
         )
     assert err.value.name == "RELAY_DATABASE_SYNCHRONOUS_COMMIT"
+
+
+def test_an_unknown_relay_variable_stops_start_up_naming_the_closest_setting() -> None:
+    """Before: RELAY_BATCHSIZE=5 was dropped without a word and the batch stayed 500."""
+    env = relay_env("postgresql://relay@127.0.0.1:1/db", RELAY_BATCHSIZE="5")
+    for command in ("run", "check", "migrate"):
+        result = subprocess.run(
+            relay_command(command), env=env, capture_output=True, timeout=60, check=False
+        )
+        assert result.returncode == 2, (command, result.stderr)
+        line = result.stderr.decode()
+        assert "RELAY_BATCHSIZE" in line and "did you mean RELAY_BATCH_SIZE" in line, line
+
+
+SERVICE_LINKS = {
+    # What Kubernetes injects for a Service named `relay` with a named port 9108.
+    "RELAY_SERVICE_HOST": "10.96.0.12",
+    "RELAY_SERVICE_PORT": "9108",
+    "RELAY_SERVICE_PORT_METRICS": "9108",
+    "RELAY_PORT": "tcp://10.96.0.12:9108",
+    "RELAY_PORT_9108_TCP": "tcp://10.96.0.12:9108",
+    "RELAY_PORT_9108_TCP_PROTO": "tcp",
+    "RELAY_PORT_9108_TCP_PORT": "9108",
+    "RELAY_PORT_9108_TCP_ADDR": "10.96.0.12",
+}
+
+
+def test_kubernetes_service_links_never_stop_a_replica(relay_dsn: str, kafka: TansuBroker) -> None:
+    env = relay_env(relay_dsn, kafka.bootstrap_servers, **SERVICE_LINKS)
+    result = subprocess.run(
+        relay_command("check"), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()

@@ -97,7 +97,10 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
 -- order through outbox_unsent_idx, whatever they are, each with its size and whether
 -- it is `ready` (not waiting out a retry backoff, and no earlier row of its key is: one
 -- probe of the tiny outbox_backoff_idx). No "id > last seen" cursor: a row that commits
--- late with a lower id is still found. When these rows need no sharing out (the relay
+-- late with a lower id is still found. `within`: the row fits %(max_bytes)s counting
+-- the ready rows before it (the first ready row always does); rows past it come
+-- without their payload, so a head of large rows never crosses the wire whole. When
+-- these rows need no sharing out (the relay
 -- decides: see fetch_batch, step 2), the ready ones are the batch; otherwise the relay
 -- runs fetch_batch. The projection is fetch_batch's, kept in step (a test pins both to
 -- OutboxMessage): the message id and created-at as text made here, in C; headers as one
@@ -105,50 +108,63 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
 -- (headers->>'name'), nulls and the relay's own names left out, never parsed by Python
 -- (a value Python's json cannot load cannot hurt the relay); header_error says why a
 -- row's headers cannot be sent (not an object, or a value that is not a scalar).
-SELECT o.id,
-       o.message_id::text,
-       o.topic,
-       o.key,
-       o.payload,
-       CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
+SELECT h.id,
+       h.message_id::text,
+       h.topic,
+       h.key,
+       CASE WHEN h.within THEN h.payload END AS payload,
+       CASE WHEN jsonb_typeof(h.headers) = 'object' THEN
            (SELECT array_agg(pair.text ORDER BY header.n, pair.n)
-            FROM jsonb_each_text(o.headers) WITH ORDINALITY AS header (key, value, n)
+            FROM jsonb_each_text(h.headers) WITH ORDINALITY AS header (key, value, n)
             CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
             WHERE header.value IS NOT NULL
               AND lower(header.key) NOT IN ('message-id', 'created-at'))
        END AS headers,
-       CASE WHEN o.headers IS NULL OR jsonb_typeof(o.headers) = 'null' THEN NULL
-            WHEN jsonb_typeof(o.headers) <> 'object' THEN
-                'headers must be a JSON object, got ' || jsonb_typeof(o.headers)
+       CASE WHEN h.headers IS NULL OR jsonb_typeof(h.headers) = 'null' THEN NULL
+            WHEN jsonb_typeof(h.headers) <> 'object' THEN
+                'headers must be a JSON object, got ' || jsonb_typeof(h.headers)
             ELSE (SELECT 'header ' || to_jsonb(header.key)::text
                          || ' must be a string or scalar, got ' || jsonb_typeof(header.value)
-                  FROM jsonb_each(o.headers) AS header
+                  FROM jsonb_each(h.headers) AS header
                   WHERE jsonb_typeof(header.value) IN ('object', 'array')
                   LIMIT 1)
        END AS header_error,
-       to_char(o.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
-       extract(epoch FROM o.created_at)::float8 AS created_epoch,
-       o.attempts,
-       coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
-       (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
-       AND NOT EXISTS (
-           SELECT 1
-           FROM outbox AS blocker
-           WHERE blocker.key = o.key
-             AND blocker.id < o.id
-             AND blocker.sent_at IS NULL
-             AND blocker.dead_lettered_at IS NULL
-             AND blocker.next_attempt_at IS NOT NULL
-             AND blocker.next_attempt_at > now()
-       ) AS ready
-FROM outbox AS o
-WHERE o.sent_at IS NULL
-  AND o.dead_lettered_at IS NULL
-  -- The batches published and not yet settled. The parameter is sent untyped, so the
-  -- cast makes it a bigint[] constant of the custom plan: a hash lookup.
-  AND o.id <> ALL(%(in_flight)s::bigint[])
-ORDER BY o.id
-LIMIT %(limit)s;
+       to_char(h.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
+       extract(epoch FROM h.created_at)::float8 AS created_epoch,
+       h.attempts,
+       h.size,
+       h.ready,
+       h.within
+FROM (SELECT head.*,
+             head.ready
+             AND (sum(CASE WHEN head.ready THEN head.size ELSE 0 END)
+                      OVER (ORDER BY head.id) <= %(max_bytes)s
+                  OR count(*) FILTER (WHERE head.ready)
+                      OVER (ORDER BY head.id) = 1) AS within
+      FROM (SELECT o.*,
+                   coalesce(octet_length(o.payload), 0)
+                   + coalesce(pg_column_size(o.headers), 0) AS size,
+                   (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+                   AND NOT EXISTS (
+                       SELECT 1
+                       FROM outbox AS blocker
+                       WHERE blocker.key = o.key
+                         AND blocker.id < o.id
+                         AND blocker.sent_at IS NULL
+                         AND blocker.dead_lettered_at IS NULL
+                         AND blocker.next_attempt_at IS NOT NULL
+                         AND blocker.next_attempt_at > now()
+                   ) AS ready
+            FROM outbox AS o
+            WHERE o.sent_at IS NULL
+              AND o.dead_lettered_at IS NULL
+              -- The batches published and not yet settled. The parameter is sent
+              -- untyped, so the cast makes it a bigint[] constant of the custom plan:
+              -- a hash lookup.
+              AND o.id <> ALL(%(in_flight)s::bigint[])
+            ORDER BY o.id
+            LIMIT %(limit)s) AS head) AS h
+ORDER BY h.id;
 
 -- name: fetch_batch
 -- The fetch when the head needs sharing out (the relay runs fetch_head first): fair
