@@ -527,6 +527,37 @@ def test_abandon_mid_batch_returns_at_once_and_acks_nothing_unanswered(
         sink.publish(batch, lambda: False)
 
 
+def test_an_endpoint_that_never_answers_holds_a_batch_for_about_two_timeouts(
+    make_settings: SettingsFactory, server: WebhookServer
+) -> None:
+    """30 keys, 2 requests in flight, an endpoint that takes connections and never
+    answers. Before: chains waiting for a slot started when it freed, one timeout per
+    round of slots (15 s); now the batch ends within about two timeouts, the rows that
+    never started stay untouched (SKIPPED, no attempt)."""
+    from relay.sinks.http import HttpSink
+
+    server.respond = lambda d: Reply(200, delay=30.0)
+    settings = http_settings(
+        make_settings,
+        server.url,
+        http_max_in_flight=2,
+        http_timeout_seconds=1.0,
+        http_read_timeout_seconds=1.0,
+    )
+    sink = HttpSink(settings)
+    try:
+        batch = [message(id=n, key=f"k{n}") for n in range(30)]
+        started = time.monotonic()
+        results = sink.publish(batch, lambda: False)
+        elapsed = time.monotonic() - started
+    finally:
+        sink.close()
+    assert elapsed < 2 * settings.http_timeout_seconds + 0.5, f"batch took {elapsed:.1f}s"
+    outcomes = [r.outcome for r in results]
+    assert outcomes.count(Outcome.RETRY) <= 4  # the requests that started: timed out
+    assert outcomes.count(Outcome.SKIPPED) >= 26  # never started: no attempt spent
+
+
 def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it(
     make_settings: SettingsFactory, database: str, server: WebhookServer
 ) -> None:

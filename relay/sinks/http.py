@@ -341,6 +341,11 @@ class HttpSink:
             if time.monotonic() > stop_starting:
                 return  # left SKIPPED: unsent, untouched, first in the next batch
             async with slots:
+                # Again once a slot is ours: against an endpoint that never answers,
+                # the wait for a slot is itself a request timeout, and starting then
+                # would stretch the batch by one timeout per round of slots.
+                if time.monotonic() > stop_starting:
+                    return
                 result = await self._send(messages[index])
             results[index] = result
             if result.outcome is not Outcome.ACKED:
