@@ -450,7 +450,7 @@ WHERE id IN (
 -- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
 -- outbox (README "Lag metrics: cost"): counts stop at the cap; the oldest unsent row is
 -- the lowest id in outbox_unsent_idx (one index probe); "blocked" counts, among at most
--- cap unsent rows from the first failing one (one probe of outbox_failing_idx), the
+-- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the
 -- rows that have failed (next_attempt_at set) and the later rows of their key, which
 -- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
 SELECT
@@ -471,6 +471,7 @@ SELECT
               WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
                 AND o.id >= (SELECT f.id FROM outbox AS f
                               WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+                                AND f.attempts > 0  -- outbox_failing_rows_idx
                                 AND f.next_attempt_at IS NOT NULL
                               ORDER BY f.id
                               LIMIT 1)
