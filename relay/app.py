@@ -8,6 +8,7 @@ import time
 from types import FrameType
 
 from relay import __version__, metrics
+from relay.guard import DeadlineGuard
 from relay.lag import LagSampler
 from relay.lease import Elector, Lease
 from relay.logging import get_logger
@@ -16,6 +17,7 @@ from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import create_sink
+from relay.sinks.base import StartsPublishing
 from relay.worker import Drainer
 
 log = get_logger("relay.app")
@@ -51,6 +53,11 @@ class RelayApp:
             self.health.register("lag", max(60.0, 3 * settings.lag_sample_seconds + db_wait))
             self.lag_sampler = LagSampler(settings, self.health)
         self.purger = Purger(settings, self.lease) if settings.keep_sent_rows else None
+        self.guard = (
+            DeadlineGuard(self.lease, self.sink)
+            if isinstance(self.sink, StartsPublishing)
+            else None
+        )
         self.drainer = Drainer(
             settings, self.sink, self.lease, self.elector, self.shutdown, self.health
         )
@@ -105,8 +112,9 @@ class RelayApp:
         self.elector.start()
         if self.lag_sampler is not None:
             self.lag_sampler.start()
-        if self.purger is not None:
-            self.purger.start()
+        for loop in (self.purger, self.guard):
+            if loop is not None:
+                loop.start()
         try:
             while not self.shutdown.requested:
                 self.health.beat()
@@ -146,7 +154,7 @@ class RelayApp:
             log.warning("lease.release_skipped", reason="elector busy")
         else:
             self.elector.release()
-        for loop in (self.lag_sampler, self.purger):
+        for loop in (self.lag_sampler, self.purger, self.guard):
             if loop is not None:
                 loop.stop()
                 loop.join(timeout=5.0)

@@ -6,7 +6,8 @@ With it set to a directory, `hit(name)` looks for a file called `name` there; if
 exists, it is removed and this process SIGKILLs itself on the spot, as a crash at that
 line would. The test arms a point by creating the file, so it chooses when and which
 replica dies. Points: `after_publish` (acked by the sink, not yet marked) and
-`in_settle` (inside the fenced mark transaction, before its commit).
+`in_settle` (inside the fenced mark transaction, before its commit). `stall()` holds a
+thread instead, while a `stall_<name>` file exists.
 
 This module reads its environment variable directly, unlike the rest of the relay
 (relay.settings): a test hook must not become a documented setting.
@@ -16,8 +17,21 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 _DIRECTORY = os.environ.get("RELAY_FAILPOINTS") or None
+
+
+def stall(name: str, longest: float = 60.0) -> None:
+    """Hold this thread while a file called `stall_<name>` exists (up to `longest`
+    seconds): a thread stuck where the point is, as on a database that does not answer.
+    Point: `read_ahead` (the drain's read of its next batch)."""
+    if _DIRECTORY is None:
+        return
+    path = os.path.join(_DIRECTORY, f"stall_{name}")
+    deadline = time.monotonic() + longest
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def hit(name: str) -> None:

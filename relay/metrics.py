@@ -47,6 +47,10 @@ MESSAGES = Counter(
 DEAD_LETTERED = Counter(
     "relay_dead_lettered_total", "Rows moved to the dead-letter state.", ["sink", "topic"]
 )
+PUBLISHING_CUTS = Counter(
+    "relay_publishing_cuts_total",
+    "Times the lease's local deadline (or its loss) made the sink drop what it still held.",
+)
 PURGED = Counter(
     "relay_purged_rows_total", "Sent rows deleted by the retention purge (retention mode)."
 )

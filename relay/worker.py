@@ -253,6 +253,7 @@ class Drainer:
         has), and remembers the keys that batch held back: when the prefetched rows are
         published, the failures of both may still be unwritten.
         """
+        failpoints.stall("read_ahead")
         in_flight = self._in_flight
         ids = [m.id for m in publishing]
         held: frozenset[str] = frozenset()

@@ -7,7 +7,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import psycopg
 import pytest
@@ -16,6 +17,7 @@ from prometheus_client import REGISTRY
 from relay import repository
 from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, Outcome, Pending, Published, Result
+from relay.sinks.kafka import KafkaSink
 from relay.worker import Drainer
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
@@ -233,6 +235,9 @@ class TwoPhaseScriptedSink(ScriptedSink):
     ) -> Pending:
         return Published(self.publish(messages, abandon))
 
+    def stop_sending(self) -> None:
+        pass  # nothing is held between phases here
+
 
 def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_landed(
     make_settings: SettingsFactory,
@@ -400,6 +405,65 @@ def test_a_key_never_overtakes_its_own_failed_message_at_the_broker(
         if r.key == "K" and r.value is not None
     ]
     assert steps == list(range(300)), steps[:40]
+
+
+def test_nothing_queued_is_sent_after_the_deadline_while_the_read_ahead_is_stuck(
+    make_settings: SettingsFactory,
+    database: str,
+    kafka: TansuBroker,
+    topic: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker stalls with a batch produced (ten messages on the wire, the rest
+    queued), the drain thread is stuck in its read-ahead, and renewals fail, so the
+    lease's local deadline passes. Before: the queued messages waited in librdkafka and
+    went out when the broker came back, long after the deadline (a newer holder may be
+    publishing by then). Now the deadline guard drops them at the deadline."""
+    monkeypatch.setattr("relay.failpoints._DIRECTORY", str(tmp_path))
+    settings = make_settings(
+        batch_size=200,
+        kafka_delivery_timeout_ms=60_000,
+        kafka={"batch_num_messages": "2"},  # five requests in flight hold ten messages
+    )
+    stall = tmp_path / "stall_read_ahead"
+    cuts = _sample("relay_publishing_cuts_total")
+    with running_relay(settings) as app:
+        sink = cast(KafkaSink, app.sink)
+        insert_rows(database, topic, [("warm", b"warm:0")])
+        wait_until(lambda: unsent_count(database) == 0, timeout=20, message="producer warm")
+        kafka.pause()
+        try:
+            stall.touch()
+            insert_rows(database, topic, [("K", f"K:{i}".encode()) for i in range(200)])
+            wait_until(
+                lambda: len(sink._producer) >= 150,
+                timeout=10,
+                message="the batch produced, the drain thread stuck in its read-ahead",
+            )
+            with psycopg.connect(database, autocommit=True) as conn:
+                conn.execute("REVOKE UPDATE ON leases FROM relay")
+            wait_until(
+                lambda: _sample("relay_publishing_cuts_total") > cuts,
+                timeout=10,
+                message="the deadline, and the cut",
+            )
+            assert app.lease.token() is None
+            kafka.resume()
+            sink._producer.flush(10)  # whatever it still holds goes out now
+            early = [
+                r for r in consume(kafka.bootstrap_servers, topic, min_count=1) if r.key == "K"
+            ]
+            assert len(early) <= 10, f"{len(early)} messages sent after the deadline"
+        finally:
+            kafka.resume()
+            stall.unlink(missing_ok=True)
+            with psycopg.connect(database, autocommit=True) as conn:
+                conn.execute("GRANT UPDATE ON leases TO relay")
+        wait_until(lambda: unsent_count(database) == 0, timeout=30, message="all delivered")
+    records = consume(kafka.bootstrap_servers, topic, min_count=201, timeout=30)
+    assert len(dedup_by_message_id(records)) == 201
+    assert_per_key_order(records)
 
 
 def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(

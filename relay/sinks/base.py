@@ -83,6 +83,12 @@ class StartsPublishing(Protocol):
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> Pending: ...
 
+    def stop_sending(self) -> None:
+        """The lease's local deadline passed: drop what the client still holds to send
+        (queued, or waiting for a retry), not what is already on the wire. Called from
+        another thread than the drain loop's, which may be stuck in the database."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Published:

@@ -302,6 +302,12 @@ class KafkaSink:
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 
+    def stop_sending(self) -> None:
+        # No poll here: delivery callbacks must run on the drain thread, which serves
+        # the purge reports at its next wait.
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self._producer.purge(in_queue=True, in_flight=False, blocking=False)
+
     def check(self, timeout: float) -> str:
         metadata = self._producer.list_topics(timeout=timeout)
         return f"kafka: ok ({len(metadata.brokers)} broker(s), {len(metadata.topics)} topic(s))"
