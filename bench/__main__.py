@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,9 +58,10 @@ def main() -> int:
     return bench_kafka(args)
 
 
-def bench_fairness(quick: bool) -> int:
-    from bench import fairness
-
+@contextmanager
+def servers() -> Iterator[tuple[str, str]]:
+    """A fresh PostgreSQL (fsync on) with the schema, and a broker with the topic:
+    (dsn, bootstrap servers)."""
     with (
         PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
         TansuBroker() as broker,
@@ -66,7 +69,14 @@ def bench_fairness(quick: bool) -> int:
         dsn = pg.create_database("bench")
         migrate(CommonSettings(database_url=dsn))
         broker.create_topic("bench", partitions=3)
-        report = fairness.run(dsn, broker.bootstrap_servers, quick)
+        yield dsn, broker.bootstrap_servers
+
+
+def bench_fairness(quick: bool) -> int:
+    from bench import fairness
+
+    with servers() as (dsn, bootstrap):
+        report = fairness.run(dsn, bootstrap, quick)
     save({"sink": "kafka", "quick": quick, "fairness": report})
     return 0
 
@@ -78,15 +88,7 @@ def bench_kafka(args: argparse.Namespace) -> int:
     rows = args.rows or (20_000 if quick else 50_000)
     batches = args.batch or [100, 500, 2000]
     report: dict[str, Any] = {"sink": "kafka", "quick": quick}
-    with (
-        PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
-        TansuBroker() as broker,
-    ):
-        dsn = pg.create_database("bench")
-        migrate(CommonSettings(database_url=dsn))
-        broker.create_topic("bench", partitions=3)
-        bootstrap = broker.bootstrap_servers
-
+    with servers() as (dsn, bootstrap):
         bare, drains = drain.run(dsn, bootstrap, rows, batches)
         report["producer_msgs_per_s"] = bare
         report["drain"] = drains

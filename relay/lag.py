@@ -17,7 +17,7 @@ from typing import Any
 
 from relay import db, metrics
 from relay.db import Conn
-from relay.logging import get_logger
+from relay.logging import OutageLog, get_logger
 from relay.metrics import Health
 from relay.queries import QUERIES
 from relay.settings import Settings
@@ -75,7 +75,7 @@ class LagSampler(threading.Thread):
         self._stop_event = threading.Event()
         self._session = db.Session(self._open)
         self._sampled_at = clock()
-        self._failing = False
+        self._outage = OutageLog(log, "lag.sample_failed", "lag.sample_recovered")
         metrics.LAG_SAMPLE_AGE.set_function(lambda: self._clock() - self._sampled_at)
 
     def stop(self) -> None:
@@ -98,14 +98,10 @@ class LagSampler(threading.Thread):
             # Any failure, not only the database's: this thread only feeds metrics, and
             # its death would fail /healthz and restart a healthy leader.
             metrics.LAG_SAMPLE_ERRORS.inc()
-            if not self._failing:  # one line per outage, not one per interval
-                log.warning("lag.sample_failed", error=db.describe_error(exc))
-            self._failing = True
+            self._outage.failure(db.describe_error(exc))
             self._session.close()
             return None
-        if self._failing:
-            log.info("lag.sample_recovered")
-            self._failing = False
+        self._outage.success()
         publish(sample)
         self._sampled_at = self._clock()
         metrics.LAG_SAMPLE_SECONDS.set(self._sampled_at - started)

@@ -62,3 +62,24 @@ def library_logger(name: str, event: str) -> logging.Logger:
         logger.propagate = False
         logger.setLevel(logging.INFO)
     return logger
+
+
+class OutageLog:
+    """One warning when a periodic job starts failing and one line when it recovers,
+    instead of a line per attempt for as long as the outage lasts."""
+
+    def __init__(self, log: structlog.stdlib.BoundLogger, failed: str, recovered: str) -> None:
+        self._log = log
+        self._failed = failed
+        self._recovered = recovered
+        self.failing = False
+
+    def failure(self, error: str) -> None:
+        if not self.failing:
+            self._log.warning(self._failed, error=error)
+        self.failing = True
+
+    def success(self) -> None:
+        if self.failing:
+            self._log.info(self._recovered)
+        self.failing = False

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from relay import db, metrics, repository
 from relay.lease import Lease
-from relay.logging import get_logger
+from relay.logging import OutageLog, get_logger
 from relay.settings import Settings
 
 log = get_logger("relay.purge")
@@ -39,7 +39,7 @@ class Purger(threading.Thread):
         self._clock = clock
         self._stop_event = threading.Event()
         self._session = db.Session(lambda: db.connect(settings, purpose="purge"))
-        self._failing = False
+        self._outage = OutageLog(log, "outbox.purge_failed", "outbox.purge_recovered")
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -77,14 +77,10 @@ class Purger(threading.Thread):
             # Any failure: this thread only keeps the table small, and its death would
             # let the outbox grow without a word.
             metrics.PURGE_ERRORS.inc()
-            if not self._failing:  # one line per outage, not one per interval
-                log.warning("outbox.purge_failed", error=db.describe_error(exc))
-            self._failing = True
+            self._outage.failure(db.describe_error(exc))
             self._session.close()
             return deleted
-        if self._failing:
-            log.info("outbox.purge_recovered")
-            self._failing = False
+        self._outage.success()
         self._report(deleted)
         return deleted
 
