@@ -146,6 +146,31 @@ def hot_key(dsn: str, bootstrap: str, backlog: int) -> dict[str, float]:
     }
 
 
+def hot_key_http(dsn: str, backlog: int, delay_ms: int = 20) -> dict[str, float]:
+    """The HTTP sink sends a key's rows one at a time: `backlog` rows of one key in
+    front of an endpoint taking `delay_ms` a request are minutes of work."""
+    from bench.http import Receiver
+
+    with Receiver(delay_ms) as receiver, psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox")
+        _fill(conn, "H", backlog)
+        conn.execute("VACUUM ANALYZE outbox")
+        settings = relay_settings(dsn, None, sink="http", http_url=receiver.url)
+        with running_relay(settings):
+            first = _first_left(conn, "H")
+            _wait(lambda: _first_left(conn, "H") != first, 60, "the hot key flowing")
+            committed = _others(conn)
+            _wait(lambda: not _others_left(conn), 120, "the other keys")
+            others_s = time.monotonic() - committed
+            h_left = _left(conn, "H")
+    return {
+        "backlog_rows": backlog,
+        "delay_ms": delay_ms,
+        "others_delivered_s": others_s,
+        "hot_rows_left_then": h_left,
+    }
+
+
 def big_rows(dsn: str, bootstrap: str, rows: int, max_bytes: int) -> dict[str, float]:
     """Peak RSS of a relay process draining `rows` rows of 400 KB."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -174,6 +199,7 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
     report: dict[str, Any] = {
         "blocked": blocked_backlog(dsn, bootstrap, backlog),
         "hot": hot_key(dsn, bootstrap, backlog),
+        "hot_http": hot_key_http(dsn, 100_000),
         "big_rows": [
             big_rows(dsn, bootstrap, 300, 8 << 20),
             big_rows(dsn, bootstrap, 300, 1 << 40),
@@ -190,6 +216,14 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
         f"9. a hot key with {h['backlog_rows']:,} rows in front: the other keys' 250 rows"
         f" in {h['others_delivered_s']:.2f} s ({h['hot_rows_left_then']:,} hot rows still"
         f" waiting then); the hot key drained in {h['hot_drained_s']:.1f} s",
+        flush=True,
+    )
+    hh = report["hot_http"]
+    print(
+        f"9b. over HTTP ({hh['delay_ms']} ms a request, a key's rows one at a time), a hot"
+        f" key with {hh['backlog_rows']:,} rows in front: the other keys' 250 rows in"
+        f" {hh['others_delivered_s']:.2f} s ({hh['hot_rows_left_then']:,} hot rows still"
+        " waiting then)",
         flush=True,
     )
     on, off = report["big_rows"]

@@ -28,13 +28,16 @@ PAYLOAD = b'{"order": 1, "amount": "12.50", "currency": "EUR", "note": "' + b"x"
 
 
 class Receiver:
-    def __init__(self) -> None:
+    def __init__(self, delay_ms: int = 0) -> None:
+        self.delay_ms = delay_ms
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/hooks"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Receiver:
-        self._proc = subprocess.Popen([sys.executable, "-m", "bench.receiver", str(self.port)])
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.receiver", str(self.port), str(self.delay_ms)]
+        )
         wait_until(self._up, 10, message="bench receiver listening")
         return self
 

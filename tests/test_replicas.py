@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.conftest import relay_env, start_relay
@@ -126,3 +127,43 @@ def test_sigkill_of_the_leader_loses_nothing_and_keeps_key_order(
     assert len(records) - len(unique) <= 2 * 50
     assert takeover < 3.0 + 2.0, f"takeover took {takeover:.2f}s for a 3 s ttl"
     assert second != first
+
+
+def test_a_warm_standby_publishes_within_a_moment_of_taking_the_lease(
+    relay_dsn: str,
+    database: str,
+    kafka: TansuBroker,
+    topic: str,
+    replicas: list[subprocess.Popen[bytes]],
+) -> None:
+    """A standby keeps its producer connected, so once it holds the lease its first
+    record follows at once (about 0.1 s on this machine), not after a producer start."""
+    first = wait_until(lambda: live_holder(relay_dsn), timeout=20, message="a leader")
+    leader = next(p for p in replicas if p.pid == pid_of(first))
+    time.sleep(1.0)  # the standby's producer has had its start-up time: what we keep
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT %s, 'k' || (g %% 10), convert_to('k' || (g %% 10) || ':' || (g / 10), 'UTF8')"
+            " FROM generate_series(0, 59999) AS g",
+            (topic,),
+        )
+    wait_until(
+        lambda: scalar(database, "SELECT count(*) FROM outbox") < 59_000,
+        timeout=20,
+        message="the leader draining",
+    )
+    leader.send_signal(signal.SIGTERM)
+    second = wait_until(lambda: new_holder(relay_dsn, first), timeout=10, interval=0.01)
+    acquired_ms = scalar(
+        relay_dsn,
+        "SELECT (extract(epoch FROM acquired_at) * 1000)::bigint FROM leases WHERE holder = %s",
+        (second,),
+    )
+    wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=60)
+    records = consume(kafka.bootstrap_servers, topic, min_count=60_000, timeout=60)
+    after = [r.timestamp_ms for r in records if r.timestamp_ms >= acquired_ms]
+    assert after, "the new leader published nothing"
+    first_publish = (min(after) - acquired_ms) / 1000
+    assert first_publish < 0.5, f"first record {first_publish:.3f}s after taking the lease"
+    assert_per_key_order(records)

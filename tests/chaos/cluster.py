@@ -13,6 +13,8 @@ import secrets
 import signal
 import subprocess
 import tempfile
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,11 +163,20 @@ class Cluster:
             replica.signal(signal.SIGCONT)
             replica.stopped = False
 
-    def scrape(self, replica: Replica) -> str:
+    def scrape(self, replica: Replica, timeout: float = 60.0) -> str:
+        """One /metrics scrape; waits for a replica that is still starting (a fault may
+        have restarted it just before, and on a loaded machine its imports take a while)."""
         url = f"http://127.0.0.1:{replica.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            body: bytes = response.read()
-        return body.decode(errors="replace")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    body: bytes = response.read()
+                return body.decode(errors="replace")
+            except urllib.error.URLError:
+                if not replica.alive() or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop_replicas(self) -> None:
         for replica in self.replicas:

@@ -43,6 +43,7 @@ class Record:
     key: str | None
     value: bytes | None
     headers: dict[str, bytes]
+    timestamp_ms: int = 0  # CreateTime: when the producer made the record
 
 
 class TansuBroker(Service):
@@ -156,6 +157,7 @@ def _record(msg: object) -> Record:
         key=None if key is None else key.decode(),
         value=m.value(),  # type: ignore[attr-defined]
         headers={k: v for k, v in (m.headers() or [])},  # type: ignore[attr-defined]
+        timestamp_ms=m.timestamp()[1],  # type: ignore[attr-defined]
     )
 
 
