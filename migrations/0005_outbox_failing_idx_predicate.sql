@@ -15,6 +15,10 @@
 --   CREATE INDEX CONCURRENTLY outbox_failing_rows_idx ON outbox (id)
 --       WHERE sent_at IS NULL AND dead_lettered_at IS NULL AND attempts > 0;
 -- this then only drops the old index.
-DROP INDEX IF EXISTS outbox_failing_idx;
+-- Created before the old one is dropped: the build takes only a SHARE lock (the app's
+-- writes wait, its reads go on); dropping first would hold an exclusive lock on the
+-- outbox for the whole scan. Rows an operator edited by hand to next_attempt_at set
+-- with attempts = 0 drain as before but are not counted by the "blocked" gauge.
 CREATE INDEX IF NOT EXISTS outbox_failing_rows_idx ON outbox (id)
     WHERE sent_at IS NULL AND dead_lettered_at IS NULL AND attempts > 0;
+DROP INDEX IF EXISTS outbox_failing_idx;

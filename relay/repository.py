@@ -70,7 +70,9 @@ class Fetched:
     # Where the round over keys stopped (the next fetch's `after_key`); None when the
     # head needed no sharing out, or the round went all the way round.
     walked_to: str | None = None
-    # The fair statement ran and found nobody to share with: its batch is the head's.
+    # The fair statement ran (then `walked_to` is meaningful).
+    fair: bool = False
+    # ... went round every key and found nobody to share with: the head's batch.
     alone: bool = False
 
 
@@ -107,9 +109,12 @@ def fetch_batch(
             return Fetched(_within_bytes(head, limits.bytes))
         params.update(key_cap=limits.per_key, fill=limits.fill, after_key=after_key)
         *rows, last = cur.execute(QUERIES.fetch_batch, params).fetchall()
+    walked_to = last[-1]
     ids = [row[0] for row in rows]
-    alone = ids == [row[0] for row in head[: len(ids)] if row[_READY]]
-    return Fetched([OutboxMessage(*row[:-1]) for row in rows], last[-1], alone)
+    # Not when the round stopped partway (say, at a run of keys in backoff): keys
+    # beyond it may be waiting.
+    alone = walked_to is None and ids == [row[0] for row in head[: len(ids)] if row[_READY]]
+    return Fetched([OutboxMessage(*row[:-1]) for row in rows], walked_to, True, alone)
 
 
 # fetch_head's columns: OutboxMessage's fields, then these three.

@@ -132,12 +132,13 @@ class Drainer:
                 self._after_key,
                 share_busy_keys=self._clock() >= self._look_for_others_at,
             )
-            self._after_key = fetched.walked_to
+            if fetched.fair:  # a head that needed no sharing says nothing of the round
+                self._after_key = fetched.walked_to
             if fetched.alone:
                 # A key drains alone: look for others only every so often, so a lone
                 # hot key keeps the cheap fetch (they wait this much longer at most).
                 self._look_for_others_at = self._clock() + LOOK_FOR_OTHERS_SECONDS
-            if fetched.messages or fetched.walked_to is None:
+            if fetched.messages or not fetched.fair or fetched.walked_to is None:
                 break
         return fetched.messages
 

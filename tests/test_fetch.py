@@ -190,6 +190,46 @@ def test_a_round_that_meets_only_held_back_keys_moves_on(database: str) -> None:
     assert {r.key for r in fetched.messages} <= {f"z{k}" for k in range(5)}
 
 
+def test_a_round_stopped_by_keys_in_backoff_never_counts_as_nobody_else_waiting(
+    database: str,
+) -> None:
+    """Found in review: a round that stopped partway (every key it reached in backoff)
+    looked like "nobody to share with", and the relay then skipped the fair fetch and
+    restarted the round from the same keys: a ready key beyond them never got a turn."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, attempts, next_attempt_at)"
+            " SELECT 't', 'b' || lpad(g::text, 2, '0'), 1, now() + interval '1 hour'"
+            " FROM generate_series(0, 19) AS g"
+        )
+    bulk(database, "t", "A", 100)
+    bulk(database, "t", "C", 3)
+    limits = BatchLimits(rows=10, bytes=8 << 20, per_key=2)
+    fetched = fetch_from(database, limits)
+    assert fetched.fair and fetched.walked_to is not None
+    assert not fetched.alone
+    after: str | None = fetched.walked_to
+    for _ in range(4):
+        fetched = fetch_from(database, limits, after_key=after)
+        if "C" in keys_of(fetched.messages):
+            break
+        after = fetched.walked_to
+    assert "C" in keys_of(fetched.messages)
+
+
+def test_the_byte_bound_gives_every_key_its_first_row_before_any_its_second(
+    database: str,
+) -> None:
+    """Found in review: cut in (over the cap, id) order, a hot key's first rows took the
+    whole byte budget and the other keys got nothing, batch after batch."""
+    bulk(database, "t", "A", 50, payload_bytes=1_000)
+    for k in range(3):
+        bulk(database, "t", f"k{k}", 2, payload_bytes=1_000)
+    limits = BatchLimits(rows=20, bytes=4_500, per_key=2)
+    rows = fetch(database, limits)
+    assert keys_of(rows) == {"A": 1, "k0": 1, "k1": 1, "k2": 1}
+
+
 def test_a_batch_is_bounded_in_bytes(database: str) -> None:
     bulk(database, "t", "big", 10, payload_bytes=400_000)
     for limits in (LIMITS, dataclasses.replace(LIMITS, per_key=2)):  # head alone, or shared

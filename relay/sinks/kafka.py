@@ -103,6 +103,10 @@ _COLLATERAL = frozenset(
 )
 
 
+_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+_EXPIRED = "no delivery report within RELAY_KAFKA_DELIVERY_TIMEOUT_MS (purged, not lost)"
+
+
 def classify(error: KafkaError) -> Result:
     text = f"{error.name()}: {error.str()}"
     if error.code() in _COLLATERAL or error.code() in _PRODUCER_STATE or error.fatal():
@@ -303,10 +307,14 @@ class KafkaSink:
         self._needs_new_producer = False
 
     def stop_sending(self) -> None:
-        # No poll here: delivery callbacks must run on the drain thread, which serves
-        # the purge reports at its next wait.
-        with contextlib.suppress(KafkaException, RuntimeError):
-            self._producer.purge(in_queue=True, in_flight=False, blocking=False)
+        # The queue only: purging requests in flight trips the gapless guarantee (a
+        # fatal producer, and callbacks that then fail on whichever thread serves them).
+        # A request in flight that fails is queued again, and the next tick drops it.
+        # No poll here: delivery callbacks run on the drain thread.
+        producer = self._producer
+        if len(producer):
+            with contextlib.suppress(KafkaException, RuntimeError):
+                producer.purge(in_queue=True, in_flight=False, blocking=False)
 
     def check(self, timeout: float) -> str:
         metadata = self._producer.list_topics(timeout=timeout)
@@ -357,20 +365,24 @@ class Publishing:
         self.pending = 0
         self.failure: KafkaError | None = None
         self.deadline = time.monotonic() + sink._max_wait
+        self.expired = False
 
     def expire(self) -> None:
-        """The batch's deadline passed: purge what is queued or in flight (its reports
-        come back as purged, i.e. unavailable) and start a fresh producer next batch."""
+        """The batch's deadline passed: purge what is queued or in flight (reported as
+        timed out) and start a fresh producer next batch."""
+        self.expired = True
         _purge_everything(self.producer)
         self.sink._needs_new_producer = True
-        self.failure = KafkaError(
-            KafkaError._MSG_TIMED_OUT,
-            "no delivery report within RELAY_KAFKA_DELIVERY_TIMEOUT_MS (purged, not lost)",
-        )
+        self.failure = KafkaError(KafkaError._MSG_TIMED_OUT, _EXPIRED)
 
     def report(self, index: int, error: KafkaError | None) -> None:
         if error is None:
             self.results[index] = ACKED
+        elif self.expired and error.code() in _PURGED:
+            # Purged by our own deadline: no report in time, like a timeout. Not
+            # collateral: a sick partition's rows must back off (and eventually be
+            # dead-lettered) while the rest of the sink acknowledges.
+            self.results[index] = Result(Outcome.UNAVAILABLE, _EXPIRED)
         else:
             self.results[index] = classify(error)
             if needs_new_producer(error):

@@ -184,8 +184,8 @@ ORDER BY h.id;
 -- 4. chosen: every key's first %(key_cap)s ready rows come first, in id order; the
 --    batch is then filled, in id order, with the further rows of busy keys (only if
 --    %(fill)s: a sink that sends a key's rows one at a time gains nothing from them);
---    and cut at %(limit)s rows and at %(max_bytes)s bytes (at least one row). Each key
---    gets a prefix of its rows, so per-key order holds.
+--    cut at %(limit)s rows, then at %(max_bytes)s bytes in (place, id) order (at least
+--    one row). Each key gets a prefix of its rows, so per-key order holds.
 --
 -- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
 -- 2 x %(limit)s rows beyond the head. Rows come in id order, in fetch_head's projection
@@ -329,13 +329,20 @@ ranked AS (
           SELECT * FROM beyond WHERE ready) AS pool
 ),
 chosen AS (
-    SELECT r.id, r.message_id, r.topic, r.key, r.payload, r.headers, r.created_at,
-           r.attempts, r.size,
-           sum(r.size) OVER (ORDER BY r.place > %(key_cap)s, r.id) AS bytes
+    SELECT r.*
     FROM ranked AS r
     WHERE %(fill)s OR r.place <= %(key_cap)s
     ORDER BY r.place > %(key_cap)s, r.id
     LIMIT %(limit)s
+),
+kept AS (
+    -- The byte bound cuts in (place, id) order: every key's first row before any key's
+    -- second, so one key's large rows cannot take the whole budget; each key still
+    -- keeps a prefix of its rows. The first row goes even if larger.
+    SELECT w.*
+    FROM (SELECT c.*, sum(c.size) OVER (ORDER BY c.place, c.id) AS bytes
+          FROM chosen AS c) AS w
+    WHERE w.bytes <= %(max_bytes)s OR w.bytes = w.size
 )
 SELECT c.id,
        c.message_id::text,
@@ -362,8 +369,7 @@ SELECT c.id,
        extract(epoch FROM c.created_at)::float8 AS created_epoch,
        c.attempts,
        NULL::text AS walked_to
-FROM chosen AS c
-WHERE c.bytes <= %(max_bytes)s OR c.bytes = c.size  -- the first row goes even if larger
+FROM kept AS c
 UNION ALL
 -- Last, a row of its own: where the next fetch's round over keys starts (%(after_key)s):
 -- after the last key of this round that got rows, so keys it reached but had no room
@@ -373,7 +379,7 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
             THEN coalesce((SELECT k.key
                            FROM keys AS k
-                           WHERE EXISTS (SELECT 1 FROM chosen AS c WHERE c.key = k.key)
+                           WHERE EXISTS (SELECT 1 FROM kept AS c WHERE c.key = k.key)
                            ORDER BY k.walk DESC
                            LIMIT 1),
                           (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
