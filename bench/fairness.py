@@ -124,18 +124,23 @@ def blocked_backlog(dsn: str, bootstrap: str, backlog: int) -> dict[str, float]:
     return {"backlog_rows": backlog, "others_delivered_s": others_s, "fetch_ms": fetch_ms}
 
 
+def _others_behind_hot_key(conn: psycopg.Connection[Any]) -> tuple[float, float, int]:
+    """With the relay draining hot key H: commit the other keys' rows once H flows;
+    (commit time, seconds until they were all delivered, H's rows still waiting then)."""
+    first = _first_left(conn, "H")
+    _wait(lambda: _first_left(conn, "H") != first, 60, "the hot key flowing")
+    committed = _others(conn)
+    _wait(lambda: not _others_left(conn), 300, "the other keys")
+    return committed, time.monotonic() - committed, _left(conn, "H")
+
+
 def hot_key(dsn: str, bootstrap: str, backlog: int) -> dict[str, float]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox")
         _fill(conn, "H", backlog)
         conn.execute("VACUUM ANALYZE outbox")
         with running_relay(relay_settings(dsn, bootstrap)):
-            first = _first_left(conn, "H")
-            _wait(lambda: _first_left(conn, "H") != first, 60, "the hot key flowing")
-            committed = _others(conn)
-            _wait(lambda: not _others_left(conn), 300, "the other keys")
-            others_s = time.monotonic() - committed
-            h_left = _left(conn, "H")
+            committed, others_s, h_left = _others_behind_hot_key(conn)
             _wait(lambda: not _any_left(conn, "H"), 600, "the hot key drained")
             drained_s = time.monotonic() - committed
     return {
@@ -157,12 +162,7 @@ def hot_key_http(dsn: str, backlog: int, delay_ms: int = 20) -> dict[str, float]
         conn.execute("VACUUM ANALYZE outbox")
         settings = relay_settings(dsn, None, sink="http", http_url=receiver.url)
         with running_relay(settings):
-            first = _first_left(conn, "H")
-            _wait(lambda: _first_left(conn, "H") != first, 60, "the hot key flowing")
-            committed = _others(conn)
-            _wait(lambda: not _others_left(conn), 120, "the other keys")
-            others_s = time.monotonic() - committed
-            h_left = _left(conn, "H")
+            _, others_s, h_left = _others_behind_hot_key(conn)
     return {
         "backlog_rows": backlog,
         "delay_ms": delay_ms,
