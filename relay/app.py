@@ -83,13 +83,8 @@ class RelayApp:
     def run(self) -> int:
         s = self.settings
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
-        metrics.declare_lease(s.lease_name)
+        metrics.declare_lease(s.lease_name, lambda: self.lease.token() is not None)
         metrics.LEASE_SINCE_RENEWAL.labels(s.lease_name).set_function(self.lease.since_renewal)
-        # Read from the lease at scrape time: it drops to 0 at the local deadline even
-        # while the elector is stuck inside a renewal the database never answers.
-        metrics.LEASE_HELD.labels(s.lease_name).set_function(
-            lambda: 0.0 if self.lease.token() is None else 1.0
-        )
         if s.metrics_enabled:
             try:
                 self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)
@@ -110,9 +105,7 @@ class RelayApp:
             metrics=f"{s.metrics_host}:{self.metrics_server.port}" if self.metrics_server else None,
         )
         self.elector.start()
-        if self.lag_sampler is not None:
-            self.lag_sampler.start()
-        for loop in (self.purger, self.guard):
+        for loop in (self.lag_sampler, self.purger, self.guard):
             if loop is not None:
                 loop.start()
         try:

@@ -133,9 +133,14 @@ LossReason = Literal["expired", "fenced", "released", "error"]
 LOSS_REASONS: tuple[LossReason, ...] = ("expired", "fenced", "released", "error")
 
 
-def declare_lease(lease: str) -> None:
-    """Create the lease's series at zero, so rate() and absent() work from the first scrape."""
-    LEASE_HELD.labels(lease).set(0)
+def declare_lease(lease: str, held: Callable[[], bool]) -> None:
+    """Create the lease's series, so rate() and absent() work from the first scrape.
+
+    `relay_lease_held` is read from `held` at scrape time, not set on transitions: it
+    drops to 0 at the local deadline even while the elector is stuck inside a renewal
+    the database never answers.
+    """
+    LEASE_HELD.labels(lease).set_function(lambda: 1.0 if held() else 0.0)
     LEASE_ACQUISITIONS.labels(lease)
     for reason in LOSS_REASONS:
         LEASE_LOSSES.labels(lease, reason)
@@ -144,7 +149,6 @@ def declare_lease(lease: str) -> None:
 def lease_transition(
     lease: str, *, held: bool, epoch: int, reason: LossReason | None = None
 ) -> None:
-    LEASE_HELD.labels(lease).set(1 if held else 0)
     LEASE_EPOCH.labels(lease).set(epoch)
     if held:
         LEASE_ACQUISITIONS.labels(lease).inc()
@@ -153,7 +157,6 @@ def lease_transition(
 
 
 def lease_observed(lease: str, epoch: int) -> None:
-    LEASE_HELD.labels(lease).set(0)
     LEASE_EPOCH.labels(lease).set(epoch)
 
 

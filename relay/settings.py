@@ -220,7 +220,8 @@ class Settings(CommonSettings):
         default=8 * 1024 * 1024,
         ge=1024,
         description="A batch stops at this many bytes of payload and headers (at least one "
-        "row): a batch is held in up to three stages at once, so this bounds memory.",
+        "row): a batch is held in two stages at most (read ahead, publishing), so this "
+        "bounds memory.",
     )
     batch_max_per_key: int | None = Field(
         default=None,
