@@ -12,5 +12,8 @@ GRANT SELECT, UPDATE, DELETE ON outbox TO relay;
 -- The lease row for RELAY_LEASE_NAME is created on first use, hence INSERT.
 GRANT SELECT, INSERT, UPDATE ON leases TO relay;
 
+-- Each replica keeps its own heartbeat row (and removes those of replicas long gone).
+GRANT SELECT, INSERT, UPDATE, DELETE ON replicas TO relay;
+
 -- `relay check` and `relay status` report the schema version.
 GRANT SELECT ON schema_migrations TO relay;

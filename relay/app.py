@@ -13,6 +13,7 @@ from relay.lag import LagSampler
 from relay.lease import Elector, Lease
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
+from relay.presence import Presence, Progress
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
@@ -46,7 +47,9 @@ class RelayApp:
         )
         self.health.register("elector", max(60.0, 3 * settings.standby_poll_seconds + db_wait))
         self.sink = create_sink(settings)
-        self.elector = Elector(settings, self.lease, health=self.health)
+        progress = Progress()
+        self.presence = Presence(settings, self.lease, self.sink, progress)
+        self.elector = Elector(settings, self.lease, health=self.health, defer=self.presence.defer)
         self.health.db_ok = self._db_recently_ok
         self.lag_sampler: LagSampler | None = None
         if settings.lag_sample_seconds > 0:
@@ -59,16 +62,24 @@ class RelayApp:
             else None
         )
         self.drainer = Drainer(
-            settings, self.sink, self.lease, self.elector, self.shutdown, self.health
+            settings,
+            self.sink,
+            self.lease,
+            self.elector,
+            self.shutdown,
+            self.health,
+            presence=self.presence,
+            progress=progress,
         )
         self.metrics_server: MetricsServer | None = None
 
     def _db_recently_ok(self) -> bool:
-        """A lease statement (the elector's, or a settle's renewal) came back within
-        max(3 x standby poll, ttl): measured from the last real round trip, so a
-        leader whose database is gone turns unready within that window."""
+        """A lease statement (the elector's, or a settle's renewal) or a heartbeat came
+        back within max(3 x standby poll, ttl): measured from the last real round trip,
+        so a leader whose database is gone turns unready within that window."""
         window = max(3 * self.settings.standby_poll_seconds, self.settings.lease_ttl_seconds)
-        since = min(time.monotonic() - self.elector.last_db_ok, self.lease.since_renewal())
+        last_ok = max(self.elector.last_db_ok, self.presence.last_db_ok)
+        since = min(time.monotonic() - last_ok, self.lease.since_renewal())
         return since < window
 
     def install_signal_handlers(self) -> None:
@@ -105,7 +116,7 @@ class RelayApp:
             metrics=f"{s.metrics_host}:{self.metrics_server.port}" if self.metrics_server else None,
         )
         self.elector.start()
-        for loop in (self.lag_sampler, self.purger, self.guard):
+        for loop in (self.presence, self.lag_sampler, self.purger, self.guard):
             if loop is not None:
                 loop.start()
         try:
@@ -147,7 +158,7 @@ class RelayApp:
             log.warning("lease.release_skipped", reason="elector busy")
         else:
             self.elector.release()
-        for loop in (self.lag_sampler, self.purger, self.guard):
+        for loop in (self.presence, self.lag_sampler, self.purger, self.guard):
             if loop is not None:
                 loop.stop()
                 loop.join(timeout=5.0)

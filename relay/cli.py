@@ -127,10 +127,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="status") as conn:
         leases = repository.lease_status(conn)
+        replicas = repository.replica_status(conn)
         sample = lag.measure(conn, args.count_cap)
         version = repository.schema_version(conn)
     if args.json:
-        _print_json({"schema_version": version, "leases": leases, "outbox": sample.as_dict()})
+        _print_json(
+            {
+                "schema_version": version,
+                "leases": leases,
+                "replicas": replicas,
+                "outbox": sample.as_dict(),
+            }
+        )
         return EXIT_OK
     if leases:
         rows = []
@@ -149,6 +157,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(_table(("LEASE", "STATE", "HOLDER", "EPOCH", "EXPIRES AT", "EXPIRES IN"), rows))
     else:
         print("no lease rows yet (no relay has run)")
+    if replicas:
+        print()
+        print(
+            _table(
+                ("LEASE", "REPLICA", "LAST SEEN", "SINK", "SINK ERROR"),
+                [
+                    (
+                        r["lease_name"],
+                        r["replica_id"],
+                        f"{r['seconds_since_seen']:.1f}s ago",
+                        "reachable" if r["sink_ok"] else "unreachable",
+                        r["sink_error"] or "",
+                    )
+                    for r in replicas
+                ],
+            )
+        )
     cap = sample.count_cap
     print()
     print(

@@ -11,6 +11,9 @@ The protocol (DESIGN.md, "The lease"):
 5. Every transaction that settles rows re-checks holder and epoch first (`lease_fence`
    in queries.sql, used by the repository); no match means roll back and stand by.
 6. On shutdown the holder expires its lease at once so a standby takes over quickly.
+7. A leader that cannot deliver (cut off from the sink, not from the database) gives
+   the lease up the same way, once a live replica reports it can reach the sink
+   (relay/presence.py); the drain loop decides, the elector's thread writes it.
 
 `Lease` is this replica's belief; `Elector` is the thread that keeps it true.
 """
@@ -130,6 +133,8 @@ class Lease:
         # "Since start" until the first acquisition: the gauge grows from a finite value.
         self._renewed_at = clock()
         self._changed = threading.Condition(self._lock)
+        self._to_release: LeaseToken | None = None  # given up, not yet expired in the row
+        self._wake = threading.Event()  # the elector's sleep ends early
 
     def token(self) -> LeaseToken | None:
         """The token if we may still publish under it; None once the deadline passed."""
@@ -177,6 +182,33 @@ class Lease:
             self._changed.notify_all()
             return dropped
 
+    def give_up(self, token: LeaseToken) -> bool:
+        """Stop publishing under `token` now and ask the elector to expire the row (a
+        leader giving way). False if `token` was no longer ours."""
+        with self._lock:
+            if self._token is None or self._token != token:
+                return False
+            self._token = None
+            self._deadline = 0.0
+            self._to_release = token
+            self._changed.notify_all()
+        self._wake.set()
+        return True
+
+    def take_release(self) -> LeaseToken | None:
+        """The token given up and not yet released in the database, once."""
+        with self._lock:
+            token, self._to_release = self._to_release, None
+            return token
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def doze(self, timeout: float) -> None:
+        """The elector's sleep between turns; `wake()` or `give_up()` end it early."""
+        self._wake.wait(timeout)
+        self._wake.clear()
+
     def wait_held(self, timeout: float) -> LeaseToken | None:
         """Block until we hold the lease or `timeout` passes."""
         end = self._clock() + timeout
@@ -205,12 +237,17 @@ class Elector(threading.Thread):
         lease: Lease,
         clock: Clock = time.monotonic,
         health: Health | None = None,
+        defer: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(name="relay-elector", daemon=True)
         self._settings = settings
         self._lease = lease
         self._clock = clock
         self._health = health
+        # True while this replica should leave the lease to a peer that can deliver
+        # (it cannot reach the sink, a live peer can): it does not campaign then.
+        self._defer = defer
+        self._deferring = False
         # The last renewal attempt failed on the database: if the lease then runs out,
         # the loss is an "error", not a plain "expired" (a paused or slow process).
         self._renew_error = False
@@ -226,16 +263,25 @@ class Elector(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        self._lease.wake()
 
     def release(self) -> None:
         """Give the lease up (after the drain stopped and the sink was flushed)."""
         token = self._lease.lose()
+        if token is not None:
+            metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="released")
+        else:
+            token = self._lease.take_release()  # given up; its row not expired yet
         if token is None:
             return
-        metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="released")
         try:
-            conn = self._session.get()
-            released = release(conn, token)
+            self._write_release(token)
+        finally:
+            self._session.close()
+
+    def _write_release(self, token: LeaseToken) -> None:
+        try:
+            released = release(self._session.get(), token)
         except psycopg.Error as exc:
             log.warning(
                 "lease.release_failed",
@@ -244,9 +290,9 @@ class Elector(threading.Thread):
                 epoch=token.epoch,
                 error=db.describe_error(exc),
             )
-            return
-        finally:
             self._session.close()
+            return
+        self.last_db_ok = self._clock()
         log.info(
             "lease.released",
             lease=token.name,
@@ -262,6 +308,11 @@ class Elector(threading.Thread):
             if self._health is not None:
                 self._health.beat("elector")
             try:
+                given_up = self._lease.take_release()
+                if given_up is not None:
+                    # Expire the row now, on this thread: a renewal of ours can then
+                    # never land after it and keep the lease from the peer for a ttl.
+                    self._write_release(given_up)
                 if self._lease.held_token() is None:
                     self._attempt()
                 else:
@@ -284,7 +335,7 @@ class Elector(threading.Thread):
                 self._renew_error = self._lease.held_token() is not None
                 self._session.close()
                 self._expire_if_past_deadline()
-            self._stop_event.wait(self._next_wait())
+            self._lease.doze(self._next_wait())
 
     def _next_wait(self) -> float:
         if self._lease.held_token() is None:
@@ -293,6 +344,19 @@ class Elector(threading.Thread):
         return max(0.05, min(self._settings.renew_interval / 2, self._lease.seconds_left()))
 
     def _attempt(self) -> None:
+        deferring = self._defer is not None and self._defer()
+        if deferring != self._deferring:
+            self._deferring = deferring
+            log.info(
+                "lease.deferring" if deferring else "lease.campaigning",
+                lease=self._lease.name,
+                holder=self._lease.holder,
+                reason="this replica cannot reach the sink and a live peer can"
+                if deferring
+                else "this replica reaches the sink again, or no peer does",
+            )
+        if deferring:
+            return
         conn = self._session.get()
         started = self._clock()
         outcome = try_acquire(

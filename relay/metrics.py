@@ -31,7 +31,8 @@ LEASE_ACQUISITIONS = Counter(
 )
 LEASE_LOSSES = Counter(
     "relay_lease_losses_total",
-    "Times this replica stopped holding the lease, by reason (expired, fenced, released, error).",
+    "Times this replica stopped holding the lease, by reason (expired, fenced, released, "
+    "gave_way: it could not deliver and a peer could, error).",
     ["lease", "reason"],
 )
 LEASE_SINCE_RENEWAL = Gauge(
@@ -46,6 +47,18 @@ MESSAGES = Counter(
 )
 DEAD_LETTERED = Counter(
     "relay_dead_lettered_total", "Rows moved to the dead-letter state.", ["sink", "topic"]
+)
+SINK_REACHABLE = Gauge(
+    "relay_sink_reachable",
+    "1 if this replica reaches the sink: a standby's last probe, a leader's recent "
+    "delivery progress (what it last wrote to the replicas table).",
+    ["lease"],
+)
+PEERS = Gauge(
+    "relay_peers",
+    "Other live replicas of the lease at the last heartbeat: all, and those that report "
+    "they reach the sink (state=able).",
+    ["lease", "state"],
 )
 PUBLISHING_CUTS = Counter(
     "relay_publishing_cuts_total",
@@ -129,8 +142,8 @@ LOOP_HEARTBEAT_AGE = Gauge(
     ["loop"],
 )
 
-LossReason = Literal["expired", "fenced", "released", "error"]
-LOSS_REASONS: tuple[LossReason, ...] = ("expired", "fenced", "released", "error")
+LossReason = Literal["expired", "fenced", "released", "gave_way", "error"]
+LOSS_REASONS: tuple[LossReason, ...] = ("expired", "fenced", "released", "gave_way", "error")
 
 
 def declare_lease(lease: str, held: Callable[[], bool]) -> None:

@@ -218,6 +218,15 @@ def lease_status(conn: Conn) -> list[dict[str, Any]]:
     return conn.execute(QUERIES.lease_status).fetchall()
 
 
+def replica_status(conn: Conn) -> list[dict[str, Any]]:
+    """Every replica's last heartbeat; none before migration 0006 (no table yet)."""
+    try:
+        with conn.transaction():
+            return conn.execute(QUERIES.replica_status).fetchall()
+    except psycopg.errors.UndefinedTable:
+        return []
+
+
 def schema_version(conn: Conn) -> str | None:
     row = conn.execute(QUERIES.schema_version).fetchone()
     return None if row is None else row["version"]

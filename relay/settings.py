@@ -213,6 +213,19 @@ class Settings(CommonSettings):
     lease_safety_margin_seconds: float | None = Field(default=None, ge=0)
     standby_poll_seconds: float = Field(default=0.5, gt=0, le=60)
     replica_id: str = Field(default_factory=default_replica_id, min_length=1, max_length=200)
+    heartbeat_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="How often each replica records in the database that it is alive and "
+        "whether it reaches the sink (a standby probes it; a leader reports its progress).",
+    )
+    give_way_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="A leader that delivered nothing for this long while rows wait hands "
+        "the lease to a live replica that reports it can reach the sink; 0 never does.",
+    )
 
     # --- draining ---
     batch_size: int = Field(default=500, ge=1, le=50_000)
@@ -332,6 +345,12 @@ class Settings(CommonSettings):
                 "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
                 "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
             )
+        if 0 < self.give_way_seconds < 2 * self.heartbeat_seconds:
+            raise SettingsError(
+                "RELAY_GIVE_WAY_SECONDS",
+                "must be 0 (never) or at least twice RELAY_HEARTBEAT_SECONDS: the decision "
+                "rests on the other replicas' heartbeats",
+            )
         _check_guarantees(self.librdkafka_config())
         return self
 
@@ -343,6 +362,11 @@ class Settings(CommonSettings):
         if self.lease_safety_margin_seconds is not None:
             return self.lease_safety_margin_seconds
         return min(2.0, self.lease_ttl_seconds * 0.2)
+
+    @property
+    def replica_live_seconds(self) -> float:
+        """A replica whose heartbeat is older than this counts as gone."""
+        return max(self.lease_ttl_seconds, 3 * self.heartbeat_seconds)
 
     @property
     def renew_interval(self) -> float:

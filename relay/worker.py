@@ -8,6 +8,8 @@
             this runs on the settler's own session while the loop publishes the next
             batch, so at most two batches are ever published and not yet settled
     repeat; when there is nothing to do, poll adaptively
+    give the lease way when nothing was delivered for RELAY_GIVE_WAY_SECONDS while rows
+            wait and a live peer reports it reaches the sink (relay/presence.py)
 
 Every fetch leaves out the rows published and not yet settled. A failed row blocks later
 rows of its key only: the fetch query skips them once the failure is written, and until
@@ -31,6 +33,7 @@ from relay.lease import Elector, Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import OutboxMessage
 from relay.metrics import Health
+from relay.presence import Presence, Progress
 from relay.queries import QUERIES
 from relay.repository import BatchLimits, Settlement
 from relay.settings import Settings
@@ -85,9 +88,13 @@ class Drainer:
         elector: Elector,
         shutdown: Shutdown,
         health: Health,
+        presence: Presence | None = None,
+        progress: Progress | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
+        self._presence = presence
+        self._progress = progress or Progress(clock)
         self._sink = sink
         self._lease = lease
         self._elector = elector
@@ -147,12 +154,15 @@ class Drainer:
     def drain(self) -> None:
         """Drain until the lease is lost or shutdown is requested."""
         token = self._lease.token()
+        self._progress.reset()
         try:
             while token is not None and not self._shutdown.requested:
                 self._health.beat()
                 try:
                     self._step(token)
                     self._db_retry.reset()
+                    if self._cannot_deliver():
+                        self._give_way(token)
                 except psycopg.Error as exc:
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
@@ -184,6 +194,7 @@ class Drainer:
             if self._in_flight is not None:
                 self._settle_in_flight(self._in_flight)  # then look again at once
             else:
+                self._progress.idle()
                 self._idle_wait()
             return
         self._idle_polls = 0
@@ -192,6 +203,7 @@ class Drainer:
         metrics.BATCH_SIZE.observe(len(batch))
 
         started = self._clock()
+        self._progress.publishing()
         publishing = start_publishing(self._sink, batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
         if not self._abandon(token):
@@ -204,6 +216,7 @@ class Drainer:
         failpoints.hit("after_publish")
 
         settlement, unavailable = self._plan(batch, results)
+        self._progress.published(progress=bool(settlement.sent or settlement.dead_ids))
         unacked = frozenset(
             message.key
             for message, result in zip(batch, results, strict=True)
@@ -312,11 +325,50 @@ class Drainer:
             self._health.beat()
             if self._shutdown.wait(min(left, 1.0)) or self._lease.token() != token:
                 return
+            if self._cannot_deliver():
+                return  # the loop gives the lease way
 
     def _abandon(self, token: LeaseToken) -> bool:
-        """Stop waiting on the sink: lease gone, or shutdown grace used up."""
+        """Stop waiting on the sink: lease gone, shutdown grace used up, or time to
+        give way to a peer that can deliver."""
         self._health.beat()
-        return self._lease.token() != token or self._shutdown.grace_over()
+        return self._lease.token() != token or self._shutdown.grace_over() or self._cannot_deliver()
+
+    # --- giving way ---
+
+    def _cannot_deliver(self) -> bool:
+        """Nothing delivered for the give-way window while rows wait, and a live peer
+        says it reaches the sink. Nobody able: keep the lease, nothing is lost."""
+        window = self._settings.give_way_seconds
+        return (
+            window > 0
+            and self._presence is not None
+            and self._progress.stalled_for() >= window
+            and self._presence.able_peers() > 0
+        )
+
+    def _give_way(self, token: LeaseToken) -> None:
+        """Hand the lease over: the last settle lands first (it is fenced on our epoch),
+        then we stop publishing and the elector expires the row so the peer takes it at
+        its next poll. What the sink still holds is dropped by the deadline guard."""
+        assert self._presence is not None
+        stalled = self._progress.stalled_for()
+        peers = self._presence.able_peers()
+        self._settle_in_flight_quietly()
+        self._prefetched = None
+        self._presence.gave_way()  # and so we do not campaign while a peer can deliver
+        if self._lease.give_up(token):
+            metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="gave_way")
+            log.warning(
+                "lease.gave_way",
+                lease=token.name,
+                holder=token.holder,
+                epoch=token.epoch,
+                stalled_seconds=round(stalled, 1),
+                able_peers=peers,
+                sink=self._sink.name,
+            )
+        self._progress.reset()
 
     # --- deciding what each outcome means for its row ---
 

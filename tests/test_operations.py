@@ -111,6 +111,13 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         assert status["leases"][0]["live"] is True
         assert 0 < status["leases"][0]["seconds_to_expiry"] <= 3.0
         assert status["schema_version"] == LATEST_MIGRATION
+        # Its heartbeat: the leader reports the sink reachable (it delivered, or idles).
+        wait_until(
+            lambda: scalar(relay_dsn, "SELECT count(*) FROM replicas WHERE sink_ok") == 1,
+            timeout=10,
+        )
+        replicas = json.loads(run_cli(env, "status", "--json").stdout)["replicas"]
+        assert [(r["replica_id"], r["sink_ok"]) for r in replicas] == [("replica-under-test", True)]
         assert status["outbox"] == {
             "unsent": 0,
             "oldest_unsent_age_seconds": 0.0,
@@ -124,6 +131,7 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
         ]  # fmt: skip
         assert "default  held   replica-under-test  1" in table
         assert "oldest unsent age   0.0s" in table
+        assert "replica-under-test" in table.split("REPLICA", 1)[1]
 
         ok = subprocess.run(
             relay_command("check"), env=env, capture_output=True, timeout=60, check=False

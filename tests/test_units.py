@@ -10,6 +10,7 @@ from confluent_kafka import KafkaError
 
 from relay.backoff import Backoff
 from relay.metrics import Health
+from relay.presence import Progress
 from relay.queries import QUERIES
 from relay.sinks.base import Outcome
 from relay.sinks.kafka import classify
@@ -81,3 +82,23 @@ def test_messages_dropped_with_their_producer_spend_no_attempt(code: int, collat
     result = classify(KafkaError(code))
     assert result.outcome is Outcome.UNAVAILABLE
     assert result.collateral is collateral
+
+
+def test_progress_counts_the_wait_from_the_first_undelivered_batch() -> None:
+    now = [100.0]
+    progress = Progress(clock=lambda: now[0])
+    progress.publishing()
+    now[0] += 5
+    progress.publishing()  # the next batch does not restart the wait
+    assert progress.stalled_for() == 5
+    progress.published(progress=False)
+    progress.idle()  # the failed rows may be waiting out a backoff: still stalled
+    now[0] += 1
+    assert progress.stalled_for() == 6
+    progress.published(progress=True)
+    assert progress.stalled_for() == 0
+    progress.publishing()
+    progress.published(progress=True)
+    progress.idle()  # delivered, then nothing to do: not stalled
+    now[0] += 60
+    assert progress.stalled_for() == 0

@@ -81,6 +81,43 @@ SELECT name, holder, epoch, expires_at, expires_at > now() AS live,
 FROM leases
 ORDER BY name;
 
+-- name: replica_beat
+-- This replica is alive and can (or cannot) reach the sink; in the same round trip,
+-- how many OTHER replicas of the lease were seen within %(live)s seconds, and how many
+-- of them said they can reach the sink. Rows silent for %(forget)s seconds go.
+WITH forgotten AS (
+    DELETE FROM replicas
+    WHERE lease_name = %(lease)s
+      AND replica_id <> %(replica)s
+      AND seen_at < now() - make_interval(secs => %(forget)s)
+), beat AS (
+    INSERT INTO replicas AS r (lease_name, replica_id, sink_ok, sink_error)
+    VALUES (%(lease)s, %(replica)s, %(sink_ok)s, %(sink_error)s)
+    ON CONFLICT (lease_name, replica_id) DO UPDATE
+    SET seen_at = now(),
+        sink_ok = excluded.sink_ok,
+        sink_error = excluded.sink_error
+)
+SELECT count(*) AS live_peers,
+       count(*) FILTER (WHERE sink_ok) AS able_peers
+FROM replicas
+WHERE lease_name = %(lease)s
+  AND replica_id <> %(replica)s
+  AND seen_at > now() - make_interval(secs => %(live)s);
+
+-- name: replica_leave
+-- On a clean stop: this replica no longer counts as a live peer.
+DELETE FROM replicas
+WHERE lease_name = %(lease)s
+  AND replica_id = %(replica)s;
+
+-- name: replica_status
+-- Every replica's last heartbeat, for `relay status`.
+SELECT lease_name, replica_id, started_at, seen_at, sink_ok, sink_error,
+       extract(epoch FROM now() - seen_at)::float8 AS seconds_since_seen
+FROM replicas
+ORDER BY lease_name, replica_id;
+
 ------------------------------------------------------------------------------------
 -- Draining
 ------------------------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""Presence: every replica says in the database that it is alive and reaches the sink.
+
+A leader cut off from the broker (or the endpoint) but not from PostgreSQL keeps renewing
+its lease; by the lease alone it would hold it forever while a standby that could
+deliver waits. So each replica beats every RELAY_HEARTBEAT_SECONDS into the `replicas`
+table (`replica_beat` in queries.sql):
+
+- a standby probes the sink (`Sink.check`: broker metadata, a TCP/TLS connect to the
+  endpoint) and writes whether it answered;
+- the leader writes whether it delivered anything lately (`Progress`, kept by the drain
+  loop): its probe is the real traffic.
+
+The same round trip returns how many other live replicas reach the sink. The drain loop
+gives the lease way when it has delivered nothing for RELAY_GIVE_WAY_SECONDS while rows
+wait and a peer reaches the sink; a standby that cannot reach the sink does not campaign
+while a peer can (`defer`). When nobody reaches the sink nobody gives way: rows wait,
+nothing is lost, and the lease changes hands at most once per window.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+
+from relay import db, metrics
+from relay.lease import Lease
+from relay.logging import OutageLog, get_logger
+from relay.queries import QUERIES
+from relay.settings import Settings
+from relay.sinks import Sink
+
+log = get_logger("relay.presence")
+
+# A replica's rows silent this long are deleted by the others: it is gone for good.
+FORGET_SECONDS = 3600.0
+
+
+class Progress:
+    """How long this leader has had rows to deliver and delivered none of them.
+
+    The wait starts with the first batch published after the last progress and ends
+    with the next progress: a row acknowledged or dead-lettered (it left the outbox).
+    An empty fetch ends it only if nothing failed since: rows that failed may be waiting
+    out a backoff, and are still waiting to be delivered.
+
+    Written by the drain thread only; read by the presence thread (plain attributes).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since: float | None = None
+        self._failed = False
+
+    def publishing(self) -> None:
+        if self._since is None:
+            self._since = self._clock()
+
+    def published(self, *, progress: bool) -> None:
+        if progress:
+            self._since = None
+            self._failed = False
+        else:
+            self._failed = True
+
+    def idle(self) -> None:
+        if not self._failed:
+            self._since = None
+
+    def reset(self) -> None:
+        """A new term as leader starts with a clean slate."""
+        self._since = None
+        self._failed = False
+
+    def stalled_for(self) -> float:
+        since = self._since
+        return 0.0 if since is None else self._clock() - since
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    live: int
+    able: int  # of them, those whose last heartbeat said they reach the sink
+    at: float  # monotonic time of the heartbeat that counted them
+
+
+class Presence(threading.Thread):
+    def __init__(
+        self,
+        settings: Settings,
+        lease: Lease,
+        sink: Sink,
+        progress: Progress,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="relay-presence", daemon=True)
+        self._settings = settings
+        self._lease = lease
+        self._sink = sink
+        self._progress = progress
+        self._clock = clock
+        self._stop_event = threading.Event()
+        self._session = db.Session(lambda: db.connect(settings, purpose="presence"))
+        self._outage = OutageLog(log, "presence.beat_failed", "presence.beat_recovered")
+        self._peers = Peers(0, 0, float("-inf"))
+        # Until a probe says otherwise this replica counts itself able: it campaigns.
+        self._sink_ok = True
+        self._probe_failing = False
+        # When a heartbeat last came back from the database (readiness).
+        self.last_db_ok = 0.0
+        metrics.SINK_REACHABLE.labels(settings.lease_name).set(1)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    # --- what the other threads ask ---
+
+    def able_peers(self) -> int:
+        """Other live replicas that reach the sink, by a heartbeat recent enough to trust."""
+        peers = self._peers
+        if self._clock() - peers.at > self._settings.replica_live_seconds:
+            return 0
+        return peers.able
+
+    def defer(self) -> bool:
+        """Leave the lease to a peer: we cannot reach the sink, and one can."""
+        return not self._sink_ok and self.able_peers() > 0
+
+    def gave_way(self) -> None:
+        """The drain loop gave the lease up for want of the sink: until a probe says
+        otherwise we cannot reach it (and so do not campaign while a peer can)."""
+        self._sink_ok = False
+
+    # --- the loop ---
+
+    def run(self) -> None:
+        try:
+            while True:
+                self.beat_once()
+                if self._stop_event.wait(self._settings.heartbeat_seconds):
+                    break
+        finally:
+            self._leave()
+            self._session.close()
+
+    def beat_once(self) -> None:
+        sink_ok, error = self._sink_state()
+        self._sink_ok = sink_ok
+        metrics.SINK_REACHABLE.labels(self._settings.lease_name).set(1 if sink_ok else 0)
+        try:
+            row = (
+                self._session.get()
+                .execute(
+                    QUERIES.replica_beat,
+                    {
+                        "lease": self._settings.lease_name,
+                        "replica": self._settings.replica_id,
+                        "sink_ok": sink_ok,
+                        "sink_error": error,
+                        "live": self._settings.replica_live_seconds,
+                        "forget": FORGET_SECONDS,
+                    },
+                )
+                .fetchone()
+            )
+        except psycopg.Error as exc:
+            self._outage.failure(db.describe_error(exc))
+            self._session.close()
+            return
+        self._outage.success()
+        assert row is not None  # an aggregate-only SELECT always returns one row
+        self.last_db_ok = self._clock()
+        self._peers = Peers(int(row["live_peers"]), int(row["able_peers"]), self.last_db_ok)
+        metrics.PEERS.labels(self._settings.lease_name, "live").set(self._peers.live)
+        metrics.PEERS.labels(self._settings.lease_name, "able").set(self._peers.able)
+
+    def _sink_state(self) -> tuple[bool, str | None]:
+        if self._lease.token() is not None:
+            # The leader's traffic is its probe. Past half the give-way window without
+            # progress it reports itself unable, so a peer deciding whether to defer
+            # sees the truth before the leader gives way.
+            limit = max(self._settings.give_way_seconds / 2, 2 * self._settings.heartbeat_seconds)
+            stalled = self._progress.stalled_for()
+            if stalled < limit:
+                return True, None
+            return False, f"leader delivered nothing for {stalled:.0f} s"
+        try:
+            self._sink.check(timeout=min(5.0, self._settings.heartbeat_seconds))
+        except Exception as exc:  # any failure to reach it is an answer, not a bug
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            if not self._probe_failing:
+                log.warning("presence.sink_unreachable", sink=self._sink.name, error=error)
+            self._probe_failing = True
+            return False, error
+        if self._probe_failing:
+            log.info("presence.sink_reachable", sink=self._sink.name)
+        self._probe_failing = False
+        return True, None
+
+    def _leave(self) -> None:
+        """A clean stop: we are no longer a live peer anybody should count on."""
+        try:
+            self._session.get().execute(
+                QUERIES.replica_leave,
+                {"lease": self._settings.lease_name, "replica": self._settings.replica_id},
+            )
+        except psycopg.Error as exc:
+            log.debug("presence.leave_failed", error=db.describe_error(exc))
