@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,17 @@ def relay_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "relay", *args]
 
 
-def start_relay(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def start_relay(
+    env: dict[str, str], log_path: Path, command: Sequence[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`relay run`, or `command` (the same wrapped, e.g. in its own namespace)."""
     log_file = log_path.open("ab")
     return subprocess.Popen(
-        relay_command("run"), env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO
+        list(command or relay_command("run")),
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
     )
 
 

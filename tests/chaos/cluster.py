@@ -3,6 +3,11 @@
 Replicas run as the least-privilege role (migrations/grants.sql), log JSON at debug level
 (for `batch.settled`), serve /metrics, and may be armed at a failpoint (relay/failpoints.py)
 through their own directory. One replica may run with a skewed wall clock (libfaketime).
+
+Where mount namespaces are available (root, tests/harness/netcut.py), each replica runs
+in its own, reaching the broker only through a proxy of its own: a fault can cut one
+replica off from the broker and nothing else. The broker then advertises `localhost`;
+the recorder and the other harness clients still reach it on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import psycopg
 from relay.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings
 from tests.chaos.producer import LEDGER_DDL
-from tests.conftest import relay_env, start_relay
+from tests.conftest import relay_command, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker
+from tests.harness.netcut import TcpProxy, loopback, namespaced, namespaces_available
 from tests.harness.postgres import PostgresServer
 
 DATABASE = "chaos"
@@ -46,6 +52,7 @@ class Replica:
     failpoints: Path
     metrics_port: int
     skew: str | None = None
+    proxy: TcpProxy | None = None  # its only way to the broker, when namespaced
     incarnation: int = 0
     proc: subprocess.Popen[bytes] | None = None
     expected_exit: bool = False
@@ -68,7 +75,8 @@ class Cluster:
     def __init__(self, workdir: Path, *, replicas: int, settings: dict[str, str]) -> None:
         self.workdir = workdir
         self.pg = PostgresServer(workdir / "pg")
-        self.broker = TansuBroker()
+        self.netcut = namespaces_available()
+        self.broker = TansuBroker(advertised_host="localhost" if self.netcut else "127.0.0.1")
         self.topic = "chaos-orders"
         self.partitions = 3
         self.password = f"chaos-{secrets.token_hex(12)}"
@@ -82,6 +90,10 @@ class Cluster:
             )
             for n in range(replicas)
         ]
+        if self.netcut:
+            upstream = ("127.0.0.1", self.broker.port)
+            for n, replica in enumerate(self.replicas):
+                replica.proxy = TcpProxy(loopback(n), self.broker.port, upstream)
 
     # --- servers ---
 
@@ -94,6 +106,9 @@ class Cluster:
         self.pg.execute(LEDGER_DDL, dbname=DATABASE)
         self.broker.start()
         self.broker.create_topic(self.topic, self.partitions)
+        for replica in self.replicas:
+            if replica.proxy is not None:
+                replica.proxy.start()
 
     @property
     def admin_dsn(self) -> str:
@@ -118,7 +133,13 @@ class Cluster:
             "RELAY_METRICS_ENABLED": "true",
             "RELAY_METRICS_PORT": str(replica.metrics_port),
         }
-        env = relay_env(self.relay_dsn, self.broker.bootstrap_servers, **extra)
+        proxy = replica.proxy
+        bootstrap = self.broker.bootstrap_servers
+        command = None
+        if proxy is not None:
+            bootstrap = self.broker.advertised_bootstrap  # `localhost`: its own proxy
+            command = namespaced(relay_command("run"), proxy.host, self.workdir)
+        env = relay_env(self.relay_dsn, bootstrap, **extra)
         lib = libfaketime()
         if replica.skew and lib is not None:
             # Only the wall clock: an NTP-less node. The lease runs on the database's
@@ -130,7 +151,7 @@ class Cluster:
             }
         replica.expected_exit = False
         replica.stopped = False
-        replica.proc = start_relay(env, replica.log_path)
+        replica.proc = start_relay(env, replica.log_path, command)
 
     def start_replicas(self) -> None:
         for replica in self.replicas:
@@ -195,6 +216,9 @@ class Cluster:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.stop_replicas()
+        for replica in self.replicas:
+            if replica.proxy is not None:
+                replica.proxy.close()
         self.broker.stop()
         self.pg.stop("immediate")
 

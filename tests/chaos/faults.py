@@ -6,6 +6,9 @@ crash or clean restart) come from the same RNG, so a seed replays the same sched
 batches for a crash or a pause (the drain publishes one batch while the previous one is
 being settled), one batch per delivery timeout that a paused broker can swallow and
 later persist.
+
+`cut_leader_from_broker` needs every replica in its own mount namespace behind its own
+proxy (tests/harness/netcut.py, root only); where that is unavailable it is left out.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from tests.chaos.cluster import Cluster, Replica
 from tests.chaos.history import Fault
 from tests.chaos.recorder import Recorder, put_markers
 from tests.harness.kafka import issue_producer_ids
+from tests.harness.netcut import namespaces_available
 from tests.support import wait_until
 
-LEADER_FAULTS = ("kill_leader", "kill_after_publish", "kill_in_settle", "pause_leader")
+NETWORK_FAULTS = ("cut_leader_from_broker",) if namespaces_available() else ()
+LEADER_FAULTS = (
+    "kill_leader",
+    "kill_after_publish",
+    "kill_in_settle",
+    "pause_leader",
+    *NETWORK_FAULTS,
+)
 ALL_FAULTS = (
     *LEADER_FAULTS,
     "restart_postgres",
@@ -39,6 +50,7 @@ class Timing:
     batch: int
     delivery_timeout: float
     started: float  # monotonic start of the run
+    give_way: float = 0.0  # RELAY_GIVE_WAY_SECONDS: a leader stalled this long hands over
 
     @property
     def in_flight(self) -> int:
@@ -148,6 +160,64 @@ class Injector:
         return Fault(
             "pause_leader", at, round(hold, 2), self.timing.in_flight, takeover, replica.holder
         )
+
+    def cut_leader_from_broker(self) -> Fault:
+        """The leader loses the broker, not the database: it keeps renewing its lease,
+        so only giving way lets a standby that reaches the broker deliver. Held a moment
+        past the takeover, then healed: the proxy drops what the cut leader wrote
+        meanwhile; whatever its producer still holds and sends after the heal is the
+        relay's to prevent and the checker's to catch (order, duplicates)."""
+        replica, epoch = self.leader()
+        proxy = replica.proxy
+        assert proxy is not None, "cut_leader_from_broker needs namespaced replicas"
+        hold = self.rng.uniform(0.5, 2.0)
+        at = self._now()
+        cut = time.monotonic()
+        proxy.cut()
+        try:
+            takeover = self._wait_give_way(replica, epoch, cut)
+            time.sleep(hold)  # part of the schedule: the old leader stays cut off
+        finally:
+            proxy.heal()
+        note = replica.holder if takeover is not None else f"{replica.holder} (idle outbox)"
+        return Fault(
+            "cut_leader_from_broker",
+            at,
+            round(time.monotonic() - cut, 2),
+            self.timing.in_flight,
+            takeover,
+            note,
+        )
+
+    def _wait_give_way(self, replica: Replica, old_epoch: int, since: float) -> float | None:
+        """Seconds from the cut until another replica leads under a newer epoch.
+
+        A leader gives way only while rows wait: the bound runs from the first moment
+        the outbox had unsent rows. If none ever did (the producer reached its target),
+        no takeover is due; None then.
+        """
+        due = self.timing.give_way + 2 * self.timing.ttl + 10.0
+        waited_from: float | None = None
+        while True:
+            now = time.monotonic()
+            lease = self.cluster.lease()
+            if (
+                lease
+                and lease["live"]
+                and lease["epoch"] > old_epoch
+                and lease["holder"] != replica.holder
+            ):
+                return round(now - since, 3)
+            if waited_from is None and self.cluster.unsent():
+                waited_from = now
+            if waited_from is None and now - since > due:
+                return None
+            if waited_from is not None and now - waited_from > due:
+                raise AssertionError(
+                    f"{replica.holder} cut off from the broker for {now - since:.1f}s with rows"
+                    f" waiting, and no replica took over (lease now {lease})"
+                )
+            time.sleep(0.05)
 
     def _postgres_down(self, crash: bool) -> Fault:
         down = self.rng.uniform(0.5, 3.0)

@@ -13,18 +13,21 @@ import uuid
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from tests.chaos.history import Delivered, parse_payload
+from tests.harness.kafka import client_config
 
 
 def _consumer(bootstrap: str) -> Consumer:
     return Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "chaos-recorder",
-            "enable.auto.commit": False,
-            "enable.partition.eof": False,
-            "auto.offset.reset": "earliest",
-            "log_level": 0,  # a paused or killed broker is the point, not news
-        }
+        client_config(
+            bootstrap,
+            **{
+                "group.id": "chaos-recorder",
+                "enable.auto.commit": False,
+                "enable.partition.eof": False,
+                "auto.offset.reset": "earliest",
+                "log_level": 0,  # a paused or killed broker is the point, not news
+            },
+        )
     )
 
 
@@ -50,7 +53,7 @@ def put_markers(bootstrap: str, topic: str, partitions: int) -> set[str]:
     With the replicas frozen, a partition's marker comes after every record the relay
     could have seen acknowledged; reading it means the partition has been read whole.
     """
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "log_level": 0})
+    producer = Producer(client_config(bootstrap, acks="all", log_level=0))
     markers = {uuid.uuid4().hex for _ in range(partitions)}
     failed: list[str] = []
 

@@ -84,6 +84,7 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
     rng = random.Random(seed)
     workdir = workdir or make_workdir()
     delivery_timeout = 5.0
+    give_way = 3.0
     cluster = Cluster(
         workdir,
         replicas=3,
@@ -95,6 +96,10 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
             "RELAY_RETRY_BASE_SECONDS": "0.1",
             "RELAY_RETRY_MAX_SECONDS": "1",
             "RELAY_DATABASE_CONNECT_TIMEOUT_SECONDS": "2",
+            # A leader that cannot reach the broker hands over (cut_leader_from_broker);
+            # the window must cover two heartbeats.
+            "RELAY_GIVE_WAY_SECONDS": str(give_way),
+            "RELAY_HEARTBEAT_SECONDS": "0.5",
         },
     )
     notes = []
@@ -108,6 +113,8 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
     else:
         notes.append("clock skew: off (set RELAY_CHAOS_SKEW=+600s with faketime installed)")
     notes.append("db network latency (tc/netem): not injected (loopback is shared; see README)")
+    if not cluster.netcut:
+        notes.append("broker cut (cut_leader_from_broker): off, needs root and unshare")
     started = time.monotonic()
     history = History(recovery_bound=profile.recovery_bound)
     producer: Producer | None = None
@@ -126,7 +133,7 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
             rate=profile.rate,
             late_hold=profile.late_hold,
         )
-        timing = Timing(profile.ttl, profile.batch, delivery_timeout, started)
+        timing = Timing(profile.ttl, profile.batch, delivery_timeout, started, give_way)
         injector = Injector(cluster, recorder, timing, rng)
         injector.leader(timeout=60)
         producer.start()

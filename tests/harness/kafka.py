@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -47,9 +48,19 @@ class Record:
 
 
 class TansuBroker(Service):
-    def __init__(self, port: int | None = None, storage: str | None = None) -> None:
+    """Listens on 127.0.0.1 only. It advertises `advertised_host` to clients: `localhost`
+    lets a process whose /etc/hosts says otherwise reach it only through a proxy of its
+    own (tests/harness/netcut.py); the harness's own clients still resolve 127.0.0.1."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        storage: str | None = None,
+        advertised_host: str = "127.0.0.1",
+    ) -> None:
         self.port = port or free_port()
         self.storage = storage
+        self.advertised_host = advertised_host
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="tansu-", suffix=".log")[1])
         atexit.register(self.stop)
@@ -58,16 +69,29 @@ class TansuBroker(Service):
     def bootstrap_servers(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def advertised_bootstrap(self) -> str:
+        """What a namespaced process dials (its own `localhost`), same as the metadata."""
+        return f"{self.advertised_host}:{self.port}"
+
     def start(self) -> None:
-        url = f"tcp://127.0.0.1:{self.port}"
-        cmd = [find_tansu(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+        listen = f"tcp://127.0.0.1:{self.port}"
+        advertised = f"tcp://{self.advertised_host}:{self.port}"
+        cmd = [
+            find_tansu(),
+            "broker",
+            "--listener-url",
+            listen,
+            "--advertised-listener-url",
+            advertised,
+        ]
         if self.storage:
             cmd += ["--storage-engine", self.storage]
         with self._log.open("ab") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         # Quiet: "connection refused" while the broker boots is expected, not news.
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        admin = AdminClient(client_config(self.bootstrap_servers, log_level=0))
         while True:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"tansu exited:\n{self.log_tail()}")
@@ -113,7 +137,7 @@ class TansuBroker(Service):
         return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
 
     def create_topic(self, name: str, partitions: int = 1) -> None:
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        admin = AdminClient(client_config(self.bootstrap_servers))
         futures = admin.create_topics([NewTopic(name, num_partitions=partitions)])
         try:
             futures[name].result(timeout=10)
@@ -129,15 +153,24 @@ class TansuBroker(Service):
             time.sleep(0.05)
 
 
+def client_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """librdkafka settings for the harness's own clients. IPv4 only: a broker that
+    advertises `localhost` listens on 127.0.0.1 alone, and a dial of ::1 would be
+    refused and retried after a backoff."""
+    return {"bootstrap.servers": bootstrap, "broker.address.family": "v4", **extra}
+
+
 def _consumer(bootstrap: str, topic: str) -> Consumer:
     consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"test-{uuid.uuid4().hex}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "enable.partition.eof": False,
-        }
+        client_config(
+            bootstrap,
+            **{
+                "group.id": f"test-{uuid.uuid4().hex}",
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+                "enable.partition.eof": False,
+            },
+        )
     )
     # Assign every partition from the beginning instead of joining a group: no
     # rebalance wait, and the whole history is read.
@@ -258,13 +291,9 @@ def issue_producer_ids(bootstrap: str, count: int, timeout: float = 20.0) -> lis
     logger.handlers = [handler]
     logger.propagate = False
     logger.setLevel(logging.DEBUG)
-    config = {
-        "bootstrap.servers": bootstrap,
-        "enable.idempotence": True,
-        "debug": "eos",
-        "log_level": 7,
-        "logger": logger,
-    }
+    config = client_config(
+        bootstrap, **{"enable.idempotence": True, "debug": "eos", "log_level": 7, "logger": logger}
+    )
     producers = [Producer(config) for _ in range(count)]
     deadline = time.monotonic() + timeout
     try:
