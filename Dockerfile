@@ -50,7 +50,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/relay \
     && /opt/relay/bin/pip install --no-index --find-links /wheels --require-hashes \
        -r /tmp/requirements.lock \
-    && /opt/relay/bin/pip install --no-index --no-deps /wheels/relay-*.whl \
+    && /opt/relay/bin/pip install --no-index --no-deps /wheels/pg_outbox_relay-*.whl \
     && /opt/relay/bin/pip check \
     && rm /tmp/requirements.lock
 ENV PATH=/opt/relay/bin:$PATH \

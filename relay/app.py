@@ -8,6 +8,7 @@ import time
 from types import FrameType
 
 from relay import __version__, metrics
+from relay.drain import Drainer
 from relay.guard import DeadlineGuard
 from relay.lag import LagSampler
 from relay.lease import Elector, Lease
@@ -19,7 +20,6 @@ from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import create_sink
 from relay.sinks.base import StartsPublishing
-from relay.worker import Drainer
 
 log = get_logger("relay.app")
 
@@ -65,7 +65,6 @@ class RelayApp:
             settings,
             self.sink,
             self.lease,
-            self.elector,
             self.shutdown,
             self.health,
             presence=self.presence,

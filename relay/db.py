@@ -1,4 +1,4 @@
-"""Opening relay sessions: credentials, TLS, and the session timeouts DESIGN.md asks for."""
+"""Opening relay sessions: credentials, TLS, and the session timeouts docs/DESIGN.md describes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The drain loop (DESIGN.md, "Draining"), run while this replica holds the lease.
+"""The drain loop (docs/DESIGN.md, "Draining"), run while this replica holds the lease.
 
     fetch the next unsent rows in id order (never a last-seen-id cursor)
     publish them; while their acknowledgements come back, fetch the batch after them
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,10 +28,11 @@ import psycopg
 
 from relay import db, failpoints, metrics, repository
 from relay.backoff import Backoff, Retrying
-from relay.lease import Elector, Lease, LeaseToken
+from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import OutboxMessage
 from relay.metrics import Health
+from relay.outcomes import decide
 from relay.presence import Presence, Progress
 from relay.queries import QUERIES
 from relay.repository import BatchLimits, Settlement
@@ -42,7 +42,7 @@ from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
 from relay.sinks.base import start_publishing
 
-log = get_logger("relay.worker")
+log = get_logger("relay.drain")
 
 
 def _without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessage]:
@@ -85,7 +85,6 @@ class Drainer:
         settings: Settings,
         sink: Sink,
         lease: Lease,
-        elector: Elector,
         shutdown: Shutdown,
         health: Health,
         presence: Presence | None = None,
@@ -97,7 +96,6 @@ class Drainer:
         self._progress = progress or Progress(clock)
         self._sink = sink
         self._lease = lease
-        self._elector = elector
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
@@ -215,8 +213,8 @@ class Drainer:
         )
         failpoints.hit("after_publish")
 
-        settlement, unavailable = self._plan(batch, results)
-        self._progress.published(progress=bool(settlement.sent or settlement.dead_ids))
+        settlement, unavailable, progress = self._plan(batch, results)
+        self._progress.published(progress=progress)
         unacked = frozenset(
             message.key
             for message, result in zip(batch, results, strict=True)
@@ -290,7 +288,7 @@ class Drainer:
         token, settlement, ids = in_flight.token, in_flight.settlement, in_flight.ids
         if settled_at is None:
             self._prefetched = None
-            self._elector.lost_by_fencing(token)
+            self._lease.fenced(token)
             return False
         # Debug level: one line a batch is history for tests/chaos, noise in production.
         log.debug(
@@ -370,45 +368,26 @@ class Drainer:
             )
         self._progress.reset()
 
-    # --- deciding what each outcome means for its row ---
+    # --- what each outcome means for its row (relay/outcomes.py decides) ---
 
     def _plan(
         self, batch: Sequence[OutboxMessage], results: Sequence[Result]
-    ) -> tuple[Settlement, Result | None]:
-        settlement = Settlement()
-        unavailable: Result | None = None
-        counts: Counter[tuple[str, str]] = Counter()
+    ) -> tuple[Settlement, Result | None, bool]:
+        decision = decide(
+            batch,
+            results,
+            max_attempts=self._settings.max_attempts,
+            retry_delay=self._retry_delay,
+        )
         now = time.time()
         e2e = metrics.END_TO_END_SECONDS.labels(self._sink.name)
-        # A sink that acknowledged part of the batch is up: its "unavailable" rows are
-        # a sick topic or partition, and must back off per row (and eventually be
-        # dead-lettered) rather than head every batch and throttle all other keys.
-        sink_up = any(result.outcome is Outcome.ACKED for result in results)
-        for message, result in zip(batch, results, strict=True):
-            outcome = result.outcome
-            if outcome is Outcome.UNAVAILABLE and sink_up and not result.collateral:
-                outcome = Outcome.RETRY
-            counts[(message.topic, outcome.value)] += 1
-            if outcome is Outcome.ACKED:
-                settlement.sent.append(message.id)
-                e2e.observe(now - message.created_epoch)
-            elif outcome is Outcome.RETRY:
-                attempts = message.attempts + 1
-                error = result.error or "unknown error"
-                if attempts >= self._settings.max_attempts:
-                    self._dead_letter(
-                        settlement, message, f"gave up after {attempts} attempts: {error}"
-                    )
-                else:
-                    delay = self._retry_delay(attempts, result.retry_after)
-                    settlement.retry(message.id, delay, error)
-            elif outcome is Outcome.DEAD:
-                self._dead_letter(settlement, message, result.error or "permanent failure")
-            elif outcome is Outcome.UNAVAILABLE:
-                unavailable = result
-        for (topic, outcome_name), count in counts.items():
+        for message in decision.acked:
+            e2e.observe(now - message.created_epoch)
+        for message, reason in decision.dead:
+            self._dead_lettered(message, reason)
+        for (topic, outcome_name), count in decision.counts.items():
             metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
-        return settlement, unavailable
+        return decision.settlement, decision.unavailable, decision.progress
 
     def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
         """Our backoff, or the sink's Retry-After when longer, spread by up to 20 % so
@@ -418,8 +397,7 @@ class Drainer:
             return backoff
         return min(retry_after * random.uniform(1.0, 1.2), self._settings.retry_max_seconds)
 
-    def _dead_letter(self, settlement: Settlement, message: OutboxMessage, reason: str) -> None:
-        settlement.dead(message.id, reason)
+    def _dead_lettered(self, message: OutboxMessage, reason: str) -> None:
         metrics.DEAD_LETTERED.labels(self._sink.name, message.topic).inc()
         log.warning(
             "outbox.dead_lettered",

@@ -1,4 +1,4 @@
-"""Named failures the relay distinguishes; each one decides what the caller does next."""
+"""The relay's own errors, one base class: each name says what the caller does next."""
 
 from __future__ import annotations
 
@@ -7,17 +7,19 @@ class RelayError(Exception):
     """Base class for the relay's own errors."""
 
 
-class LeaseLost(RelayError):
-    """We no longer hold the lease: stop publishing, drop to standby."""
+class SettingsError(RelayError):
+    """A setting is missing or invalid; `name` is the environment variable to fix.
+    Start-up stops with the message, which never quotes a secret."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+        self.message = message
 
 
 class MigrationError(RelayError):
     """The schema could not be brought up to date (or was changed after being applied)."""
 
 
-class SinkUnavailable(RelayError):
-    """The sink as a whole cannot take messages now (broker down, endpoint unreachable)."""
+class MalformedRow(RelayError):
+    """The row cannot be published as it is; retrying will not help (dead-letter it)."""

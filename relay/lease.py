@@ -1,6 +1,6 @@
 """The lease: which replica may publish, until when, under which fencing epoch.
 
-The protocol (DESIGN.md, "The lease"):
+The protocol (docs/DESIGN.md, "The lease"):
 
 1. `BEGIN ISOLATION LEVEL REPEATABLE READ`; read the lease row.
 2. Held by someone else and not expired (by the DATABASE clock): stay standby.
@@ -8,7 +8,7 @@ The protocol (DESIGN.md, "The lease"):
    A concurrent winner shows as SQLSTATE 40001 or as zero rows updated: we lost.
 4. The holder trusts its lease only until a LOCAL monotonic deadline: the moment before
    the acquiring (or renewing) transaction began, plus ttl, minus a safety margin.
-5. Every transaction that settles rows re-checks holder and epoch first (`lease_fence`
+5. Every transaction that settles rows re-checks holder and epoch first (`lease_renew`
    in queries.sql, used by the repository); no match means roll back and stand by.
 6. On shutdown the holder expires its lease at once so a standby takes over quickly.
 7. A leader that cannot deliver (cut off from the sink, not from the database) gives
@@ -134,6 +134,7 @@ class Lease:
         self._renewed_at = clock()
         self._changed = threading.Condition(self._lock)
         self._to_release: LeaseToken | None = None  # given up, not yet expired in the row
+        self._fenced: LeaseToken | None = None  # lost to a newer holder, not yet reported
         self._wake = threading.Event()  # the elector's sleep ends early
 
     def token(self) -> LeaseToken | None:
@@ -194,6 +195,23 @@ class Lease:
             self._changed.notify_all()
         self._wake.set()
         return True
+
+    def fenced(self, token: LeaseToken) -> None:
+        """A fenced statement of ours matched no lease row: a newer holder exists. We
+        stop at once; the elector's thread reports the loss."""
+        with self._lock:
+            if self._token is None or self._token != token:
+                return
+            self._token = None
+            self._deadline = 0.0
+            self._fenced = token
+            self._changed.notify_all()
+        self._wake.set()
+
+    def take_fenced(self) -> LeaseToken | None:
+        with self._lock:
+            token, self._fenced = self._fenced, None
+            return token
 
     def take_release(self) -> LeaseToken | None:
         """The token given up and not yet released in the database, once."""
@@ -308,6 +326,9 @@ class Elector(threading.Thread):
             if self._health is not None:
                 self._health.beat("elector")
             try:
+                fenced = self._lease.take_fenced()
+                if fenced is not None:
+                    self._on_lost(fenced, "fenced")
                 given_up = self._lease.take_release()
                 if given_up is not None:
                     # Expire the row now, on this thread: a renewal of ours can then
@@ -426,11 +447,6 @@ class Elector(threading.Thread):
         log.warning(
             "lease.lost", lease=token.name, holder=token.holder, epoch=token.epoch, reason=reason
         )
-
-    def lost_by_fencing(self, token: LeaseToken) -> None:
-        """Called by the drain loop when its fenced settle matched no lease row."""
-        if self._lease.lose(token) is not None:
-            self._on_lost(token, "fenced")
 
     # -- connection --
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relay.errors import MalformedRow
+
+__all__ = ["RESERVED_HEADERS", "MalformedRow", "OutboxMessage"]
+
 RESERVED_HEADERS = ("message-id", "created-at")
-
-
-class MalformedRow(ValueError):
-    """The row cannot be published as it is; retrying will not help (dead-letter it)."""
 
 
 @dataclass(slots=True)

@@ -155,7 +155,7 @@ def settle(
     """
     with conn.transaction():
         fenced = conn.execute(
-            QUERIES.lease_fence,
+            QUERIES.lease_renew,
             {"name": token.name, "holder": token.holder, "epoch": token.epoch, "ttl": ttl},
         ).fetchone()
         if fenced is None:

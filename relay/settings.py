@@ -28,6 +28,10 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from relay.errors import SettingsError
+
+__all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
+
 ENV_PREFIX = "RELAY_"
 
 # Secret settings may also be given as a path in RELAY_<NAME>_FILE (Kubernetes Secret
@@ -60,15 +64,6 @@ class _FileSecretsSource(PydanticBaseSettingsSource):
             except OSError as exc:
                 raise SettingsError(env_name, f"cannot read file: {exc.strerror}") from None
         return values
-
-
-class SettingsError(Exception):
-    """A setting is missing or invalid; `name` is the environment variable to fix."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"{name}: {message}")
-        self.name = name
-        self.message = message
 
 
 def default_replica_id() -> str:

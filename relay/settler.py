@@ -1,5 +1,5 @@
 """Settling a published batch on its own session and thread, so the drain loop can
-fetch and publish the next batch meanwhile (DESIGN.md, "Draining": pipelining).
+fetch and publish the next batch meanwhile (docs/DESIGN.md, "Draining": pipelining).
 
 At most one batch is being settled while the next is published: two batches in flight,
 never more. The settle itself is unchanged: ONE transaction, fenced on the lease epoch.

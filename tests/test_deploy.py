@@ -507,7 +507,7 @@ def test_image_install_steps_give_a_working_relay_outside_docker(
     runtime_py = runtime / "bin" / "python"
     _pip(runtime_py, "install", "--no-index", "--find-links", str(wheels), "--require-hashes",
          "-r", str(context / "requirements.lock"), cwd=tmp_path)  # fmt: skip
-    (relay_wheel,) = wheels.glob("relay-*.whl")
+    (relay_wheel,) = wheels.glob("pg_outbox_relay-*.whl")
     _pip(runtime_py, "install", "--no-index", "--no-deps", str(relay_wheel), cwd=tmp_path)
     _pip(runtime_py, "check", cwd=tmp_path)
 

@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from relay import repository
+from relay.drain import Drainer
 from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, Outcome, Pending, Published, Result
 from relay.sinks.kafka import KafkaSink
-from relay.worker import Drainer
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.postgres import PostgresServer

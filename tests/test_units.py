@@ -102,3 +102,16 @@ def test_progress_counts_the_wait_from_the_first_undelivered_batch() -> None:
     progress.idle()  # delivered, then nothing to do: not stalled
     now[0] += 60
     assert progress.stalled_for() == 0
+
+
+def test_every_design_section_the_code_cites_exists() -> None:
+    headings = {
+        line.lstrip("#").strip()
+        for line in Path("docs/DESIGN.md").read_text().splitlines()
+        if line.startswith("#")
+    }
+    cited: set[str] = set()
+    for path in [*Path("relay").rglob("*.py"), *Path("tests").rglob("*.py")]:
+        cited |= set(re.findall(r'docs/DESIGN\.md, "([^"]+)"', path.read_text()))
+    assert cited, "the code cites docs/DESIGN.md by section"
+    assert cited <= headings, cited - headings

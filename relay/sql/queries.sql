@@ -38,7 +38,7 @@ WHERE name = %(name)s;
 -- Second half of the CAS: succeeds only if nobody changed the epoch since lease_read.
 -- Under REPEATABLE READ a concurrent winner makes this fail with SQLSTATE 40001 or
 -- update zero rows; the caller treats both as a lost race. `at` is read while we hold
--- the lease row's lock, so acquisitions and settles (lease_fence) are ordered by it on
+-- the lease row's lock, so acquisitions and settles (lease_renew) are ordered by it on
 -- one clock, the database's: logged, it lets a history checker prove fencing held.
 UPDATE leases
 SET holder      = %(holder)s,
@@ -53,7 +53,10 @@ WHERE name = %(name)s
 RETURNING epoch, clock_timestamp() AS at;
 
 -- name: lease_renew
--- Extend the lease we hold. Matches no row once someone else took it (fencing).
+-- Extend the lease we hold; matches no row once someone else took it (fencing). The
+-- elector renews with it, and it is the first statement of every transaction that
+-- settles rows: zero rows there means a newer holder exists, so the settle rolls back.
+-- `at` is read under the lease row's lock: settles and acquisitions are ordered by it.
 UPDATE leases
 SET expires_at = now() + make_interval(secs => %(ttl)s),
     renewed_at = now(),
@@ -61,7 +64,7 @@ SET expires_at = now() + make_interval(secs => %(ttl)s),
 WHERE name = %(name)s
   AND holder = %(holder)s
   AND epoch = %(epoch)s
-RETURNING epoch;
+RETURNING epoch, clock_timestamp() AS at;
 
 -- name: lease_release
 -- Expire our lease now so a standby takes over at its next poll, not after a whole ttl.
@@ -422,18 +425,6 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                           (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
        END
 ORDER BY id NULLS LAST;
-
--- name: lease_fence
--- First statement of every transaction that settles rows: renews our lease only if we
--- still hold it at our epoch. Zero rows means a newer holder exists: roll back.
-UPDATE leases
-SET expires_at = now() + make_interval(secs => %(ttl)s),
-    renewed_at = now(),
-    updated_at = now()
-WHERE name = %(name)s
-  AND holder = %(holder)s
-  AND epoch = %(epoch)s
-RETURNING epoch, clock_timestamp() AS at;
 
 -- name: mark_sent
 -- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).

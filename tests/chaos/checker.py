@@ -1,4 +1,4 @@
-"""Properties of a recorded chaos history (DESIGN.md, "What is tested, for real").
+"""Properties of a recorded chaos history (docs/DESIGN.md, "What is tested, for real").
 
 Pure functions over `History`: each check returns findings, empty when the property
 holds. The numbered properties are the issue's:

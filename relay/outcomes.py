@@ -1,0 +1,84 @@
+"""What each message's outcome means for its row: the settlement of one batch.
+
+A pure function, so the policy (which failures spend an attempt, when a row is dead-
+lettered, when the sink as a whole backs off) is readable in one place and tested without
+a database or a sink. The drain loop applies the decision: counts, logs, the settle.
+
+    acked                 -> mark sent (or delete)
+    retry                 -> one more attempt, back off the row; past RELAY_MAX_ATTEMPTS,
+                             dead-letter it
+    dead                  -> dead-letter with the sink's reason
+    unavailable           -> leave the row untouched, back the whole sink off; but if
+                             the sink acknowledged others in the same batch and the
+                             failure was the row's own, it is a sick partition or
+                             endpoint: retry the row like any failure
+    collateral failures   -> never the row's fault: untouched, no attempt spent
+    skipped               -> untouched (its key was blocked earlier in the batch)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from relay.message import OutboxMessage
+from relay.repository import Settlement
+from relay.sinks.base import Outcome, Result
+
+# (attempts so far including this one, the sink's Retry-After) -> seconds to wait
+RetryDelay = Callable[[int, float | None], float]
+
+
+@dataclass(slots=True)
+class Decision:
+    settlement: Settlement = field(default_factory=Settlement)
+    # The sink as a whole is down: the loop backs off (this result's error and hint).
+    unavailable: Result | None = None
+    counts: Counter[tuple[str, str]] = field(default_factory=Counter)  # (topic, outcome)
+    acked: list[OutboxMessage] = field(default_factory=list)
+    dead: list[tuple[OutboxMessage, str]] = field(default_factory=list)
+
+    @property
+    def progress(self) -> bool:
+        """Rows left the outbox (delivered or dead-lettered)."""
+        return bool(self.settlement.sent or self.settlement.dead_ids)
+
+
+def decide(
+    batch: Sequence[OutboxMessage],
+    results: Sequence[Result],
+    *,
+    max_attempts: int,
+    retry_delay: RetryDelay,
+) -> Decision:
+    decision = Decision()
+    settlement = decision.settlement
+    # A sink that acknowledged part of the batch is up: its "unavailable" rows are a
+    # sick topic or partition, and must back off per row (and eventually be dead-
+    # lettered) rather than head every batch and throttle all other keys.
+    sink_up = any(result.outcome is Outcome.ACKED for result in results)
+    for message, result in zip(batch, results, strict=True):
+        outcome = result.outcome
+        if outcome is Outcome.UNAVAILABLE and sink_up and not result.collateral:
+            outcome = Outcome.RETRY
+        decision.counts[(message.topic, outcome.value)] += 1
+        if outcome is Outcome.ACKED:
+            settlement.sent.append(message.id)
+            decision.acked.append(message)
+        elif outcome is Outcome.RETRY:
+            attempts = message.attempts + 1
+            error = result.error or "unknown error"
+            if attempts >= max_attempts:
+                reason = f"gave up after {attempts} attempts: {error}"
+                settlement.dead(message.id, reason)
+                decision.dead.append((message, reason))
+            else:
+                settlement.retry(message.id, retry_delay(attempts, result.retry_after), error)
+        elif outcome is Outcome.DEAD:
+            reason = result.error or "permanent failure"
+            settlement.dead(message.id, reason)
+            decision.dead.append((message, reason))
+        elif outcome is Outcome.UNAVAILABLE:
+            decision.unavailable = result
+    return decision

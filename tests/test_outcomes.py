@@ -1,0 +1,61 @@
+"""The outcome policy (relay/outcomes.py): pure, no database, no sink."""
+
+from __future__ import annotations
+
+from relay.message import OutboxMessage
+from relay.outcomes import decide
+from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
+
+
+def row(row_id: int, key: str | None = "k", attempts: int = 0) -> OutboxMessage:
+    return OutboxMessage(
+        row_id, f"m{row_id}", "t", key, b"", None, None, "2026-11-23T00:00:00Z", 0.0, attempts
+    )
+
+
+def delay(attempts: int, retry_after: float | None) -> float:
+    return retry_after if retry_after is not None else float(attempts)
+
+
+def test_each_outcome_lands_where_the_policy_says() -> None:
+    batch = [row(1), row(2), row(3, attempts=4), row(4), row(5)]
+    results = [
+        ACKED,
+        Result(Outcome.RETRY, "HTTP 500", retry_after=7.0),
+        Result(Outcome.RETRY, "HTTP 500"),  # its fifth attempt: out of attempts
+        Result(Outcome.DEAD, "HTTP 400"),
+        SKIPPED,
+    ]
+    decision = decide(batch, results, max_attempts=5, retry_delay=delay)
+    settlement = decision.settlement
+    assert settlement.sent == [1]
+    assert (settlement.retry_ids, settlement.retry_delays) == ([2], [7.0])
+    assert settlement.dead_ids == [3, 4]
+    assert settlement.dead_reasons == ["gave up after 5 attempts: HTTP 500", "HTTP 400"]
+    assert [m.id for m, _ in decision.dead] == [3, 4]
+    assert decision.unavailable is None and decision.progress
+    assert decision.counts[("t", "skipped")] == 1
+
+
+def test_a_sink_that_is_down_leaves_rows_untouched_and_spends_no_attempt() -> None:
+    down = Result(Outcome.UNAVAILABLE, "connection refused")
+    decision = decide([row(1), row(2)], [down, down], max_attempts=1, retry_delay=delay)
+    assert not decision.settlement
+    assert decision.unavailable is down
+    assert not decision.progress
+
+
+def test_a_sick_partition_retries_its_own_rows_while_the_sink_acknowledges_others() -> None:
+    sick = Result(Outcome.UNAVAILABLE, "timed out")
+    collateral = Result(Outcome.UNAVAILABLE, "purged", collateral=True)
+    decision = decide(
+        [row(1, "a"), row(2, "b"), row(3, "c")],
+        [ACKED, sick, collateral],
+        max_attempts=10,
+        retry_delay=delay,
+    )
+    settlement = decision.settlement
+    assert settlement.sent == [1]
+    assert settlement.retry_ids == [2]  # its own failure: one attempt, backoff
+    assert 3 not in settlement.retry_ids + settlement.dead_ids  # collateral: untouched
+    assert decision.unavailable is collateral
