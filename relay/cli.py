@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -134,8 +135,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json(
             {
                 "schema_version": version,
-                "leases": leases,
-                "replicas": replicas,
+                "leases": [asdict(lease) for lease in leases],
+                "replicas": [asdict(replica) for replica in replicas],
                 "outbox": sample.as_dict(),
             }
         )
@@ -143,15 +144,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if leases:
         rows = []
         for lease in leases:
-            left = lease["seconds_to_expiry"]
             rows.append(
                 (
-                    lease["name"],
-                    "held" if lease["live"] else "free",
-                    lease["holder"],
-                    lease["epoch"],
-                    f"{lease['expires_at']:%Y-%m-%d %H:%M:%S%z}",
-                    f"{left:.1f}s" if lease["live"] else "expired",
+                    lease.name,
+                    "held" if lease.live else "free",
+                    lease.holder,
+                    lease.epoch,
+                    f"{lease.expires_at:%Y-%m-%d %H:%M:%S%z}",
+                    f"{lease.seconds_to_expiry:.1f}s" if lease.live else "expired",
                 )
             )
         print(_table(("LEASE", "STATE", "HOLDER", "EPOCH", "EXPIRES AT", "EXPIRES IN"), rows))
@@ -164,11 +164,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 ("LEASE", "REPLICA", "LAST SEEN", "SINK", "SINK ERROR"),
                 [
                     (
-                        r["lease_name"],
-                        r["replica_id"],
-                        f"{r['seconds_since_seen']:.1f}s ago",
-                        "reachable" if r["sink_ok"] else "unreachable",
-                        r["sink_error"] or "",
+                        r.lease_name,
+                        r.replica_id,
+                        f"{r.seconds_since_seen:.1f}s ago",
+                        "reachable" if r.sink_ok else "unreachable",
+                        r.sink_error or "",
                     )
                     for r in replicas
                 ],
@@ -238,20 +238,20 @@ def cmd_dead_letter_list(args: argparse.Namespace) -> int:
     with db.connect(settings, purpose="dead-letter") as conn:
         rows = repository.dead_letters(conn, topic=args.topic, key=args.key, limit=args.limit)
     if args.json:
-        _print_json(rows)
+        _print_json([asdict(row) for row in rows])
         return EXIT_OK
     print(
         _table(
             ("ID", "MESSAGE ID", "TOPIC", "KEY", "ATTEMPTS", "DEAD-LETTERED AT", "REASON"),
             [
                 (
-                    row["id"],
-                    row["message_id"],
-                    row["topic"],
-                    row["key"],
-                    row["attempts"],
-                    f"{row['dead_lettered_at']:%Y-%m-%d %H:%M:%S%z}",
-                    row["dead_letter_reason"],
+                    row.id,
+                    row.message_id,
+                    row.topic,
+                    row.key,
+                    row.attempts,
+                    f"{row.dead_lettered_at:%Y-%m-%d %H:%M:%S%z}",
+                    row.dead_letter_reason,
                 )
                 for row in rows
             ],

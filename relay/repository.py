@@ -9,13 +9,14 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
+from psycopg.rows import class_row, tuple_row
 
 from relay import failpoints
 from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import OutboxMessage
 from relay.queries import QUERIES
+from relay.rows import DeadLetterRow, LeaseRow, ReplicaRow
 
 
 @dataclass(slots=True)
@@ -194,10 +195,11 @@ def purge_sent(conn: Conn, older_than_seconds: float, limit: int) -> int:
 
 def dead_letters(
     conn: Conn, *, topic: str | None, key: str | None, limit: int
-) -> list[dict[str, Any]]:
-    return conn.execute(
-        QUERIES.dead_letter_list, {"topic": topic, "key": key, "limit": limit}
-    ).fetchall()
+) -> list[DeadLetterRow]:
+    with conn.cursor(row_factory=class_row(DeadLetterRow)) as cur:
+        return cur.execute(
+            QUERIES.dead_letter_list, {"topic": topic, "key": key, "limit": limit}
+        ).fetchall()
 
 
 def requeue_dead_letters(
@@ -214,15 +216,16 @@ def dead_letters_left_behind(conn: Conn, ids: Sequence[int]) -> list[str]:
     return [str(r["key"]) for r in rows]
 
 
-def lease_status(conn: Conn) -> list[dict[str, Any]]:
-    return conn.execute(QUERIES.lease_status).fetchall()
+def lease_status(conn: Conn) -> list[LeaseRow]:
+    with conn.cursor(row_factory=class_row(LeaseRow)) as cur:
+        return cur.execute(QUERIES.lease_status).fetchall()
 
 
-def replica_status(conn: Conn) -> list[dict[str, Any]]:
+def replica_status(conn: Conn) -> list[ReplicaRow]:
     """Every replica's last heartbeat; none before migration 0006 (no table yet)."""
     try:
-        with conn.transaction():
-            return conn.execute(QUERIES.replica_status).fetchall()
+        with conn.transaction(), conn.cursor(row_factory=class_row(ReplicaRow)) as cur:
+            return cur.execute(QUERIES.replica_status).fetchall()
     except psycopg.errors.UndefinedTable:
         return []
 
