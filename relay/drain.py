@@ -6,7 +6,9 @@
     settle: in ONE transaction fenced on our lease epoch, mark the acknowledged rows
             sent (or delete them), back off the failed ones, dead-letter the hopeless;
             this runs on the settler's own session while the loop publishes the next
-            batch, so at most two batches are ever published and not yet settled
+            batch, so at most two batches are ever published and not yet settled,
+            plus up to a batch of stragglers: rows a sick partition holds while the rest
+            of their batch was answered (Kafka), their keys held until they settle
     repeat; when there is nothing to do, poll adaptively
     give the lease way when nothing was delivered for RELAY_GIVE_WAY_SECONDS while rows
             wait and a live peer reports it reaches the sink (relay/presence.py)
@@ -22,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psycopg
 
@@ -40,7 +42,7 @@ from relay.settings import Settings
 from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
-from relay.sinks.base import start_publishing
+from relay.sinks.base import Pending, start_publishing
 
 log = get_logger("relay.drain")
 
@@ -68,6 +70,21 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         per_key=per_key,
         fill=not sink.serial_per_key,
     )
+
+
+def _light(message: OutboxMessage) -> OutboxMessage:
+    """The row without its payload and headers: enough to settle it later."""
+    return replace(message, payload=None, headers=None)
+
+
+@dataclass(slots=True)
+class Straggler:
+    """A published row with no outcome yet: its partition holds it (sick, or slow)
+    while the rest of its batch was answered. Its key is held until it is settled."""
+
+    message: OutboxMessage
+    pending: Pending
+    index: int
 
 
 @dataclass(slots=True)
@@ -109,6 +126,7 @@ class Drainer:
         )
         self._in_flight: InFlight | None = None  # published, being settled
         self._prefetched: Prefetched | None = None  # fetched, not published yet
+        self._stragglers: list[Straggler] = []  # published, no outcome yet
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
@@ -126,7 +144,9 @@ class Drainer:
             raise
         return conn
 
-    def _fetch(self, conn: db.Conn, in_flight: str) -> list[OutboxMessage]:
+    def _fetch(
+        self, conn: db.Conn, in_flight: str, held: frozenset[str] = frozenset()
+    ) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):
@@ -135,6 +155,7 @@ class Drainer:
                 self._limits,
                 in_flight,
                 self._after_key,
+                held=sorted(held),
                 share_busy_keys=self._clock() >= self._look_for_others_at,
             )
             if fetched.fair:  # a head that needed no sharing says nothing of the round
@@ -176,6 +197,9 @@ class Drainer:
         finally:
             self._settle_in_flight_quietly()
             self._prefetched = None
+            # Unsettled: they go again, under the next holder or our next term.
+            self._stragglers = []
+            metrics.STRAGGLERS.set(0)
 
     def _step(self, token: LeaseToken) -> None:
         conn = self._session.get()
@@ -189,7 +213,10 @@ class Drainer:
             return
         batch = self._next_batch(conn)
         if not batch:
-            if self._in_flight is not None:
+            answered, answers = self._answered_stragglers()
+            if answered:
+                self._settle(token, answered, answers)
+            elif self._in_flight is not None:
                 self._settle_in_flight(self._in_flight)  # then look again at once
             else:
                 self._progress.idle()
@@ -207,28 +234,22 @@ class Drainer:
         if not self._abandon(token):
             self._prefetch(conn, batch)
         prefetching = self._clock() - prefetch_started
-        results = publishing.wait()
+        results = publishing.wait(leave_stragglers=len(self._stragglers) < self._limits.rows)
         metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(
             self._clock() - started - prefetching
         )
         failpoints.hit("after_publish")
 
-        settlement, unavailable, progress = self._plan(batch, results)
-        self._progress.published(progress=progress)
-        unacked = frozenset(
-            message.key
-            for message, result in zip(batch, results, strict=True)
-            if message.key is not None and result.outcome is not Outcome.ACKED
-        )
-        if self._prefetched is not None:
-            # The prefetched rows were read before this batch's failures are written:
-            # its settle may land before they are published (and then no longer holds).
-            self._prefetched.held |= unacked
-        if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
-            return  # fenced out: this batch stays unsent (published: duplicates later)
-        if settlement:
-            self._in_flight = self._settler.submit(token, batch, settlement, unacked)
-
+        rows: list[OutboxMessage] = []
+        outcomes: list[Result] = []
+        for index, (message, result) in enumerate(zip(batch, results, strict=True)):
+            if result.outcome is Outcome.IN_FLIGHT:
+                self._stragglers.append(Straggler(_light(message), publishing, index))
+            else:
+                rows.append(message)
+                outcomes.append(result)
+        answered, answers = self._answered_stragglers()
+        unavailable = self._settle(token, rows + answered, outcomes + answers)
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
             delay = max(
@@ -246,34 +267,88 @@ class Drainer:
         else:
             self._sink_retry.reset()
 
+    def _settle(
+        self, token: LeaseToken, rows: list[OutboxMessage], results: list[Result]
+    ) -> Result | None:
+        """Hand the outcomes of `rows` to the settler (after the previous settle landed);
+        the sink's "unavailable" verdict, if any, for the loop to back off on."""
+        settlement, unavailable, progress = self._plan(rows, results)
+        self._progress.published(progress=progress)
+        unacked = self._straggler_keys() | frozenset(
+            message.key
+            for message, result in zip(rows, results, strict=True)
+            if message.key is not None and result.outcome is not Outcome.ACKED
+        )
+        if self._prefetched is not None:
+            # The prefetched rows were read before these failures are written (and
+            # before these stragglers straggled): hold those keys back from them too.
+            self._prefetched.held |= unacked
+        if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
+            return None  # fenced out: these rows stay unsent (published: duplicates later)
+        if settlement:
+            self._in_flight = self._settler.submit(token, rows, settlement, unacked)
+        return unavailable
+
+    # --- stragglers: published rows a sick partition holds, while the rest flows ---
+
+    def _answered_stragglers(self) -> tuple[list[OutboxMessage], list[Result]]:
+        """The stragglers whose outcome came in (or whose deadline passed), taken off
+        the list; the others stay, their ids left out of fetches, their keys held."""
+        if not self._stragglers:
+            return [], []
+        now: dict[int, list[Result]] = {}  # one look per publishing
+        answered: list[OutboxMessage] = []
+        answers: list[Result] = []
+        still: list[Straggler] = []
+        for straggler in self._stragglers:
+            results = now.get(id(straggler.pending))
+            if results is None:
+                results = now[id(straggler.pending)] = straggler.pending.again()
+            result = results[straggler.index]
+            if result.outcome is Outcome.IN_FLIGHT:
+                still.append(straggler)
+            else:
+                answered.append(straggler.message)
+                answers.append(result)
+        self._stragglers = still
+        metrics.STRAGGLERS.set(len(still))
+        return answered, answers
+
+    def _straggler_keys(self) -> frozenset[str]:
+        return frozenset(s.message.key for s in self._stragglers if s.message.key is not None)
+
+    def _unsettled(self) -> tuple[list[int], frozenset[str]]:
+        """Ids every fetch leaves out and keys held back from it: the batch being
+        settled, and the stragglers."""
+        ids = [s.message.id for s in self._stragglers]
+        held = self._straggler_keys()
+        if self._in_flight is not None:
+            ids += self._in_flight.ids
+            held |= self._in_flight.held_keys
+        return ids, held
+
     def _next_batch(self, conn: db.Conn) -> list[OutboxMessage]:
         """The prefetched batch, or a fresh fetch; minus the keys held back."""
         prefetched, self._prefetched = self._prefetched, None
-        in_flight = self._in_flight
-        held = in_flight.held_keys if in_flight is not None else frozenset()
+        ids, held = self._unsettled()
         if prefetched is not None:
             batch = _without(prefetched.rows, held | prefetched.held)
             if batch:
                 return batch
-        exclude = in_flight.ids_literal() if in_flight is not None else "{}"
-        return _without(self._fetch(conn, exclude), held)
+        return _without(self._fetch(conn, repository.array_literal(ids), held), held)
 
     def _prefetch(self, conn: db.Conn, publishing: list[OutboxMessage]) -> None:
         """Read the batch after `publishing` while its acknowledgements come back.
 
-        It leaves out every row not yet settled (this batch and the one the settler
-        has), and remembers the keys that batch held back: when the prefetched rows are
-        published, the failures of both may still be unwritten.
+        It leaves out every row not yet settled (this batch, the one the settler has,
+        the stragglers), and remembers the keys held back: when the prefetched rows are
+        published, the failures of those batches may still be unwritten.
         """
         failpoints.stall("read_ahead")
-        in_flight = self._in_flight
-        ids = [m.id for m in publishing]
-        held: frozenset[str] = frozenset()
-        if in_flight is not None:
-            ids += in_flight.ids
-            held = in_flight.held_keys
+        ids, held = self._unsettled()
+        ids += [m.id for m in publishing]
         try:
-            rows = self._fetch(conn, repository.array_literal(ids))
+            rows = self._fetch(conn, repository.array_literal(ids), held)
         except psycopg.Error:
             # The next step's own fetch will meet (and report) the same trouble.
             self._session.close()

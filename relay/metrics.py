@@ -60,6 +60,11 @@ PEERS = Gauge(
     "they reach the sink (state=able).",
     ["lease", "state"],
 )
+STRAGGLERS = Gauge(
+    "relay_stragglers",
+    "Published rows without an outcome yet while the rest of their batch was answered "
+    "(a sick partition): unsettled, their keys held back, other keys flowing.",
+)
 PUBLISHING_CUTS = Counter(
     "relay_publishing_cuts_total",
     "Times the lease's local deadline (or its loss) made the sink drop what it still held.",

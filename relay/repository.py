@@ -83,12 +83,15 @@ def fetch_batch(
     in_flight: str = "{}",
     after_key: str | None = None,
     *,
+    held: Sequence[str] = (),
     share_busy_keys: bool = True,
 ) -> Fetched:
     """The next batch (README "Fetching: fair and bounded").
 
     `in_flight`: ids (an `array_literal`) published but not settled yet: left out.
     `after_key`: where the round over keys starts if the head must be shared out.
+    `held`: keys whose rows are not ready (an earlier row is in flight): like a key in
+    backoff, they make a full head share out, so other keys are found past them.
 
     One cheap statement in the usual case (`fetch_head`); the fair one (`fetch_batch`)
     only when the head holds rows it may not send while it is full, or more rows of
@@ -100,6 +103,7 @@ def fetch_batch(
     params: dict[str, Any] = {
         "limit": limits.rows,
         "in_flight": in_flight,
+        "held": list(held),
         "max_bytes": limits.bytes,
     }
     # Tuples and positional construction: a tenth of the cost of keyword rows, and

@@ -158,6 +158,14 @@ class Settings(CommonSettings):
     kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "lz4"
     kafka_linger_ms: int = Field(default=5, ge=0, le=60_000)
     kafka_delivery_timeout_ms: int = Field(default=30_000, ge=1_000, le=900_000)
+    kafka_straggler_ms: int = Field(
+        default=1_000,
+        ge=50,
+        le=900_000,
+        description="A batch whose other messages were acknowledged stops waiting for the "
+        "rest after this long without a report: they stay in flight (their keys held) "
+        "while other partitions flow.",
+    )
     kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] | None = None
     kafka_sasl_mechanism: str | None = None
     kafka_sasl_username: str | None = None

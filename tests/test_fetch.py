@@ -78,6 +78,7 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
         "key_cap": 1,
         "fill": True,
         "in_flight": "{}",
+        "held": [],
         "after_key": None,
     }
     fields = [f.name for f in dataclasses.fields(OutboxMessage)]
@@ -99,7 +100,7 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
             " ('t', 'k', 'x', %s::jsonb), ('t', 'k', 'y', '[1]'), ('t', NULL, NULL, NULL)",
             (HOSTILE_HEADERS,),
         )
-        params = {"limit": 10, "in_flight": "{}", "max_bytes": 1 << 30}
+        params = {"limit": 10, "in_flight": "{}", "held": [], "max_bytes": 1 << 30}
         head = [row[:-3] for row in conn.execute(QUERIES.fetch_head, params).fetchall()]
         fair = conn.execute(
             QUERIES.fetch_batch,
@@ -248,6 +249,7 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
         "key_cap": limits.per_key,
         "fill": limits.fill,
         "in_flight": "{}",
+        "held": [],
         "after_key": None,
     }
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -25,6 +25,10 @@ class Outcome(enum.Enum):
     DEAD = "dead"  # this message can never succeed as it is: dead-letter it
     UNAVAILABLE = "unavailable"  # the sink as a whole is down: the row is untouched
     SKIPPED = "skipped"  # not attempted (key blocked earlier in the batch, or abandoned)
+    # No outcome yet: the message may still be delivered (a sick partition holds it while
+    # the rest of the batch was acknowledged). Its row stays unsettled and its key held;
+    # the drain loop asks again (`Pending.again`) until it has an outcome.
+    IN_FLIGHT = "in_flight"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,7 @@ class Result:
 
 ACKED = Result(Outcome.ACKED)
 SKIPPED = Result(Outcome.SKIPPED)
+IN_FLIGHT = Result(Outcome.IN_FLIGHT)
 
 
 class Sink(Protocol):
@@ -69,8 +74,15 @@ class Sink(Protocol):
 
 
 class Pending(Protocol):
-    def wait(self) -> list[Result]:
-        """The batch's results, as `Sink.publish` returns them."""
+    def wait(self, *, leave_stragglers: bool = False) -> list[Result]:
+        """The batch's results, as `Sink.publish` returns them. With `leave_stragglers`
+        it may return once the rest of the batch is answered and a few messages are
+        overdue: those are `IN_FLIGHT`."""
+        ...
+
+    def again(self) -> list[Result]:
+        """The results now, without waiting: `IN_FLIGHT` for messages still without an
+        outcome (past the sink's deadline they get one: unavailable)."""
         ...
 
 
@@ -94,7 +106,10 @@ class StartsPublishing(Protocol):
 class Published:
     results: list[Result]
 
-    def wait(self) -> list[Result]:
+    def wait(self, *, leave_stragglers: bool = False) -> list[Result]:
+        return self.results
+
+    def again(self) -> list[Result]:
         return self.results
 
 

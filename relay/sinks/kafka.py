@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from relay.logging import get_logger, library_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
-from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
+from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
 
 log = get_logger("relay.sinks.kafka")
 
@@ -170,6 +170,10 @@ class KafkaSink:
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # How long a batch may wait for room in librdkafka's queue and for its reports.
         self._max_wait = settings.kafka_delivery_timeout_ms / 1000
+        # How long without any report before a batch whose other messages were answered
+        # leaves its stragglers (a sick partition's) in flight and lets the loop go on.
+        self._straggler_wait = settings.kafka_straggler_ms / 1000
+        self.last_ack = float("-inf")  # monotonic time of the latest acknowledgement
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 
@@ -366,6 +370,7 @@ class Publishing:
         self.failure: KafkaError | None = None
         self.deadline = time.monotonic() + sink._max_wait
         self.expired = False
+        self.last_report = time.monotonic()
 
     def expire(self) -> None:
         """The batch's deadline passed: purge what is queued or in flight (reported as
@@ -376,8 +381,10 @@ class Publishing:
         self.failure = KafkaError(KafkaError._MSG_TIMED_OUT, _EXPIRED)
 
     def report(self, index: int, error: KafkaError | None) -> None:
+        self.last_report = time.monotonic()
         if error is None:
             self.results[index] = ACKED
+            self.sink.last_ack = self.last_report
         elif self.expired and error.code() in _PURGED:
             # Purged by our own deadline: no report in time, like a timeout. Not
             # collateral: a sick partition's rows must back off (and eventually be
@@ -389,7 +396,17 @@ class Publishing:
                 self.sink._needs_new_producer = True
         self.pending -= 1
 
-    def wait(self) -> list[Result]:
+    def _straggling(self) -> bool:
+        """No report for a while, yet the broker acknowledged messages lately (this
+        batch's or others'): what still waits is held by a sick partition, not by a
+        broker that is down (then the batch waits for its deadline, as a whole)."""
+        now = time.monotonic()
+        return (
+            now - self.last_report >= self.sink._straggler_wait
+            and now - self.sink.last_ack < self.sink._max_wait
+        )
+
+    def wait(self, *, leave_stragglers: bool = False) -> list[Result]:
         """Every message's outcome, once each has its report (or we stop waiting)."""
         sink, producer = self.sink, self.producer
         abandoned = False
@@ -398,6 +415,10 @@ class Publishing:
             if self.abandon():
                 abandoned = True
                 break
+            if leave_stragglers and self._straggling():
+                # Not purged: they stay queued in their partition, in order, and may
+                # still be delivered; the loop asks again (`again`) and holds their keys.
+                return [IN_FLIGHT if result is None else result for result in self.results]
             if time.monotonic() > self.deadline:
                 # Reports that arrived while we were away (a slow read-ahead) count:
                 # purging acknowledged messages would only make duplicates.
@@ -421,3 +442,16 @@ class Publishing:
             lost = classify(failure)
             return [lost if result is None else result for result in self.results]
         return [SKIPPED if result is None else result for result in self.results]
+
+    def again(self) -> list[Result]:
+        """The stragglers' outcomes so far. Past the batch's deadline the rest is purged
+        (and the producer replaced), like a batch that timed out as a whole."""
+        if self.pending > 0:
+            failure = self.sink._serve(self.producer, 0)
+            if failure is None and self.pending > 0 and time.monotonic() > self.deadline:
+                self.expire()
+                failure = self.failure
+            if failure is not None and self.pending > 0:
+                lost = classify(failure)
+                return [lost if result is None else result for result in self.results]
+        return [IN_FLIGHT if result is None else result for result in self.results]

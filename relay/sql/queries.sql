@@ -136,7 +136,8 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
 -- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
 -- order through outbox_unsent_idx, whatever they are, each with its size and whether
 -- it is `ready` (not waiting out a retry backoff, and no earlier row of its key is: one
--- probe of the tiny outbox_backoff_idx). No "id > last seen" cursor: a row that commits
+-- probe of the tiny outbox_backoff_idx; nor of a key in %(held)s, which the relay holds
+-- back while an earlier row of it is in flight, say in a sick partition). No "id > last seen" cursor: a row that commits
 -- late with a lower id is still found. `within`: the row fits %(max_bytes)s counting
 -- the ready rows before it (the first ready row always does); rows past it come
 -- without their payload, so a head of large rows never crosses the wire whole. When
@@ -185,6 +186,7 @@ FROM (SELECT head.*,
                    coalesce(octet_length(o.payload), 0)
                    + coalesce(pg_column_size(o.headers), 0) AS size,
                    (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+                   AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
                    AND NOT EXISTS (
                        SELECT 1
                        FROM outbox AS blocker
@@ -235,6 +237,7 @@ WITH RECURSIVE head AS MATERIALIZED (
     SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at, o.attempts,
            coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
            (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+           AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
            AND NOT EXISTS (
                SELECT 1
                FROM outbox AS blocker
@@ -316,6 +319,7 @@ beyond AS (
                o.attempts,
                coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
                (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+               AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
                AND NOT EXISTS (
                    SELECT 1
                    FROM outbox AS blocker

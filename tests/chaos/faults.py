@@ -2,10 +2,10 @@
 
 A fault is chosen from the run's seeded RNG; its own random choices (how long to hold,
 crash or clean restart) come from the same RNG, so a seed replays the same schedule.
-`in_flight_bound` is how many messages the fault can make the relay publish twice: two
+`in_flight_bound` is how many messages the fault can make the relay publish twice: three
 batches for a crash or a pause (the drain publishes one batch while the previous one is
-being settled), one batch per delivery timeout that a paused broker can swallow and
-later persist.
+being settled, and up to a batch of Kafka stragglers may be waiting for their reports),
+one batch per delivery timeout that a paused broker can swallow and later persist.
 
 `cut_leader_from_broker` needs every replica in its own mount namespace behind its own
 proxy (tests/harness/netcut.py, root only); where that is unavailable it is left out.
@@ -54,9 +54,11 @@ class Timing:
 
     @property
     def in_flight(self) -> int:
-        """Rows published but maybe not settled: the batch being published and the
-        previous one, still being settled (the drain's pipeline)."""
-        return 2 * self.batch
+        """Rows published but maybe not settled: the batch being published, the
+        previous one, still being settled (the drain's pipeline), and up to a batch of
+        Kafka stragglers (rows a partition held while the rest of their batch was
+        answered: they stay in flight, unsettled, until their report comes)."""
+        return 3 * self.batch
 
 
 class Injector:

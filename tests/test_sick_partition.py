@@ -1,0 +1,99 @@
+"""One sick partition holds back only its own keys (Kafka).
+
+A three-broker cluster (librdkafka's mock cluster, real sockets) with one broker's port
+blackholed by iptables: the partitions it leads take messages and never answer, the
+others answer at once. Before, every batch waited for its slowest report, up to
+RELAY_KAFKA_DELIVERY_TIMEOUT_MS, so one sick partition throttled every key.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import SettingsFactory
+from tests.harness.kafka import consume
+from tests.harness.mockkafka import MockCluster, blackhole, iptables_available
+from tests.support import (
+    assert_per_key_order,
+    dedup_by_message_id,
+    insert_rows,
+    keyed_rows,
+    running_relay,
+    scalar,
+    unsent_count,
+    wait_until,
+)
+
+TOPIC = "orders"
+KEYS = 40
+PER_KEY = 5
+
+
+@pytest.fixture
+def cluster() -> Iterator[MockCluster]:
+    if os.geteuid() != 0 or not iptables_available():
+        pytest.skip("needs root and iptables (./dev test installs it)")
+    with MockCluster(brokers=3) as mock:
+        yield mock
+
+
+def unsent_of(dsn: str, keys: set[str]) -> int:
+    return int(
+        scalar(
+            dsn,
+            "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+            " AND key = ANY(%s)",
+            (sorted(keys),),
+        )
+    )
+
+
+def test_a_sick_partition_holds_back_its_own_keys_only(
+    make_settings: SettingsFactory, database: str, cluster: MockCluster
+) -> None:
+    leaders = cluster.partition_leaders(TOPIC)
+    sick_port = leaders[0]
+    sick = {p for p, port in leaders.items() if port == sick_port}
+    assert len(sick) < len(leaders), leaders
+    # librdkafka's default partitioner for keyed messages: CRC-32 of the key.
+    keys = {f"k{n}" for n in range(KEYS)}
+    sick_keys = {k for k in keys if zlib.crc32(k.encode()) % len(leaders) in sick}
+    healthy_keys = keys - sick_keys
+    assert sick_keys and healthy_keys
+
+    settings = make_settings(
+        kafka_bootstrap_servers=cluster.bootstrap_servers,
+        kafka_delivery_timeout_ms=60_000,  # a sick partition would stall a batch this long
+        kafka_straggler_ms=500,
+        batch_size=50,
+    )
+    with running_relay(settings):
+        insert_rows(database, TOPIC, [("k0", b"warm-up")])
+        wait_until(lambda: unsent_count(database) == 0, timeout=30, message="warm producer")
+        with blackhole(sick_port):
+            ids = insert_rows(database, TOPIC, keyed_rows(KEYS, PER_KEY))
+            wait_until(
+                lambda: unsent_of(database, healthy_keys) == 0,
+                timeout=20,
+                message="the healthy partitions' rows delivered while one partition is sick",
+            )
+            assert unsent_of(database, sick_keys) > 0  # still held: their broker is silent
+            # Waiting on a sick partition is nobody's failure: no attempt spent.
+            assert scalar(database, "SELECT count(*) FROM outbox WHERE attempts > 0") == 0
+        wait_until(
+            lambda: unsent_count(database) == 0,
+            timeout=60,
+            message="the sick partition's rows delivered once it answers again",
+        )
+        assert (
+            scalar(database, "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL") == 0
+        )
+
+    records = consume(cluster.bootstrap_servers, TOPIC, min_count=len(ids) + 1, timeout=60)
+    delivered = dedup_by_message_id(records)
+    assert len(delivered) == len(ids) + 1
+    assert_per_key_order([r for r in delivered if r.value != b"warm-up"])
