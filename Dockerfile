@@ -12,21 +12,27 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # --- build: the relay wheel plus every dependency as a wheel -------------------------
 FROM ${PYTHON_IMAGE} AS build
+# PIP_CERT: the system CA store (a network that inspects TLS adds its CA there), not
+# the certifi bundle pip carries.
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_ROOT_USER_ACTION=ignore
+    PIP_ROOT_USER_ACTION=ignore \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 WORKDIR /src
 COPY requirements.lock requirements-build.lock ./
+# The build tools go into their own virtualenv: a Debian base's system Python is
+# externally managed (PEP 668), and nothing of them reaches the runtime stage.
 # Binary wheels only: nothing is compiled, so no compiler is needed here either.
-RUN python -m pip install --require-hashes --only-binary=:all: -r requirements-build.lock \
-    && python -m pip download --require-hashes --only-binary=:all: --no-deps \
+RUN python -m venv /build \
+    && /build/bin/pip install --require-hashes --only-binary=:all: -r requirements-build.lock \
+    && /build/bin/pip download --require-hashes --only-binary=:all: --no-deps \
        --dest /wheels -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY relay ./relay
 COPY migrations ./migrations
 # The pinned hatchling from requirements-build.lock builds it (no isolated build env
 # fetching an unpinned backend). migrations/ ends up inside it as relay/migrations.
-RUN python -m pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
+RUN /build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # --- runtime ---------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -42,17 +48,18 @@ RUN groupadd --system --gid "${RELAY_UID}" relay \
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
-COPY requirements.lock /tmp/requirements.lock
-# The wheels are bind-mounted, not copied: they never become a layer of this image.
-# Hashes are checked again here; `pip check` fails the build if the lock misses a
-# dependency the relay declares.
+# The wheels and the lock file are bind-mounted, not copied: neither becomes a layer of
+# this image. Hashes are checked again here; `pip check` fails the build if the lock
+# misses a dependency the relay declares. Then pip itself goes: nothing installs
+# anything at run time.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    --mount=type=bind,source=requirements.lock,target=/tmp/requirements.lock \
     python -m venv /opt/relay \
     && /opt/relay/bin/pip install --no-index --find-links /wheels --require-hashes \
        -r /tmp/requirements.lock \
     && /opt/relay/bin/pip install --no-index --no-deps /wheels/pg_outbox_relay-*.whl \
     && /opt/relay/bin/pip check \
-    && rm /tmp/requirements.lock
+    && /opt/relay/bin/python -m pip uninstall --yes --quiet pip setuptools
 ENV PATH=/opt/relay/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
