@@ -9,9 +9,10 @@ from types import FrameType
 
 from relay import __version__, metrics
 from relay.drain import Drainer
+from relay.elector import Elector
 from relay.guard import DeadlineGuard
 from relay.lag import LagSampler
-from relay.lease import Elector, Lease
+from relay.lease import Lease
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
 from relay.presence import Presence, Progress

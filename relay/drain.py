@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import psycopg
 
@@ -42,7 +42,8 @@ from relay.settings import Settings
 from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
-from relay.sinks.base import Pending, start_publishing
+from relay.sinks.base import start_publishing
+from relay.stragglers import Stragglers
 
 log = get_logger("relay.drain")
 
@@ -70,21 +71,6 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         per_key=per_key,
         fill=not sink.serial_per_key,
     )
-
-
-def _light(message: OutboxMessage) -> OutboxMessage:
-    """The row without its payload and headers: enough to settle it later."""
-    return replace(message, payload=None, headers=None)
-
-
-@dataclass(slots=True)
-class Straggler:
-    """A published row with no outcome yet: its partition holds it (sick, or slow)
-    while the rest of its batch was answered. Its key is held until it is settled."""
-
-    message: OutboxMessage
-    pending: Pending
-    index: int
 
 
 @dataclass(slots=True)
@@ -126,7 +112,7 @@ class Drainer:
         )
         self._in_flight: InFlight | None = None  # published, being settled
         self._prefetched: Prefetched | None = None  # fetched, not published yet
-        self._stragglers: list[Straggler] = []  # published, no outcome yet
+        self._stragglers = Stragglers()  # published, no outcome yet
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
@@ -197,9 +183,7 @@ class Drainer:
         finally:
             self._settle_in_flight_quietly()
             self._prefetched = None
-            # Unsettled: they go again, under the next holder or our next term.
-            self._stragglers = []
-            metrics.STRAGGLERS.set(0)
+            self._stragglers.clear()
 
     def _step(self, token: LeaseToken) -> None:
         conn = self._session.get()
@@ -213,7 +197,7 @@ class Drainer:
             return
         batch = self._next_batch(conn)
         if not batch:
-            answered, answers = self._answered_stragglers()
+            answered, answers = self._stragglers.answered()
             if answered:
                 self._settle(token, answered, answers)
             elif self._in_flight is not None:
@@ -244,11 +228,11 @@ class Drainer:
         outcomes: list[Result] = []
         for index, (message, result) in enumerate(zip(batch, results, strict=True)):
             if result.outcome is Outcome.IN_FLIGHT:
-                self._stragglers.append(Straggler(_light(message), publishing, index))
+                self._stragglers.add(message, publishing, index)
             else:
                 rows.append(message)
                 outcomes.append(result)
-        answered, answers = self._answered_stragglers()
+        answered, answers = self._stragglers.answered()
         unavailable = self._settle(token, rows + answered, outcomes + answers)
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
@@ -274,7 +258,7 @@ class Drainer:
         the sink's "unavailable" verdict, if any, for the loop to back off on."""
         settlement, unavailable, progress = self._plan(rows, results)
         self._progress.published(progress=progress)
-        unacked = self._straggler_keys() | frozenset(
+        unacked = self._stragglers.keys() | frozenset(
             message.key
             for message, result in zip(rows, results, strict=True)
             if message.key is not None and result.outcome is not Outcome.ACKED
@@ -289,39 +273,11 @@ class Drainer:
             self._in_flight = self._settler.submit(token, rows, settlement, unacked)
         return unavailable
 
-    # --- stragglers: published rows a sick partition holds, while the rest flows ---
-
-    def _answered_stragglers(self) -> tuple[list[OutboxMessage], list[Result]]:
-        """The stragglers whose outcome came in (or whose deadline passed), taken off
-        the list; the others stay, their ids left out of fetches, their keys held."""
-        if not self._stragglers:
-            return [], []
-        now: dict[int, list[Result]] = {}  # one look per publishing
-        answered: list[OutboxMessage] = []
-        answers: list[Result] = []
-        still: list[Straggler] = []
-        for straggler in self._stragglers:
-            results = now.get(id(straggler.pending))
-            if results is None:
-                results = now[id(straggler.pending)] = straggler.pending.again()
-            result = results[straggler.index]
-            if result.outcome is Outcome.IN_FLIGHT:
-                still.append(straggler)
-            else:
-                answered.append(straggler.message)
-                answers.append(result)
-        self._stragglers = still
-        metrics.STRAGGLERS.set(len(still))
-        return answered, answers
-
-    def _straggler_keys(self) -> frozenset[str]:
-        return frozenset(s.message.key for s in self._stragglers if s.message.key is not None)
-
     def _unsettled(self) -> tuple[list[int], frozenset[str]]:
         """Ids every fetch leaves out and keys held back from it: the batch being
         settled, and the stragglers."""
-        ids = [s.message.id for s in self._stragglers]
-        held = self._straggler_keys()
+        ids = self._stragglers.ids()
+        held = self._stragglers.keys()
         if self._in_flight is not None:
             ids += self._in_flight.ids
             held |= self._in_flight.held_keys

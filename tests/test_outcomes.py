@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from relay.message import OutboxMessage
 from relay.outcomes import decide
-from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
+from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
+from relay.stragglers import Stragglers
 
 
 def row(row_id: int, key: str | None = "k", attempts: int = 0) -> OutboxMessage:
@@ -59,3 +60,34 @@ def test_a_sick_partition_retries_its_own_rows_while_the_sink_acknowledges_other
     assert settlement.retry_ids == [2]  # its own failure: one attempt, backoff
     assert 3 not in settlement.retry_ids + settlement.dead_ids  # collateral: untouched
     assert decision.unavailable is collateral
+
+
+class Answers:
+    """A batch whose reports arrive when the test says so."""
+
+    def __init__(self, size: int) -> None:
+        self.results = [IN_FLIGHT] * size
+        self.looks = 0
+
+    def wait(self, *, leave_stragglers: bool = False) -> list[Result]:
+        return self.results
+
+    def again(self) -> list[Result]:
+        self.looks += 1
+        return self.results
+
+
+def test_stragglers_leave_as_their_outcomes_come_and_hold_their_keys_meanwhile() -> None:
+    batch = Answers(3)
+    stragglers = Stragglers()
+    for index, message in enumerate([row(1, "a"), row(2, "b"), row(3, None)]):
+        stragglers.add(message, batch, index)
+    assert (stragglers.ids(), stragglers.keys()) == ([1, 2, 3], frozenset({"a", "b"}))
+    assert stragglers.answered() == ([], [])
+    batch.results[1] = ACKED
+    rows, results = stragglers.answered()
+    assert [m.id for m in rows] == [2] and results == [ACKED]
+    assert batch.looks == 2  # one look per batch per step, not one per row
+    assert (stragglers.ids(), stragglers.keys()) == ([1, 3], frozenset({"a"}))
+    stragglers.clear()
+    assert len(stragglers) == 0

@@ -1,0 +1,255 @@
+"""The elector: the thread that keeps this replica's belief about the lease true.
+
+Standby: try to acquire every RELAY_STANDBY_POLL_SECONDS (jittered), unless this
+replica cannot reach the sink while a live peer can (`defer`). Leader: renew when no
+settle has renewed for the renew interval; drop the lease at the local deadline; expire
+the row when the drain loop gave the lease up, and report a loss by fencing. It is the
+only thread that writes the lease row outside a settle (relay/lease.py has the protocol).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+from psycopg import IsolationLevel
+
+from relay import db, metrics
+from relay.backoff import jittered
+from relay.db import Conn
+from relay.lease import (
+    Acquired,
+    Clock,
+    HeldByOther,
+    Lease,
+    LeaseToken,
+    ensure_row,
+    release,
+    renew,
+    try_acquire,
+)
+from relay.logging import get_logger
+from relay.metrics import Health
+from relay.settings import Settings
+
+log = get_logger("relay.lease")
+
+
+class Elector(threading.Thread):
+    """Standby: try to acquire every `standby_poll_seconds` (jittered).
+    Leader: renew when no settle transaction has renewed for `renew_interval`.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        lease: Lease,
+        clock: Clock = time.monotonic,
+        health: Health | None = None,
+        defer: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(name="relay-elector", daemon=True)
+        self._settings = settings
+        self._lease = lease
+        self._clock = clock
+        self._health = health
+        # True while this replica should leave the lease to a peer that can deliver
+        # (it cannot reach the sink, a live peer can): it does not campaign then.
+        self._defer = defer
+        self._deferring = False
+        # The last renewal attempt failed on the database: if the lease then runs out,
+        # the loss is an "error", not a plain "expired" (a paused or slow process).
+        self._renew_error = False
+        self._stop_event = threading.Event()
+        self._session = db.Session(self._open)
+        self._last_other: tuple[str | None, int] | None = None
+        self._standby_since = clock()
+        # When a lease statement last came back from the database (readiness). Only real
+        # round trips count: a leader's turns that had nothing to renew prove nothing.
+        self.last_db_ok = 0.0
+
+    # -- public --
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self._lease.wake()
+
+    def release(self) -> None:
+        """Give the lease up (after the drain stopped and the sink was flushed)."""
+        token = self._lease.lose()
+        if token is not None:
+            metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="released")
+        else:
+            token = self._lease.take_release()  # given up; its row not expired yet
+        if token is None:
+            return
+        try:
+            self._write_release(token)
+        finally:
+            self._session.close()
+
+    def _write_release(self, token: LeaseToken) -> None:
+        try:
+            released = release(self._session.get(), token)
+        except psycopg.Error as exc:
+            log.warning(
+                "lease.release_failed",
+                lease=token.name,
+                holder=token.holder,
+                epoch=token.epoch,
+                error=db.describe_error(exc),
+            )
+            self._session.close()
+            return
+        self.last_db_ok = self._clock()
+        log.info(
+            "lease.released",
+            lease=token.name,
+            holder=token.holder,
+            epoch=token.epoch,
+            released=released,
+        )
+
+    # -- loop --
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            if self._health is not None:
+                self._health.beat("elector")
+            try:
+                fenced = self._lease.take_fenced()
+                if fenced is not None:
+                    self._on_lost(fenced, "fenced")
+                given_up = self._lease.take_release()
+                if given_up is not None:
+                    # Expire the row now, on this thread: a renewal of ours can then
+                    # never land after it and keep the lease from the peer for a ttl.
+                    self._write_release(given_up)
+                if self._lease.held_token() is None:
+                    self._attempt()
+                else:
+                    self._keep()
+                self._renew_error = False
+            except psycopg.Error as exc:
+                self._renew_error = self._lease.held_token() is not None
+                log.warning(
+                    "lease.renew_failed" if self._lease.held_token() else "lease.db_error",
+                    lease=self._lease.name,
+                    holder=self._lease.holder,
+                    error=db.describe_error(exc),
+                )
+                self._session.close()
+                self._expire_if_past_deadline()
+            except Exception:
+                # A bug must not silently end the elector: this replica would never
+                # campaign again. Log it, start over with a fresh connection.
+                log.exception("lease.elector_error", lease=self._lease.name)
+                self._renew_error = self._lease.held_token() is not None
+                self._session.close()
+                self._expire_if_past_deadline()
+            self._lease.doze(self._next_wait())
+
+    def _next_wait(self) -> float:
+        if self._lease.held_token() is None:
+            return jittered(self._settings.standby_poll_seconds)
+        # Wake often enough to renew on time and to notice our own deadline passing.
+        return max(0.05, min(self._settings.renew_interval / 2, self._lease.seconds_left()))
+
+    def _attempt(self) -> None:
+        deferring = self._defer is not None and self._defer()
+        if deferring != self._deferring:
+            self._deferring = deferring
+            log.info(
+                "lease.deferring" if deferring else "lease.campaigning",
+                lease=self._lease.name,
+                holder=self._lease.holder,
+                reason="this replica cannot reach the sink and a live peer can"
+                if deferring
+                else "this replica reaches the sink again, or no peer does",
+            )
+        if deferring:
+            return
+        conn = self._session.get()
+        started = self._clock()
+        outcome = try_acquire(
+            conn, self._lease.name, self._lease.holder, self._settings.lease_ttl_seconds
+        )
+        self.last_db_ok = self._clock()
+        if isinstance(outcome, Acquired):
+            self._lease.acquired(outcome.token, started)
+            self._last_other = None
+            metrics.lease_transition(outcome.token.name, held=True, epoch=outcome.token.epoch)
+            log.info(
+                "lease.acquired",
+                lease=outcome.token.name,
+                holder=outcome.token.holder,
+                epoch=outcome.token.epoch,
+                waited_seconds=round(started - self._standby_since, 3),
+                db_time=outcome.at.isoformat() if outcome.at else None,
+            )
+        elif isinstance(outcome, HeldByOther):
+            seen = (outcome.holder, outcome.epoch)
+            if seen != self._last_other:
+                self._last_other = seen
+                metrics.lease_observed(self._lease.name, outcome.epoch)
+                log.info(
+                    "lease.standby",
+                    lease=self._lease.name,
+                    holder=self._lease.holder,
+                    leader=outcome.holder,
+                    epoch=outcome.epoch,
+                )
+        else:
+            log.debug(
+                "lease.lost_race",
+                lease=self._lease.name,
+                holder=self._lease.holder,
+                detail=outcome.detail,
+            )
+
+    def _keep(self) -> None:
+        if self._expire_if_past_deadline():
+            return
+        if self._lease.since_renewal() < self._settings.renew_interval:
+            return
+        token = self._lease.held_token()
+        if token is None:
+            return
+        conn = self._session.get()
+        started = self._clock()
+        renewed = renew(conn, token, self._settings.lease_ttl_seconds)
+        self.last_db_ok = self._clock()
+        if renewed:
+            self._lease.renewed(token, started)
+        elif self._lease.lose(token) is not None:
+            self._on_lost(token, "fenced")
+
+    def _expire_if_past_deadline(self) -> bool:
+        token = self._lease.held_token()
+        if token is None or self._lease.token() is not None:
+            return False
+        if self._lease.lose(token) is not None:
+            self._on_lost(token, "error" if self._renew_error else "expired")
+        return True
+
+    def _on_lost(self, token: LeaseToken, reason: metrics.LossReason) -> None:
+        self._standby_since = self._clock()
+        metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason=reason)
+        log.warning(
+            "lease.lost", lease=token.name, holder=token.holder, epoch=token.epoch, reason=reason
+        )
+
+    # -- connection --
+
+    def _open(self) -> Conn:
+        conn = db.connect(
+            self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
+        )
+        try:
+            ensure_row(conn, self._lease.name)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
