@@ -1,5 +1,9 @@
 """Command line: `relay run|migrate|status|check|healthcheck|dead-letter|purge` (also
-`python -m relay`)."""
+`python -m relay`).
+
+Long: one small function per command plus the argument parser that names them all; a
+command's logic lives in the modules it calls (repository, lag, migrate, sinks).
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,11 @@ Every fetch leaves out the rows published and not yet settled. A failed row bloc
 rows of its key only: the fetch query skips them once the failure is written, and until
 then the loop holds the key back itself. The lease check inside the settle is what makes
 a paused or partitioned ex-leader harmless.
+
+Long: the loop reads like the protocol above only if its steps (fetch rounds, publish,
+settle, stragglers' bookkeeping, backing off, giving way) sit together; the policy
+(relay/outcomes.py), the settle (relay/settler.py) and the stragglers' list
+(relay/stragglers.py) are out already.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 The rest of the code receives a `Settings` object and never looks at the environment:
 a bad value fails here, with the name of the variable, before any connection is made.
+
+Long: every `RELAY_*` setting is one field here, the contract operators configure
+against, read in one place. The sinks' own fields move to their sinks with the
+one-module-per-sink interface.
 """
 
 from __future__ import annotations

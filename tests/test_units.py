@@ -115,3 +115,11 @@ def test_every_design_section_the_code_cites_exists() -> None:
         cited |= set(re.findall(r'docs/DESIGN\.md, "([^"]+)"', path.read_text()))
     assert cited, "the code cites docs/DESIGN.md by section"
     assert cited <= headings, cited - headings
+
+
+def test_a_module_over_300_lines_says_why_at_its_top() -> None:
+    for path in Path("relay").rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 330:
+            docstring = text.split('"""', 2)[1]
+            assert "Long:" in docstring, f"{path}: over 300 lines without a reason at its top"

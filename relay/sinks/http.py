@@ -17,6 +17,10 @@ Outcomes, from the endpoint's answer:
   back off on their own (spending attempts) and the other endpoints' rows keep flowing,
   even when the down one's backlog fills whole batches.
 - Any other status (3xx, 4xx): `DEAD`, with the status and a bounded body snippet.
+
+Long: a sink is one module by design (adding a sink touches one module): request
+building and signing, classification of answers, and the per-key scheduling on the
+sink's own event loop belong together.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Kafka sink on confluent-kafka (librdkafka): idempotent producer, acks=all.
 
 Delivery reports, not `produce()` returning, are what let the drain loop mark a row.
+
+Long: a sink is one module by design (adding a sink touches one module); here the
+error classification, the producer's configuration, the relay-kept delivery deadline and
+the per-batch bookkeeping (`Publishing`) belong together.
 """
 
 from __future__ import annotations
