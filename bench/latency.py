@@ -48,6 +48,9 @@ class TimedSink:
     def flush(self, timeout: float) -> int:
         return self.inner.flush(timeout)
 
+    def reset(self) -> None:
+        self.inner.reset()
+
     def close(self) -> None:
         self.inner.close()
 

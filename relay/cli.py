@@ -23,6 +23,7 @@ import psycopg
 from relay import __version__, db, lag, repository
 from relay.errors import MigrationError
 from relay.logging import configure
+from relay.queries import QUERIES
 from relay.settings import CommonSettings, Settings, SettingsError, load_settings
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
@@ -218,12 +219,15 @@ def cmd_check(_args: argparse.Namespace) -> int:
                 )
                 return EXIT_FAILURE
             repository.lease_status(conn)
+            # Heartbeats (migration 0006 and its grants): without them the relay runs,
+            # but a leader cut off from the sink never gives way.
+            conn.execute(QUERIES.replica_status).fetchall()
             sample = lag.measure(conn, 1_000)
     except psycopg.Error as exc:
         print(f"database: FAILED: {db.describe_error(exc)}", file=sys.stderr)
         return EXIT_FAILURE
     print(
-        f"database: ok (schema version {version}; outbox and leases readable;"
+        f"database: ok (schema version {version}; outbox, leases and replicas readable;"
         f" {_count(sample.unsent, sample.count_cap)} unsent rows)"
     )
     sink = create_sink(settings)

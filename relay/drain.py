@@ -118,6 +118,10 @@ class Drainer:
         self._in_flight: InFlight | None = None  # published, being settled
         self._prefetched: Prefetched | None = None  # fetched, not published yet
         self._stragglers = Stragglers()  # published, no outcome yet
+        # Times we gave way since the sink last answered us: each doubles the window,
+        # so a sink that peers' probes reach but nobody can deliver to moves the lease
+        # ever more rarely (a probe is weaker than a delivery).
+        self._give_way_streak = 0
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
@@ -189,6 +193,7 @@ class Drainer:
             self._settle_in_flight_quietly()
             self._prefetched = None
             self._stragglers.clear()
+            self._progress.reset()
 
     def _step(self, token: LeaseToken) -> None:
         conn = self._session.get()
@@ -261,8 +266,12 @@ class Drainer:
     ) -> Result | None:
         """Hand the outcomes of `rows` to the settler (after the previous settle landed);
         the sink's "unavailable" verdict, if any, for the loop to back off on."""
-        settlement, unavailable, progress = self._plan(rows, results)
-        self._progress.published(progress=progress)
+        settlement, unavailable, reached = self._plan(rows, results)
+        if reached is None and len(self._stragglers):
+            reached = False  # asked, and still no answer
+        self._progress.published(reached=reached)
+        if reached:
+            self._give_way_streak = 0
         unacked = self._stragglers.keys() | frozenset(
             message.key
             for message, result in zip(rows, results, strict=True)
@@ -373,7 +382,7 @@ class Drainer:
     def _cannot_deliver(self) -> bool:
         """Nothing delivered for the give-way window while rows wait, and a live peer
         says it reaches the sink. Nobody able: keep the lease, nothing is lost."""
-        window = self._settings.give_way_seconds
+        window = self._settings.give_way_seconds * 2 ** min(self._give_way_streak, 4)
         return (
             window > 0
             and self._presence is not None
@@ -390,6 +399,12 @@ class Drainer:
         peers = self._presence.able_peers()
         self._settle_in_flight_quietly()
         self._prefetched = None
+        self._stragglers.clear()
+        # Nothing it still holds, queued or in flight, may be sent after the peer
+        # starts: librdkafka would retry a request stuck on a silent connection later.
+        # Bytes already written to the socket can still land (a possible duplicate).
+        self._sink.reset()
+        self._give_way_streak += 1
         self._presence.gave_way()  # and so we do not campaign while a peer can deliver
         if self._lease.give_up(token):
             metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="gave_way")
@@ -408,7 +423,7 @@ class Drainer:
 
     def _plan(
         self, batch: Sequence[OutboxMessage], results: Sequence[Result]
-    ) -> tuple[Settlement, Result | None, bool]:
+    ) -> tuple[Settlement, Result | None, bool | None]:
         decision = decide(
             batch,
             results,
@@ -423,7 +438,7 @@ class Drainer:
             self._dead_lettered(message, reason)
         for (topic, outcome_name), count in decision.counts.items():
             metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
-        return decision.settlement, decision.unavailable, decision.progress
+        return decision.settlement, decision.unavailable, decision.reached
 
     def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
         """Our backoff, or the sink's Retry-After when longer, spread by up to 20 % so

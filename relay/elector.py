@@ -90,7 +90,7 @@ class Elector(threading.Thread):
         finally:
             self._session.close()
 
-    def _write_release(self, token: LeaseToken) -> None:
+    def _write_release(self, token: LeaseToken) -> bool:
         try:
             released = release(self._session.get(), token)
         except psycopg.Error as exc:
@@ -102,7 +102,7 @@ class Elector(threading.Thread):
                 error=db.describe_error(exc),
             )
             self._session.close()
-            return
+            return False
         self.last_db_ok = self._clock()
         log.info(
             "lease.released",
@@ -111,6 +111,7 @@ class Elector(threading.Thread):
             epoch=token.epoch,
             released=released,
         )
+        return True
 
     # -- loop --
 
@@ -126,8 +127,11 @@ class Elector(threading.Thread):
                 if given_up is not None:
                     # Expire the row now, on this thread: a renewal of ours can then
                     # never land after it and keep the lease from the peer for a ttl.
-                    self._write_release(given_up)
-                if self._lease.held_token() is None:
+                    # Failed (a blip, a lock): again next turn, and no campaign in
+                    # this one (our own live row would let us take it straight back).
+                    if not self._write_release(given_up):
+                        self._lease.release_later(given_up)
+                elif self._lease.held_token() is None:
                     self._attempt()
                 else:
                     self._keep()

@@ -210,6 +210,12 @@ class Lease:
             token, self._to_release = self._to_release, None
             return token
 
+    def release_later(self, token: LeaseToken) -> None:
+        """A release that failed: the elector tries again at its next turn."""
+        with self._lock:
+            if self._to_release is None and self._token is None:
+                self._to_release = token
+
     def wake(self) -> None:
         self._wake.set()
 

@@ -39,10 +39,9 @@ class Decision:
     acked: list[OutboxMessage] = field(default_factory=list)
     dead: list[tuple[OutboxMessage, str]] = field(default_factory=list)
 
-    @property
-    def progress(self) -> bool:
-        """Rows left the outbox (delivered or dead-lettered)."""
-        return bool(self.settlement.sent or self.settlement.dead_ids)
+    # The sink answered about some row (True), about none while it was asked (False),
+    # or was not asked at all (None: every row skipped or refused by the relay itself).
+    reached: bool | None = None
 
 
 def decide(
@@ -58,6 +57,13 @@ def decide(
     # sick topic or partition, and must back off per row (and eventually be dead-
     # lettered) rather than head every batch and throttle all other keys.
     sink_up = any(result.outcome is Outcome.ACKED for result in results)
+    if any(result.reached for result in results):
+        decision.reached = True
+    elif any(
+        result.outcome in (Outcome.RETRY, Outcome.UNAVAILABLE, Outcome.IN_FLIGHT)
+        for result in results
+    ):
+        decision.reached = False
     for message, result in zip(batch, results, strict=True):
         outcome = result.outcome
         if outcome is Outcome.UNAVAILABLE and sink_up and not result.collateral:

@@ -40,12 +40,13 @@ FORGET_SECONDS = 3600.0
 
 
 class Progress:
-    """How long this leader has had rows to deliver and delivered none of them.
+    """How long this leader has had rows to deliver and got no answer from the sink.
 
-    The wait starts with the first batch published after the last progress and ends
-    with the next progress: a row acknowledged or dead-lettered (it left the outbox).
-    An empty fetch ends it only if nothing failed since: rows that failed may be waiting
-    out a backoff, and are still waiting to be delivered.
+    The wait starts with the first batch published after the sink last answered and
+    ends with the next answer about any row: an acknowledgement, or a refusal (an HTTP
+    status, a broker error) that proves the path works; a row dead-lettered by the
+    relay itself proves nothing. An empty fetch ends it only if nothing failed since:
+    rows that got no answer may be waiting out a backoff, still to be delivered.
 
     Written by the drain thread only; read by the presence thread (plain attributes).
     """
@@ -59,11 +60,13 @@ class Progress:
         if self._since is None:
             self._since = self._clock()
 
-    def published(self, *, progress: bool) -> None:
-        if progress:
+    def published(self, *, reached: bool | None) -> None:
+        """`reached`: the sink answered about some row (True), about none (False), or
+        was not asked (None: nothing changes)."""
+        if reached:
             self._since = None
             self._failed = False
-        else:
+        elif reached is not None:
             self._failed = True
 
     def idle(self) -> None:
@@ -71,7 +74,7 @@ class Progress:
             self._since = None
 
     def reset(self) -> None:
-        """A new term as leader starts with a clean slate."""
+        """A term as leader starts, or ends, with a clean slate."""
         self._since = None
         self._failed = False
 
@@ -108,6 +111,12 @@ class Presence(threading.Thread):
         self._peers = Peers(0, 0, float("-inf"))
         # Until a probe says otherwise this replica counts itself able: it campaigns.
         self._sink_ok = True
+        # After giving way, this replica leaves the lease to a peer for a whole window,
+        # whatever its probe says: a probe (metadata, a TCP connect) is weaker than a
+        # delivery, and would otherwise let it take the lease straight back.
+        self._defer_until = float("-inf")
+        self._first_beat = True
+        self._missing_schema = False
         self._probe_failing = False
         # When a heartbeat last came back from the database (readiness).
         self.last_db_ok = 0.0
@@ -126,13 +135,17 @@ class Presence(threading.Thread):
         return peers.able
 
     def defer(self) -> bool:
-        """Leave the lease to a peer: we cannot reach the sink, and one can."""
-        return not self._sink_ok and self.able_peers() > 0
+        """Leave the lease to a peer: we cannot reach the sink (or just gave way for
+        want of it), and a live peer can."""
+        if self._settings.give_way_seconds <= 0:
+            return False
+        unable = not self._sink_ok or self._clock() < self._defer_until
+        return unable and self.able_peers() > 0
 
     def gave_way(self) -> None:
-        """The drain loop gave the lease up for want of the sink: until a probe says
-        otherwise we cannot reach it (and so do not campaign while a peer can)."""
+        """The drain loop gave the lease up for want of the sink."""
         self._sink_ok = False
+        self._defer_until = self._clock() + self._settings.give_way_seconds
 
     # --- the loop ---
 
@@ -140,7 +153,9 @@ class Presence(threading.Thread):
         try:
             while True:
                 self.beat_once()
-                if self._stop_event.wait(self._settings.heartbeat_seconds):
+                # Without its table or grants it cannot help: look again now and then.
+                wait = 60.0 if self._missing_schema else self._settings.heartbeat_seconds
+                if self._stop_event.wait(wait):
                     break
         finally:
             self._leave()
@@ -160,16 +175,30 @@ class Presence(threading.Thread):
                         "replica": self._settings.replica_id,
                         "sink_ok": sink_ok,
                         "sink_error": error,
+                        "first": self._first_beat,
                         "live": self._settings.replica_live_seconds,
                         "forget": FORGET_SECONDS,
                     },
                 )
                 .fetchone()
             )
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege) as exc:
+            if not self._missing_schema:
+                log.error(
+                    "presence.unavailable",
+                    error=db.describe_error(exc),
+                    hint="apply migration 0006 (relay migrate) and migrations/grants.sql;"
+                    " until then this replica never gives way nor defers",
+                )
+            self._missing_schema = True
+            self._session.close()
+            return
         except psycopg.Error as exc:
             self._outage.failure(db.describe_error(exc))
             self._session.close()
             return
+        self._missing_schema = False
+        self._first_beat = False
         self._outage.success()
         assert row is not None  # an aggregate-only SELECT always returns one row
         self.last_db_ok = self._clock()

@@ -230,7 +230,7 @@ def replica_status(conn: Conn) -> list[ReplicaRow]:
     try:
         with conn.transaction(), conn.cursor(row_factory=class_row(ReplicaRow)) as cur:
             return cur.execute(QUERIES.replica_status).fetchall()
-    except psycopg.errors.UndefinedTable:
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege):
         return []
 
 

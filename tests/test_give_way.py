@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import relay_env, start_relay
-from tests.harness.webhook import WebhookServer
+from tests.harness.webhook import Reply, WebhookServer
 from tests.support import insert_rows, keyed_rows, scalar, unsent_count, wait_until
 
 pytestmark = pytest.mark.slow
@@ -160,3 +160,24 @@ def test_when_no_replica_reaches_the_sink_the_lease_stays_and_nothing_is_lost(
         assert scalar(database, "SELECT count(*) FROM outbox WHERE attempts > 0") == 0
     finally:
         revived.stop()
+
+
+def test_a_leader_whose_sink_answers_with_errors_keeps_the_lease(
+    database: str, pair: tuple[Replica, Replica]
+) -> None:
+    """An answer, even a refusal, proves the path to the sink works: the standby would
+    meet the same 500s. Rows back off and retry; the lease does not move."""
+    a, _ = pair
+    _, epoch = lease(database)
+    a.endpoint.respond = lambda _delivery: Reply(status=500)
+    insert_rows(database, "orders", keyed_rows(keys=2, per_key=3))
+    wait_until(
+        lambda: scalar(database, "SELECT count(*) FROM outbox WHERE attempts > 0") > 0,
+        timeout=20,
+        message="the endpoint refusing rows",
+    )
+    watch_until = time.monotonic() + 3 * GIVE_WAY_SECONDS
+    while time.monotonic() < watch_until:
+        assert lease(database) == ("a", epoch)
+        time.sleep(0.1)
+    assert not events(a.log_path, "lease.gave_way")

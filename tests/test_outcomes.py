@@ -34,7 +34,7 @@ def test_each_outcome_lands_where_the_policy_says() -> None:
     assert settlement.dead_ids == [3, 4]
     assert settlement.dead_reasons == ["gave up after 5 attempts: HTTP 500", "HTTP 400"]
     assert [m.id for m, _ in decision.dead] == [3, 4]
-    assert decision.unavailable is None and decision.progress
+    assert decision.unavailable is None and decision.reached is True
     assert decision.counts[("t", "skipped")] == 1
 
 
@@ -43,7 +43,22 @@ def test_a_sink_that_is_down_leaves_rows_untouched_and_spends_no_attempt() -> No
     decision = decide([row(1), row(2)], [down, down], max_attempts=1, retry_delay=delay)
     assert not decision.settlement
     assert decision.unavailable is down
-    assert not decision.progress
+    assert decision.reached is False  # asked, no answer: a stall for the give-way clock
+
+
+def test_an_answer_proves_the_sink_reachable_and_relay_verdicts_prove_nothing() -> None:
+    refused = Result(Outcome.RETRY, "HTTP 500", reached=True)
+    no_answer = Result(Outcome.RETRY, "read timeout")
+    malformed = Result(Outcome.DEAD, "invalid topic")
+
+    def reached(results: list[Result]) -> bool | None:
+        batch = [row(n) for n in range(len(results))]
+        return decide(batch, results, max_attempts=1, retry_delay=delay).reached
+
+    assert reached([no_answer, refused]) is True
+    # Out of attempts without an answer: dead-lettered, yet no sign the sink is there.
+    assert reached([no_answer]) is False
+    assert reached([malformed, SKIPPED]) is None
 
 
 def test_a_sick_partition_retries_its_own_rows_while_the_sink_acknowledges_others() -> None:

@@ -91,14 +91,14 @@ def test_progress_counts_the_wait_from_the_first_undelivered_batch() -> None:
     now[0] += 5
     progress.publishing()  # the next batch does not restart the wait
     assert progress.stalled_for() == 5
-    progress.published(progress=False)
+    progress.published(reached=False)
     progress.idle()  # the failed rows may be waiting out a backoff: still stalled
     now[0] += 1
     assert progress.stalled_for() == 6
-    progress.published(progress=True)
+    progress.published(reached=True)
     assert progress.stalled_for() == 0
     progress.publishing()
-    progress.published(progress=True)
+    progress.published(reached=True)
     progress.idle()  # delivered, then nothing to do: not stalled
     now[0] += 60
     assert progress.stalled_for() == 0

@@ -39,9 +39,14 @@ class Result:
     # The message failed for another's sake (its producer died or was purged): never
     # its own fault, so it spends no attempt even while the sink acks other messages.
     collateral: bool = False
+    # The sink answered about this message (acknowledged it, or refused it: an HTTP
+    # status, a broker error), as opposed to no answer at all (refused connection,
+    # timeout). Any answer proves the path to the sink works: a leader gives way only
+    # while it gets none.
+    reached: bool = False
 
 
-ACKED = Result(Outcome.ACKED)
+ACKED = Result(Outcome.ACKED, reached=True)
 SKIPPED = Result(Outcome.SKIPPED)
 IN_FLIGHT = Result(Outcome.IN_FLIGHT)
 
@@ -68,6 +73,11 @@ class Sink(Protocol):
 
     def flush(self, timeout: float) -> int:
         """Wait for anything still queued; return how many are left."""
+        ...
+
+    def reset(self) -> None:
+        """Drop whatever is still queued or in flight, unreported, and start clean
+        (this replica gave the lease up). Called on the drain loop's thread."""
         ...
 
     def close(self) -> None: ...

@@ -136,10 +136,12 @@ def classify_response(
     if body:
         text += f": {snippet(body)}"
     if status in _UNAVAILABLE_STATUSES:
-        return Result(Outcome.UNAVAILABLE, text, parse_retry_after(retry_after, retry_cap))
+        return Result(
+            Outcome.UNAVAILABLE, text, parse_retry_after(retry_after, retry_cap), reached=True
+        )
     if status in _RETRY_STATUSES or status >= 500 or status in also_retry:
-        return Result(Outcome.RETRY, text, parse_retry_after(retry_after, retry_cap))
-    return Result(Outcome.DEAD, text)
+        return Result(Outcome.RETRY, text, parse_retry_after(retry_after, retry_cap), reached=True)
+    return Result(Outcome.DEAD, text, reached=True)
 
 
 def classify_error(exc: Exception) -> Result:
@@ -365,7 +367,7 @@ class HttpSink:
         result = await self._post(request)
         if result.outcome is Outcome.UNAVAILABLE and not self._single_endpoint:
             # One endpoint among several: its outage must not pause the others.
-            return Result(Outcome.RETRY, result.error, result.retry_after)
+            return Result(Outcome.RETRY, result.error, result.retry_after, reached=result.reached)
         return result
 
     async def _post(self, request: Request) -> Result:
@@ -429,6 +431,9 @@ class HttpSink:
 
     def flush(self, timeout: float) -> int:
         return 0  # publish() returns only when every request has an outcome
+
+    def reset(self) -> None:
+        return  # nothing outlives a publish() call
 
     def close(self) -> None:
         if self._closed:

@@ -117,12 +117,14 @@ def classify(error: KafkaError) -> Result:
         return Result(Outcome.UNAVAILABLE, text, collateral=True)
     if needs_new_producer(error) or error.code() in _UNAVAILABLE:
         return Result(Outcome.UNAVAILABLE, text)
+    # From here on the cluster answered about the message (a broker error, or metadata
+    # saying its topic is unknown): the path to it works.
     if error.code() in _PERMANENT:
-        return Result(Outcome.DEAD, text)
+        return Result(Outcome.DEAD, text, reached=True)
     # Unknown topic, authorization and anything unexpected: retried per row with
     # backoff and dead-lettered after RELAY_MAX_ATTEMPTS, so an operator can fix and
     # requeue without the relay spinning.
-    return Result(Outcome.RETRY, text)
+    return Result(Outcome.RETRY, text, reached=True)
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -323,6 +325,10 @@ class KafkaSink:
         if len(producer):
             with contextlib.suppress(KafkaException, RuntimeError):
                 producer.purge(in_queue=True, in_flight=False, blocking=False)
+
+    def reset(self) -> None:
+        if len(self._producer):
+            self._replace_producer()
 
     def check(self, timeout: float) -> str:
         metadata = self._producer.list_topics(timeout=timeout)

@@ -57,6 +57,7 @@ RETURNING epoch, clock_timestamp() AS at;
 -- elector renews with it, and it is the first statement of every transaction that
 -- settles rows: zero rows there means a newer holder exists, so the settle rolls back.
 -- `at` is read under the lease row's lock: settles and acquisitions are ordered by it.
+-- A released lease is never extended again (lease_take clears released_at).
 UPDATE leases
 SET expires_at = now() + make_interval(secs => %(ttl)s),
     renewed_at = now(),
@@ -64,6 +65,7 @@ SET expires_at = now() + make_interval(secs => %(ttl)s),
 WHERE name = %(name)s
   AND holder = %(holder)s
   AND epoch = %(epoch)s
+  AND released_at IS NULL
 RETURNING epoch, clock_timestamp() AS at;
 
 -- name: lease_release
@@ -97,7 +99,8 @@ WITH forgotten AS (
     INSERT INTO replicas AS r (lease_name, replica_id, sink_ok, sink_error)
     VALUES (%(lease)s, %(replica)s, %(sink_ok)s, %(sink_error)s)
     ON CONFLICT (lease_name, replica_id) DO UPDATE
-    SET seen_at = now(),
+    SET started_at = CASE WHEN %(first)s THEN now() ELSE r.started_at END,
+        seen_at = now(),
         sink_ok = excluded.sink_ok,
         sink_error = excluded.sink_error
 )
