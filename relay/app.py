@@ -74,11 +74,14 @@ class RelayApp:
         self.metrics_server: MetricsServer | None = None
 
     def _db_recently_ok(self) -> bool:
-        """A lease statement (the elector's, or a settle's renewal) or a heartbeat came
-        back within max(3 x standby poll, ttl): measured from the last real round trip,
-        so a leader whose database is gone turns unready within that window."""
+        """A lease statement (the elector's, or a settle's renewal) came back within
+        max(3 x standby poll, ttl): measured from the last real round trip, so a leader
+        whose database is gone turns unready within that window. A standby that defers
+        to a peer makes no lease round trips: its heartbeats count for it."""
         window = max(3 * self.settings.standby_poll_seconds, self.settings.lease_ttl_seconds)
-        last_ok = max(self.elector.last_db_ok, self.presence.last_db_ok)
+        last_ok = self.elector.last_db_ok
+        if self.lease.held_token() is None:
+            last_ok = max(last_ok, self.presence.last_db_ok)
         since = min(time.monotonic() - last_ok, self.lease.since_renewal())
         return since < window
 
