@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 import psycopg
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay.app import RelayApp
 from relay.settings import Settings
-from tests.harness.kafka import Record
+from tests.harness.kafka import Record, consume
 
 T = TypeVar("T")
 
@@ -66,6 +66,18 @@ def scalar(dsn: str, sql: str, params: Sequence[Any] = ()) -> Any:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(sql, params).fetchone()
         return None if row is None else row[0]
+
+
+def lease(dsn: str, name: str = "default") -> tuple[str | None, int]:
+    """The lease row as (live holder or None, epoch)."""
+    row = scalar(
+        dsn,
+        "SELECT json_build_array(CASE WHEN expires_at > now() THEN holder END, epoch)"
+        " FROM leases WHERE name = %s",
+        (name,),
+    )
+    holder, epoch = row if row else (None, 0)
+    return holder, int(epoch)
 
 
 def unsent_count(dsn: str) -> int:
@@ -140,3 +152,40 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 def metric(port: int, name: str, **labels: str) -> float | None:
     """The value of one series on one replica, None if absent or the replica is down."""
     return scrape(port).get((name, frozenset(labels.items())))
+
+
+# The reliability issue's first case: a key's rows fill a small producer queue while the
+# broker (or the partition's leader) is silent just past the delivery timeout.
+OVERTAKE_SETTINGS: dict[str, Any] = {
+    "batch_size": 200,
+    "kafka_delivery_timeout_ms": 1_500,
+    # A small queue, and requests of two messages: the queue fills while the broker is
+    # silent, and the rest of the batch waits to be produced.
+    "kafka": {"queue_buffering_max_messages": "20", "batch_num_messages": "2"},
+}
+
+
+def assert_no_key_overtakes_itself(
+    settings: Settings,
+    dsn: str,
+    topic: str,
+    silence: Callable[[], AbstractContextManager[object]],
+) -> None:
+    """Had librdkafka timed the first messages out itself, it would have bumped the
+    idempotent producer's epoch and sent the later ones once the broker answered again:
+    K:20.. before the retried K:0. Per key, the consumed sequence never goes back."""
+    with running_relay(settings):
+        insert_rows(dsn, topic, [("warm", b"warm:0")])
+        wait_until(lambda: unsent_count(dsn) == 0, timeout=30, message="producer warm")
+        with silence():
+            insert_rows(dsn, topic, [("K", f"K:{i}".encode()) for i in range(300)])
+            time.sleep(2.2)  # the fault: silent just past the delivery timeout
+        wait_until(lambda: unsent_count(dsn) == 0, timeout=90, message="all delivered")
+    assert settings.kafka_bootstrap_servers
+    records = consume(settings.kafka_bootstrap_servers, topic, min_count=301, timeout=60)
+    steps = [
+        int(r.value.decode().split(":")[1])
+        for r in dedup_by_message_id(records)
+        if r.key == "K" and r.value is not None
+    ]
+    assert steps == list(range(300)), steps[:40]

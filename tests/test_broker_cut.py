@@ -28,6 +28,7 @@ from tests.support import (
     dedup_by_message_id,
     insert_rows,
     keyed_rows,
+    lease,
     scalar,
     unsent_count,
     wait_until,
@@ -165,17 +166,6 @@ def test_self_check_cut_silences_one_process_and_heal_resumes_it(
 
 
 # --- the relay: a leader cut off from the broker gives way ---
-
-
-def lease(dsn: str) -> tuple[str | None, int]:
-    """(live holder or None, epoch)."""
-    row = scalar(
-        dsn,
-        "SELECT json_build_array(CASE WHEN expires_at > now() THEN holder END, epoch)"
-        " FROM leases WHERE name = 'default'",
-    )
-    holder, epoch = row if row else (None, 0)
-    return holder, int(epoch)
 
 
 def logged(log_path: Path, event: str) -> bool:

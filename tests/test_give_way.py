@@ -18,21 +18,11 @@ import pytest
 
 from tests.conftest import relay_env, start_relay
 from tests.harness.webhook import Reply, WebhookServer
-from tests.support import insert_rows, keyed_rows, scalar, unsent_count, wait_until
+from tests.support import insert_rows, keyed_rows, lease, scalar, unsent_count, wait_until
 
 pytestmark = pytest.mark.slow
 
 GIVE_WAY_SECONDS = 2.0
-
-
-def lease(dsn: str) -> tuple[str | None, int]:
-    row = scalar(
-        dsn,
-        "SELECT json_build_array(CASE WHEN expires_at > now() THEN holder END, epoch)"
-        " FROM leases WHERE name = 'default'",
-    )
-    holder, epoch = row if row else (None, 0)
-    return holder, int(epoch)
 
 
 def events(log_path: Path, name: str) -> list[dict[str, object]]:
@@ -43,6 +33,14 @@ def events(log_path: Path, name: str) -> list[dict[str, object]]:
             if event.get("event") == name:
                 found.append(event)
     return found
+
+
+def stays_with(dsn: str, expected: tuple[str, int], seconds: float) -> None:
+    """The lease keeps its holder and epoch for `seconds`: watched, not assumed."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        assert lease(dsn) == expected
+        time.sleep(0.1)
 
 
 class Replica:
@@ -139,10 +137,7 @@ def test_when_no_replica_reaches_the_sink_the_lease_stays_and_nothing_is_lost(
         message="both replicas reporting the sink unreachable",
     )
     # Three give-way windows with nobody able: the leader keeps the lease, rows wait.
-    watch_until = time.monotonic() + 3 * GIVE_WAY_SECONDS
-    while time.monotonic() < watch_until:
-        assert lease(database) == ("a", epoch)
-        time.sleep(0.1)
+    stays_with(database, ("a", epoch), seconds=3 * GIVE_WAY_SECONDS)
     assert unsent_count(database) == len(ids)
     assert not events(a.log_path, "lease.gave_way")
 
@@ -176,8 +171,5 @@ def test_a_leader_whose_sink_answers_with_errors_keeps_the_lease(
         timeout=20,
         message="the endpoint refusing rows",
     )
-    watch_until = time.monotonic() + 3 * GIVE_WAY_SECONDS
-    while time.monotonic() < watch_until:
-        assert lease(database) == ("a", epoch)
-        time.sleep(0.1)
+    stays_with(database, ("a", epoch), seconds=3 * GIVE_WAY_SECONDS)
     assert not events(a.log_path, "lease.gave_way")
