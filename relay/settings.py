@@ -3,24 +3,22 @@
 The rest of the code receives a `Settings` object and never looks at the environment:
 a bad value fails here, with the name of the variable, before any connection is made.
 
-Long: every `RELAY_*` setting is one field here, the contract operators configure
-against, read in one place. The sinks' own fields move to their sinks with the
-one-module-per-sink interface.
+Long: every setting the sinks do not own is one field here (the contract operators
+configure against), with the loading rules (secrets from files, unknown variables
+refused with the closest name). Each sink's own fields, validation and secrets live
+with it (relay/sinks/kafka_settings.py, relay/sinks/http_settings.py).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import difflib
 import os
 import re
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -33,6 +31,8 @@ from pydantic_settings import (
 )
 
 from relay.errors import SettingsError
+from relay.sinks.http_settings import HTTP_SECRETS, HttpSettings
+from relay.sinks.kafka_settings import KAFKA_SECRETS, KafkaSettings
 
 __all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
 
@@ -40,14 +40,7 @@ ENV_PREFIX = "RELAY_"
 
 # Secret settings may also be given as a path in RELAY_<NAME>_FILE (Kubernetes Secret
 # volumes, Docker secrets), so the secret never has to sit in the process environment.
-SECRET_FIELDS = (
-    "database_url",
-    "database_password",
-    "kafka_sasl_password",
-    "http_url",  # webhook URLs often carry a token
-    "http_signing_secret",
-    "http_auth_header_value",
-)
+SECRET_FIELDS = ("database_url", "database_password", *KAFKA_SECRETS, *HTTP_SECRETS)
 
 
 class _FileSecretsSource(PydanticBaseSettingsSource):
@@ -153,66 +146,12 @@ class CommonSettings(BaseSettings):
         return (init_settings, env_settings, _FileSecretsSource(settings_cls))
 
 
-class Settings(CommonSettings):
-    """Everything `relay run` needs, from `RELAY_*` environment variables (12-factor)."""
+class Settings(CommonSettings, KafkaSettings, HttpSettings):
+    """Everything `relay run` needs, from `RELAY_*` environment variables (12-factor).
+    Each sink's own settings live with it (relay/sinks/*_settings.py)."""
 
     # --- sink ---
     sink: Literal["kafka", "http"] = "kafka"
-    kafka_bootstrap_servers: str | None = None
-    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "lz4"
-    kafka_linger_ms: int = Field(default=5, ge=0, le=60_000)
-    kafka_delivery_timeout_ms: int = Field(default=30_000, ge=1_000, le=900_000)
-    kafka_straggler_ms: int = Field(
-        default=1_000,
-        ge=50,
-        le=900_000,
-        description="A batch whose other messages were acknowledged stops waiting for the "
-        "rest after this long without a report: they stay in flight (their keys held) "
-        "while other partitions flow.",
-    )
-    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] | None = None
-    kafka_sasl_mechanism: str | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: SecretStr | None = None
-    kafka_topic_map: dict[str, str] = Field(
-        default_factory=dict,
-        description='JSON: outbox topic -> Kafka topic, e.g. {"orders": "prod.orders"}.',
-    )
-    kafka: dict[str, str] = Field(
-        default_factory=dict,
-        description="librdkafka pass-through: RELAY_KAFKA__SSL_CA_LOCATION sets ssl.ca.location.",
-    )
-    # --- HTTP sink (relay/sinks/http.py) ---
-    http_url: str | None = Field(
-        default=None,
-        description="Default endpoint; `{topic}` in it is replaced by the row's topic.",
-    )
-    http_topic_urls: dict[str, str] = Field(
-        default_factory=dict,
-        description='JSON: outbox topic -> URL, e.g. {"orders": "https://x/orders"}.',
-    )
-    http_max_in_flight: int = Field(default=16, ge=1, le=1024)
-    http_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=300)
-    http_read_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
-    http_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
-    http_tls_verify: bool = True
-    http_ca_file: str | None = None
-    http_client_cert_file: str | None = None
-    http_client_key_file: str | None = None
-    http_content_type: str = Field(default="application/octet-stream", min_length=1)
-    http_forward_headers: str = Field(
-        default="*",
-        description="Row headers to send: `*` for all, or a comma-separated allow-list.",
-    )
-    http_retry_statuses: str = Field(
-        default="",
-        description="More statuses to retry instead of dead-letter, e.g. `401,403,404`.",
-    )
-    http_signing_secret: SecretStr | None = Field(
-        default=None, description="Standard Webhooks secret (`whsec_<base64>`)."
-    )
-    http_auth_header_name: str = "Authorization"
-    http_auth_header_value: SecretStr | None = None
 
     # --- lease ---
     lease_ttl_seconds: float = Field(default=10.0, ge=1.0, le=3600.0)
@@ -269,66 +208,6 @@ class Settings(CommonSettings):
     metrics_port: int = Field(default=9108, ge=0, le=65535)
     metrics_enabled: bool = True
 
-    @field_validator("http_url")
-    @classmethod
-    def _http_url_shape(cls, value: str | None) -> str | None:
-        if value is not None:
-            _check_http_url(value)
-        return value
-
-    @field_validator("http_topic_urls")
-    @classmethod
-    def _http_topic_urls_shape(cls, value: dict[str, str]) -> dict[str, str]:
-        for topic, url in value.items():
-            try:
-                _check_http_url(url)
-            except ValueError as exc:
-                raise ValueError(f"topic {topic!r}: {exc}") from None
-        return value
-
-    @field_validator("http_retry_statuses")
-    @classmethod
-    def _retry_statuses_shape(cls, value: str) -> str:
-        for part in value.split(","):
-            code = part.strip()
-            if code and not (code.isdigit() and 300 <= int(code) <= 499):
-                raise ValueError("must be a comma-separated list of 3xx/4xx status codes")
-        return value
-
-    @field_validator("http_signing_secret")
-    @classmethod
-    def _signing_secret_shape(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None:
-            signing_key(value)  # fail at start-up, not on the first message
-        return value
-
-    @field_validator("http_auth_header_name")
-    @classmethod
-    def _header_name_shape(cls, value: str) -> str:
-        if not HEADER_TOKEN.fullmatch(value):
-            raise ValueError("must be an HTTP header name")
-        return value
-
-    @field_validator("http_auth_header_value", "http_signing_secret", mode="before")
-    @classmethod
-    def _strip_secret(cls, value: Any) -> Any:
-        # `echo token > secret` leaves a newline that would make an illegal header.
-        return value.strip() if isinstance(value, str) else value
-
-    @field_validator("http_auth_header_value")
-    @classmethod
-    def _auth_value_shape(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not _HEADER_VALUE.fullmatch(value.get_secret_value()):
-            raise ValueError("must be a non-empty header value of visible ASCII characters")
-        return value
-
-    @field_validator("http_content_type")
-    @classmethod
-    def _content_type_shape(cls, value: str) -> str:
-        if not _HEADER_VALUE.fullmatch(value):
-            raise ValueError("must be a header value of visible ASCII characters")
-        return value
-
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Settings:
         if self.sink == "kafka" and not self.kafka_bootstrap_servers:
@@ -338,10 +217,6 @@ class Settings(CommonSettings):
         if self.sink == "http" and not (self.http_url or self.http_topic_urls):
             raise SettingsError(
                 "RELAY_HTTP_URL", "is required when RELAY_SINK=http (or RELAY_HTTP_TOPIC_URLS)"
-            )
-        if self.http_client_key_file and not self.http_client_cert_file:
-            raise SettingsError(
-                "RELAY_HTTP_CLIENT_CERT_FILE", "is required with RELAY_HTTP_CLIENT_KEY_FILE"
             )
         if self.poll_interval_min_seconds > self.poll_interval_max_seconds:
             raise SettingsError(
@@ -358,7 +233,6 @@ class Settings(CommonSettings):
                 "must be 0 (never) or at least twice RELAY_HEARTBEAT_SECONDS: the decision "
                 "rests on the other replicas' heartbeats",
             )
-        _check_guarantees(self.librdkafka_config())
         return self
 
     # --- derived values, so no caller re-derives them differently ---
@@ -385,22 +259,6 @@ class Settings(CommonSettings):
     def keep_sent_rows(self) -> bool:
         return self.retention_seconds > 0
 
-    @property
-    def http_retry_status_codes(self) -> frozenset[int]:
-        return frozenset(int(c) for c in self.http_retry_statuses.split(",") if c.strip())
-
-    @property
-    def http_forward_allowlist(self) -> frozenset[str] | None:
-        """Lower-cased row header names to forward; None forwards every row header."""
-        raw = self.http_forward_headers.strip()
-        if raw == "*":
-            return None
-        return frozenset(name.strip().lower() for name in raw.split(",") if name.strip())
-
-    def librdkafka_config(self) -> dict[str, str]:
-        """Pass-through librdkafka settings with their dotted names restored."""
-        return {key.lower().replace("_", "."): value for key, value in self.kafka.items()}
-
     # --- lag sampling (observability) ---
     lag_sample_seconds: float = Field(
         default=5.0,
@@ -414,97 +272,6 @@ class Settings(CommonSettings):
         le=100_000_000,
         description="Row counts in the lag gauges stop here, so a sample's cost is bounded.",
     )
-
-
-HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?")
-
-
-# librdkafka settings the delivery guarantees rest on: the pass-through may tune
-# anything else, but not quietly turn these off.
-_KAFKA_GUARDED: dict[str, tuple[Callable[[str], bool], str]] = {
-    "enable.idempotence": (
-        lambda v: v.lower() in {"true", "1"},
-        "must stay true: without it a retried batch can be duplicated or reordered",
-    ),
-    "acks": (lambda v: v.lower() in {"all", "-1"}, "must stay all (-1): the relay marks on acks"),
-    "delivery.report.only.error": (
-        lambda v: v.lower() in {"false", "0"},
-        "must stay false: rows are marked sent from success reports",
-    ),
-    "max.in.flight.requests.per.connection": (
-        lambda v: v.isdigit() and 1 <= int(v) <= 5,
-        "must be 1-5: the idempotent producer keeps order only up to 5",
-    ),
-    "max.in.flight": (  # librdkafka's alias of the above
-        lambda v: v.isdigit() and 1 <= int(v) <= 5,
-        "must be 1-5: the idempotent producer keeps order only up to 5",
-    ),
-    "message.timeout.ms": (
-        lambda v: v.strip() == "0",
-        "must stay 0: the relay times deliveries out itself"
-        " (RELAY_KAFKA_DELIVERY_TIMEOUT_MS), keeping per-key order",
-    ),
-    "delivery.timeout.ms": (  # librdkafka's alias of the above
-        lambda v: v.strip() == "0",
-        "must stay 0: the relay times deliveries out itself"
-        " (RELAY_KAFKA_DELIVERY_TIMEOUT_MS), keeping per-key order",
-    ),
-    "enable.gapless.guarantee": (
-        lambda v: v.lower() in {"true", "1"},
-        "must stay true: a gap in a partition would break per-key order",
-    ),
-    "transactional.id": (
-        lambda _v: False,
-        "is not supported: the relay does not run a transactional producer (yet)",
-    ),
-}
-
-
-def _check_guarantees(config: dict[str, str]) -> None:
-    for name, value in config.items():
-        rule = _KAFKA_GUARDED.get(name)
-        if rule is not None and not rule[0](str(value).strip()):
-            env = f"{ENV_PREFIX}KAFKA__{name.upper().replace('.', '_')}"
-            raise SettingsError(env, rule[1])
-
-
-def _check_http_url(url: str) -> None:
-    parsed = urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError("must be an http:// or https:// URL with a host")
-    if "{" in parsed.netloc:
-        raise ValueError("{topic} may appear in the path or query, not in the host")
-    try:
-        parsed.port  # noqa: B018 - raises on an out-of-range port
-    except ValueError:
-        raise ValueError("has an invalid port") from None
-
-
-def url_origin(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of an endpoint URL: what one connection pool talks to."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, parts.hostname or "", port
-
-
-def configured_origins(settings: Settings) -> set[tuple[str, str, int]]:
-    urls = list(settings.http_topic_urls.values())
-    if settings.http_url:
-        urls.append(settings.http_url)
-    return {url_origin(url) for url in urls}
-
-
-def signing_key(secret: SecretStr) -> bytes:
-    """The HMAC key of a Standard Webhooks secret: base64, optionally prefixed `whsec_`."""
-    raw = secret.get_secret_value().strip().removeprefix("whsec_")
-    try:
-        key = base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("must be base64, optionally prefixed whsec_") from None
-    if len(key) < 16:
-        raise ValueError("must decode to at least 16 bytes")
-    return key
 
 
 S = TypeVar("S", bound=CommonSettings)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from relay.settings import Settings, SettingsError
+from typing import TYPE_CHECKING
+
+from relay.errors import SettingsError
 from relay.sinks.base import Outcome, Result, Sink
+
+if TYPE_CHECKING:  # relay.settings is made of the sinks' own settings modules
+    from relay.settings import Settings
 
 __all__ = ["Outcome", "Result", "Sink", "create_sink"]
 

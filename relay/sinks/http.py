@@ -48,8 +48,9 @@ import httpx
 from relay import __version__, metrics
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
-from relay.settings import HEADER_TOKEN, Settings, configured_origins, signing_key
+from relay.settings import Settings
 from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
+from relay.sinks.http_settings import HEADER_TOKEN, configured_origins, signing_key
 
 log = get_logger("relay.sinks.http")
 T = TypeVar("T")
