@@ -214,9 +214,6 @@ class Health:
             limits = dict(self._stale_after)
         return [loop for loop, limit in limits.items() if self.age(loop) >= limit]
 
-    def alive(self) -> bool:
-        return not self.stalled()
-
     def describe(self) -> str:
         with self._lock:
             loops = sorted(self._stale_after)

@@ -111,7 +111,7 @@ def fetch_batch(
     with conn.cursor(row_factory=tuple_row) as cur:
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
-            return Fetched(_within_bytes(head, limits.bytes))
+            return Fetched(_within_bytes(head))
         params.update(key_cap=limits.per_key, fill=limits.fill, after_key=after_key)
         *rows, last = cur.execute(QUERIES.fetch_batch, params).fetchall()
     walked_to = last[-1]
@@ -138,7 +138,7 @@ def _needs_sharing(head: list[tuple[Any, ...]], limits: BatchLimits, busy_keys: 
     return bool(counts) and max(counts.values()) > limits.per_key
 
 
-def _within_bytes(head: list[tuple[Any, ...]], max_bytes: int) -> list[OutboxMessage]:
+def _within_bytes(head: list[tuple[Any, ...]]) -> list[OutboxMessage]:
     """The ready rows up to the byte bound (fetch_head's `within`), in id order."""
     batch: list[OutboxMessage] = []
     for row in head:

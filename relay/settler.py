@@ -33,9 +33,6 @@ class InFlight:
     held_keys: frozenset[str]
     future: Future[datetime | None]
 
-    def ids_literal(self) -> str:
-        return repository.array_literal(self.ids)
-
 
 class Settler:
     def __init__(
