@@ -192,6 +192,10 @@ class Drainer:
         finally:
             self._settle_in_flight_quietly()
             self._prefetched = None
+            if len(self._stragglers):
+                # Forgotten, so not left to be retried forever and land after the next
+                # holder's later rows of their keys.
+                self._sink.reset()
             self._stragglers.clear()
             self._progress.reset()
 
@@ -209,7 +213,9 @@ class Drainer:
         if not batch:
             answered, answers = self._stragglers.answered()
             if answered:
-                self._settle(token, answered, answers)
+                unavailable = self._settle(token, answered, answers)
+                if unavailable is not None:  # stragglers expired with the sink down
+                    self._pause(self._sink_retry.next_delay(), token)
             elif self._in_flight is not None:
                 self._settle_in_flight(self._in_flight)  # then look again at once
             else:
@@ -228,7 +234,9 @@ class Drainer:
         if not self._abandon(token):
             self._prefetch(conn, batch)
         prefetching = self._clock() - prefetch_started
-        results = publishing.wait(leave_stragglers=len(self._stragglers) < self._limits.rows)
+        # At most a batch of stragglers: this batch may straggle whole only if it fits.
+        room = len(self._stragglers) + len(batch) <= self._limits.rows
+        results = publishing.wait(leave_stragglers=room)
         metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(
             self._clock() - started - prefetching
         )

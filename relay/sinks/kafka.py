@@ -237,11 +237,13 @@ class KafkaSink:
                 blocked.add(message.key)
                 continue
             if index % 64 == 0 and abandon():
-                break  # lease gone or shutdown grace over: publish nothing more
+                publishing.never_sent(index)  # lease gone or shutdown grace over
+                break
             publishing.pending += 1
             if not self._produce(publishing, topic, message, headers, index):
                 publishing.pending -= 1
-                break  # abandoned while the local queue was full: the rest stay unsent
+                publishing.never_sent(index)  # gave up waiting for queue room
+                break
             if results[index] is not None and message.key is not None:
                 blocked.add(message.key)  # produce() refused it (too large, bad argument)
         # flush(0): ask librdkafka to send the batch's tail now rather than after
@@ -380,14 +382,26 @@ class Publishing:
         self.failure: KafkaError | None = None
         self.deadline = time.monotonic() + sink._max_wait
         self.expired = False
-        self.last_report = time.monotonic()
+        self.created = self.last_report = time.monotonic()
+
+    def never_sent(self, start: int) -> None:
+        """Rows from `start` on were not handed to librdkafka: untouched (SKIPPED), never
+        mistaken for messages still in flight."""
+        for index in range(start, len(self.results)):
+            if self.results[index] is None:
+                self.results[index] = SKIPPED
+
+    def _current(self) -> bool:
+        """Our producer is still the sink's: only then may we condemn it."""
+        return self.producer is self.sink._producer
 
     def expire(self) -> None:
         """The batch's deadline passed: purge what is queued or in flight (reported as
         timed out) and start a fresh producer next batch."""
         self.expired = True
         _purge_everything(self.producer)
-        self.sink._needs_new_producer = True
+        if self._current():
+            self.sink._needs_new_producer = True
         self.failure = KafkaError(KafkaError._MSG_TIMED_OUT, _EXPIRED)
 
     def report(self, index: int, error: KafkaError | None) -> None:
@@ -402,7 +416,7 @@ class Publishing:
             self.results[index] = Result(Outcome.UNAVAILABLE, _EXPIRED)
         else:
             self.results[index] = classify(error)
-            if needs_new_producer(error):
+            if needs_new_producer(error) and self._current():
                 self.sink._needs_new_producer = True
         self.pending -= 1
 
@@ -411,16 +425,19 @@ class Publishing:
         batch's or others'): what still waits is held by a sick partition, not by a
         broker that is down (then the batch waits for its deadline, as a whole)."""
         now = time.monotonic()
-        return (
-            now - self.last_report >= self.sink._straggler_wait
-            and now - self.sink.last_ack < self.sink._max_wait
-        )
+        # "Lately": since this batch was handed over, or just before it; a broker that
+        # went down as a whole acknowledges nothing from then on.
+        acked_lately = self.sink.last_ack >= self.created - 4 * self.sink._straggler_wait
+        return now - self.last_report >= self.sink._straggler_wait and acked_lately
 
     def wait(self, *, leave_stragglers: bool = False) -> list[Result]:
         """Every message's outcome, once each has its report (or we stop waiting)."""
         sink, producer = self.sink, self.producer
         abandoned = False
         failure = self.failure
+        # The quiet time counts from now: reports may be waiting unserved after a slow
+        # read-ahead, and must not make the whole batch look stuck.
+        self.last_report = max(self.last_report, time.monotonic())
         while failure is None and self.pending > 0:
             if self.abandon():
                 abandoned = True
@@ -464,4 +481,6 @@ class Publishing:
             if failure is not None and self.pending > 0:
                 lost = classify(failure)
                 return [lost if result is None else result for result in self.results]
+        if self.pending == 0:  # every message handed over has its report
+            return [SKIPPED if result is None else result for result in self.results]
         return [IN_FLIGHT if result is None else result for result in self.results]
