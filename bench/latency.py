@@ -2,7 +2,7 @@
 
 An app thread inserts rows at a steady rate (a transaction every 10 ms, as many rows as
 the schedule asks) and notes when each commit returned. The relay runs in-process with
-its real Kafka sink wrapped to note when `publish()` hands back each acknowledgement.
+its real Kafka sink wrapped to note when `wait()` hands back each acknowledgement.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from bench.common import PAYLOAD, TOPIC, relay_settings
 from relay.message import OutboxMessage
 from relay.settings import Settings
 from relay.sinks import Outcome, Result, Sink, create_sink
+from relay.sinks.base import Pending
 from tests.support import running_relay
 
 
@@ -30,17 +31,23 @@ class TimedSink:
         self.inner = inner
         self.name = inner.name
         self.serial_per_key = inner.serial_per_key
+        self.max_publish_seconds = inner.max_publish_seconds
         self.acked_at: dict[str, float] = {}
 
-    def publish(
+    def start_publish(
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
-    ) -> list[Result]:
-        results = self.inner.publish(messages, abandon)
+    ) -> Pending:
+        return TimedPending(self, messages, self.inner.start_publish(messages, abandon))
+
+    def note(self, messages: Sequence[OutboxMessage], results: list[Result]) -> list[Result]:
         now = time.monotonic()
         for message, result in zip(messages, results, strict=True):
             if result.outcome is Outcome.ACKED:
                 self.acked_at.setdefault(message.message_id, now)
         return results
+
+    def stop_sending(self) -> None:
+        self.inner.stop_sending()
 
     def check(self, timeout: float) -> str:
         return self.inner.check(timeout)
@@ -53,6 +60,17 @@ class TimedSink:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class TimedPending:
+    def __init__(self, sink: TimedSink, messages: Sequence[OutboxMessage], inner: Pending):
+        self._sink, self._messages, self._inner = sink, messages, inner
+
+    def wait(self, *, leave_stragglers: bool = False) -> list[Result]:
+        return self._sink.note(self._messages, self._inner.wait(leave_stragglers=leave_stragglers))
+
+    def again(self) -> list[Result]:
+        return self._sink.note(self._messages, self._inner.again())
 
 
 def insert_steadily(dsn: str, rate: float, seconds: float) -> dict[str, float]:

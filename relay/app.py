@@ -20,7 +20,6 @@ from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import create_sink
-from relay.sinks.base import StartsPublishing
 
 log = get_logger("relay.app")
 
@@ -37,9 +36,6 @@ class RelayApp:
             time.monotonic,
         )
         self.health = Health()
-        # The main loop beats at least every poll; a publish waiting on a dead broker
-        # beats from its wait loop too. Minutes of silence means it is truly stuck.
-        self.health.register("main", max(60.0, settings.kafka_delivery_timeout_ms / 500))
         # The elector and the sampler beat once per turn; one turn may wait out a
         # connect and a statement timeout against a sick database.
         db_wait = (
@@ -48,6 +44,9 @@ class RelayApp:
         )
         self.health.register("elector", max(60.0, 3 * settings.standby_poll_seconds + db_wait))
         self.sink = create_sink(settings)
+        # The main loop beats at least every poll; a publish waiting on a dead broker
+        # beats from its wait loop too. Minutes of silence means it is truly stuck.
+        self.health.register("main", max(60.0, 2 * self.sink.max_publish_seconds))
         progress = Progress()
         self.presence = Presence(settings, self.lease, self.sink, progress)
         self.elector = Elector(settings, self.lease, health=self.health, defer=self.presence.defer)
@@ -57,11 +56,7 @@ class RelayApp:
             self.health.register("lag", max(60.0, 3 * settings.lag_sample_seconds + db_wait))
             self.lag_sampler = LagSampler(settings, self.health)
         self.purger = Purger(settings, self.lease) if settings.keep_sent_rows else None
-        self.guard = (
-            DeadlineGuard(self.lease, self.sink)
-            if isinstance(self.sink, StartsPublishing)
-            else None
-        )
+        self.guard = DeadlineGuard(self.lease, self.sink)
         self.drainer = Drainer(
             settings,
             self.sink,

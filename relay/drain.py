@@ -47,7 +47,6 @@ from relay.settings import Settings
 from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
-from relay.sinks.base import start_publishing
 from relay.stragglers import Stragglers
 
 log = get_logger("relay.drain")
@@ -229,7 +228,7 @@ class Drainer:
 
         started = self._clock()
         self._progress.publishing()
-        publishing = start_publishing(self._sink, batch, lambda: self._abandon(token))
+        publishing = self._sink.start_publish(batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
         if not self._abandon(token):
             self._prefetch(conn, batch)

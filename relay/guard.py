@@ -1,11 +1,11 @@
 """The deadline guard: nothing is sent after the lease's local deadline.
 
 The drain loop stops publishing when it notices the lease is gone, but it notices only
-between steps. A two-phase sink (Kafka) keeps sending what it holds on its own threads
-while the drain thread is stuck elsewhere, say in its read-ahead against a database that
-does not answer; past the deadline a newer holder may already be publishing. This thread
-watches the lease alone and, the moment our token stops being good, tells the sink to
-drop what it still holds. It touches nothing else.
+between steps. A sink that sends in the background (Kafka) keeps sending what it holds
+on its own threads while the drain thread is stuck elsewhere, say in its read-ahead
+against a database that does not answer; past the deadline a newer holder may already
+be publishing. This thread watches the lease alone and, the moment our token stops
+being good, tells the sink to drop what it still holds. It touches nothing else.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 from relay import metrics
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
-from relay.sinks.base import StartsPublishing
+from relay.sinks.base import Sink
 
 log = get_logger("relay.guard")
 
@@ -23,7 +23,7 @@ TICK_SECONDS = 0.05
 
 
 class DeadlineGuard(threading.Thread):
-    def __init__(self, lease: Lease, sink: StartsPublishing) -> None:
+    def __init__(self, lease: Lease, sink: Sink) -> None:
         super().__init__(name="relay-deadline-guard", daemon=True)
         self._lease = lease
         self._sink = sink

@@ -98,16 +98,6 @@ END_TO_END_SECONDS = Histogram(
     ["sink"],
     buckets=LATENCY_BUCKETS,
 )
-HTTP_REQUESTS = Counter(
-    "relay_http_requests_total",
-    "HTTP sink requests by response status code, or timeout / connect_error / error.",
-    ["status"],
-)
-HTTP_REQUEST_SECONDS = Histogram(
-    "relay_http_request_duration_seconds",
-    "HTTP sink request time, connect to last byte of the response read.",
-    buckets=LATENCY_BUCKETS,
-)
 BUILD_INFO = Info("relay_build", "Version and sink of this relay process.")
 
 # Lag gauges: set by the lag sampler (relay/lag.py) on every replica, leader or standby.

@@ -6,7 +6,8 @@ a bad value fails here, with the name of the variable, before any connection is 
 Long: every setting the sinks do not own is one field here (the contract operators
 configure against), with the loading rules (secrets from files, unknown variables
 refused with the closest name). Each sink's own fields, validation and secrets live
-with it (relay/sinks/kafka_settings.py, relay/sinks/http_settings.py).
+with it (relay/sinks/<name>_settings.py); `Settings` is made of them all, so one
+environment serves every command and a misspelt variable of any sink is caught.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ import socket
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -31,8 +39,7 @@ from pydantic_settings import (
 )
 
 from relay.errors import SettingsError
-from relay.sinks.http_settings import HTTP_SECRETS, HttpSettings
-from relay.sinks.kafka_settings import KAFKA_SECRETS, KafkaSettings
+from relay.sinks import sink_specs
 
 __all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
 
@@ -40,7 +47,12 @@ ENV_PREFIX = "RELAY_"
 
 # Secret settings may also be given as a path in RELAY_<NAME>_FILE (Kubernetes Secret
 # volumes, Docker secrets), so the secret never has to sit in the process environment.
-SECRET_FIELDS = ("database_url", "database_password", *KAFKA_SECRETS, *HTTP_SECRETS)
+SECRET_FIELDS = (
+    "database_url",
+    "database_password",
+    *(name for spec in sink_specs().values() for name in spec.secrets),
+)
+M = TypeVar("M", bound=BaseModel)
 
 
 class _FileSecretsSource(PydanticBaseSettingsSource):
@@ -146,12 +158,14 @@ class CommonSettings(BaseSettings):
         return (init_settings, env_settings, _FileSecretsSource(settings_cls))
 
 
-class Settings(CommonSettings, KafkaSettings, HttpSettings):
+# The bases are the registered sinks' settings, found at import (mypy cannot see them).
+class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values())):  # type: ignore[misc]
     """Everything `relay run` needs, from `RELAY_*` environment variables (12-factor).
-    Each sink's own settings live with it (relay/sinks/*_settings.py)."""
+    Each sink's own settings live with it (relay/sinks/<name>_settings.py): a sink reads
+    them through `sink_options`, typed."""
 
     # --- sink ---
-    sink: Literal["kafka", "http"] = "kafka"
+    sink: str = Field(default="kafka", description="Where rows go: " + ", ".join(sink_specs()))
 
     # --- lease ---
     lease_ttl_seconds: float = Field(default=10.0, ge=1.0, le=3600.0)
@@ -208,16 +222,16 @@ class Settings(CommonSettings, KafkaSettings, HttpSettings):
     metrics_port: int = Field(default=9108, ge=0, le=65535)
     metrics_enabled: bool = True
 
+    @field_validator("sink")
+    @classmethod
+    def _known_sink(cls, value: str) -> str:
+        if value not in sink_specs():
+            raise ValueError(f"must be one of: {', '.join(sink_specs())}")
+        return value
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Settings:
-        if self.sink == "kafka" and not self.kafka_bootstrap_servers:
-            raise SettingsError(
-                "RELAY_KAFKA_BOOTSTRAP_SERVERS", "is required when RELAY_SINK=kafka"
-            )
-        if self.sink == "http" and not (self.http_url or self.http_topic_urls):
-            raise SettingsError(
-                "RELAY_HTTP_URL", "is required when RELAY_SINK=http (or RELAY_HTTP_TOPIC_URLS)"
-            )
+        sink_specs()[self.sink].require(self)
         if self.poll_interval_min_seconds > self.poll_interval_max_seconds:
             raise SettingsError(
                 "RELAY_POLL_INTERVAL_MIN_SECONDS", "must not exceed RELAY_POLL_INTERVAL_MAX_SECONDS"
@@ -234,6 +248,12 @@ class Settings(CommonSettings, KafkaSettings, HttpSettings):
                 "rests on the other replicas' heartbeats",
             )
         return self
+
+    def sink_options(self, kind: type[M]) -> M:
+        """This sink's own settings, typed (`settings.sink_options(KafkaSettings)`)."""
+        if not isinstance(self, kind):
+            raise TypeError(f"{kind.__name__} is not a registered sink's settings")
+        return cast(M, self)
 
     # --- derived values, so no caller re-derives them differently ---
 

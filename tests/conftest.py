@@ -83,13 +83,13 @@ SettingsFactory = Callable[..., Settings]
 
 
 @pytest.fixture
-def make_settings(relay_dsn: str, kafka: TansuBroker) -> SettingsFactory:
-    """Settings for an in-process relay; fast timings so tests stay short."""
+def make_settings(relay_dsn: str, request: pytest.FixtureRequest) -> SettingsFactory:
+    """Settings for an in-process relay; fast timings so tests stay short. The Kafka
+    broker is started only for the Kafka sink (the default) without a bootstrap given."""
 
     def factory(**overrides: Any) -> Settings:
         values: dict[str, Any] = {
             "database_url": relay_dsn,
-            "kafka_bootstrap_servers": kafka.bootstrap_servers,
             "metrics_enabled": False,
             "lease_ttl_seconds": 3.0,
             "standby_poll_seconds": 0.2,
@@ -100,6 +100,8 @@ def make_settings(relay_dsn: str, kafka: TansuBroker) -> SettingsFactory:
             "log_format": "json",
         }
         values.update(overrides)
+        if values.get("sink", "kafka") == "kafka" and "kafka_bootstrap_servers" not in values:
+            values["kafka_bootstrap_servers"] = request.getfixturevalue("kafka").bootstrap_servers
         return Settings(**values)
 
     return factory

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from relay import repository
 from relay.drain import Drainer
 from relay.message import OutboxMessage
-from relay.sinks.base import ACKED, Outcome, Pending, Published, Result
+from relay.sinks.base import ACKED, OnePhase, Outcome, Result
 from relay.sinks.kafka import KafkaSink
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
@@ -121,12 +121,14 @@ def test_poison_rows_are_dead_lettered_and_the_rest_flow(
     assert_per_key_order(records)  # k0..k2's later rows flowed after their poison row
 
 
-class ScriptedSink:
+class ScriptedSink(OnePhase):
     """A sink that fails chosen keys a set number of times: the drain loop's unit under
-    test is the database side (per-key blocking, backoff, dead-lettering), for real."""
+    test is the database side (per-key blocking, backoff, dead-lettering), for real.
+    The drain loop reads its next batch between `start_publish` and `wait`."""
 
     name = "scripted"
     serial_per_key = False
+    max_publish_seconds = 5.0
 
     def __init__(self, failures: dict[str, int], outcome: Outcome = Outcome.RETRY) -> None:
         self.failures = dict(failures)
@@ -154,9 +156,6 @@ class ScriptedSink:
 
     def check(self, timeout: float) -> str:
         return "scripted"
-
-    def flush(self, timeout: float) -> int:
-        return 0
 
     def close(self) -> None:
         pass
@@ -229,19 +228,6 @@ def test_pipelined_settle_neither_republishes_nor_lets_a_key_overtake(
     assert [p for k, p in sink.delivered if k == "k0"] == [f"k0:{i}".encode() for i in range(6)]
 
 
-class TwoPhaseScriptedSink(ScriptedSink):
-    """The same, publishing in two phases as the Kafka sink does: the drain loop reads
-    its next batch between `start_publish` and `wait`."""
-
-    def start_publish(
-        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
-    ) -> Pending:
-        return Published(self.publish(messages, abandon))
-
-    def stop_sending(self) -> None:
-        pass  # nothing is held between phases here
-
-
 def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_landed(
     make_settings: SettingsFactory,
     database: str,
@@ -250,7 +236,7 @@ def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_lande
     """k0:1 is prefetched while k0:0 is being published; k0:0 fails. A pause before
     the next step lets that batch's settle land first, so nothing is in flight when the
     prefetched k0:1 comes up: it must still wait for k0:0's retry."""
-    sink = TwoPhaseScriptedSink({"k0": 1})
+    sink = ScriptedSink({"k0": 1})
     monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
     real_step = Drainer._step
 

@@ -28,7 +28,7 @@ def env_for(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
         ("RELAY_BATCH_SIZE", "0", "greater than or equal to 1"),
         ("RELAY_BATCH_SIZE", "lots", "valid integer"),
         ("RELAY_LEASE_TTL_SECONDS", "-3", "greater than or equal to 1"),
-        ("RELAY_SINK", "carrier-pigeon", "'kafka' or 'http'"),
+        ("RELAY_SINK", "carrier-pigeon", "must be one of: "),
         ("RELAY_LOG_FORMAT", "xml", "'json' or 'console'"),
         ("RELAY_METRICS_PORT", "70000", "less than or equal to 65535"),
     ],

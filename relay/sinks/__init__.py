@@ -1,25 +1,58 @@
-"""Sinks: where outbox rows go. `create_sink` picks one by RELAY_SINK."""
+"""Sinks: where outbox rows go, chosen by RELAY_SINK.
+
+The registry is the set of `relay/sinks/<name>_settings.py` modules, each declaring
+`SINK = SinkSpec(...)`: a new sink registers itself by adding that file, and its
+client library is imported only when it is the one chosen.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, cast
 
 from relay.errors import SettingsError
-from relay.sinks.base import Outcome, Result, Sink
+from relay.sinks.base import Outcome, Result, Sink, SinkSpec
 
 if TYPE_CHECKING:  # relay.settings is made of the sinks' own settings modules
     from relay.settings import Settings
 
-__all__ = ["Outcome", "Result", "Sink", "create_sink"]
+__all__ = ["Outcome", "Result", "Sink", "SinkSpec", "create_sink", "sink_specs"]
+
+_SETTINGS_SUFFIX = "_settings"
+
+
+@functools.cache
+def sink_specs() -> dict[str, SinkSpec]:
+    """Every sink this installation knows, by name."""
+    found: dict[str, SinkSpec] = {}
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not module.name.endswith(_SETTINGS_SUFFIX):
+            continue
+        spec = getattr(importlib.import_module(f"{__name__}.{module.name}"), "SINK", None)
+        if not isinstance(spec, SinkSpec):
+            raise TypeError(f"{__name__}.{module.name} declares no SINK = SinkSpec(...)")
+        if spec.name in found:
+            raise TypeError(f"two sinks named {spec.name!r}")
+        found[spec.name] = spec
+    return found
 
 
 def create_sink(settings: Settings) -> Sink:
-    if settings.sink == "kafka":
-        from relay.sinks.kafka import KafkaSink
-
-        return KafkaSink(settings)
-    if settings.sink == "http":
-        from relay.sinks.http import HttpSink
-
-        return HttpSink(settings)
-    raise SettingsError("RELAY_SINK", f"sink {settings.sink!r} is not available in this version")
+    spec = sink_specs().get(settings.sink)
+    if spec is None:  # Settings validated the name; only a hand-built one gets here
+        raise SettingsError("RELAY_SINK", f"no sink named {settings.sink!r}")
+    module_name, _, class_name = spec.implementation.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if spec.extra is None or exc.name is None or exc.name.startswith("relay"):
+            raise
+        raise SettingsError(
+            "RELAY_SINK",
+            f"the {spec.name} sink needs the {exc.name!r} package:"
+            f" pip install 'pg-outbox-relay[{spec.extra}]'",
+        ) from None
+    factory = getattr(module, class_name)
+    return cast(Sink, factory(settings))

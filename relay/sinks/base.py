@@ -1,8 +1,9 @@
 """The sink interface: publish a batch, report one outcome per message.
 
-A sink owns its client and its concurrency; the drain loop owns the database. Adding a
-sink (NATS, RabbitMQ, ...) means one module implementing `Sink` and one line in
-`relay.sinks.create_sink`.
+A sink owns its client, its concurrency, its settings and its metrics; the drain loop
+owns the database. Adding a sink touches nothing outside its own modules: one
+implementing `Sink`, and `relay/sinks/<name>_settings.py` declaring its settings and
+a `SINK = SinkSpec(...)` that the registry (`relay.sinks`) finds by that file name.
 
 The one ordering rule a sink must keep: within a batch, it must not deliver a message
 of a key after an earlier message of the same key failed. It reports such later
@@ -14,7 +15,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol
+
+from pydantic import BaseModel
 
 from relay.message import OutboxMessage
 
@@ -52,19 +55,33 @@ IN_FLIGHT = Result(Outcome.IN_FLIGHT)
 
 
 class Sink(Protocol):
+    """What the drain loop needs of a sink. Publishing is two-phase for every sink:
+    `start_publish` hands a batch over and `Pending.wait` collects its outcomes, so a
+    sink that can send in the background (Kafka) overlaps with the next fetch; one that
+    cannot (`OnePhase`) publishes inside `start_publish`."""
+
     name: str
     # True if the sink sends a key's rows one at a time (HTTP): more rows of one key in a
     # batch then only make the other keys wait, so the per-key cap always holds.
     serial_per_key: bool
 
-    def publish(
-        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
-    ) -> list[Result]:
-        """Deliver `messages`, wait for each acknowledgement, return results in order.
+    @property
+    def max_publish_seconds(self) -> float:
+        """The longest one batch's publish and wait may take: the drain loop's liveness
+        limit is sized from it."""
+        ...
 
-        `abandon()` turning true (shutdown past its grace, lease lost) means stop
-        waiting: messages without an outcome yet are reported `SKIPPED`.
-        """
+    def start_publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> Pending:
+        """Hand `messages` over; `abandon()` turning true (shutdown past its grace, lease
+        lost) means stop: messages without an outcome yet are reported `SKIPPED`."""
+        ...
+
+    def stop_sending(self) -> None:
+        """The lease's local deadline passed: drop what the client still holds to send
+        (queued, or waiting for a retry), not what is already on the wire. Called from
+        another thread than the drain loop's, which may be stuck in the database."""
         ...
 
     def check(self, timeout: float) -> str:
@@ -96,22 +113,6 @@ class Pending(Protocol):
         ...
 
 
-@runtime_checkable
-class StartsPublishing(Protocol):
-    """A sink that can hand a batch over and report later (Kafka: produce now, delivery
-    reports after), so the drain loop reads its next batch meanwhile."""
-
-    def start_publish(
-        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
-    ) -> Pending: ...
-
-    def stop_sending(self) -> None:
-        """The lease's local deadline passed: drop what the client still holds to send
-        (queued, or waiting for a retry), not what is already on the wire. Called from
-        another thread than the drain loop's, which may be stuck in the database."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class Published:
     results: list[Result]
@@ -123,10 +124,41 @@ class Published:
         return self.results
 
 
-def start_publishing(
-    sink: Sink, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
-) -> Pending:
-    """Two-phase where the sink can do it; otherwise publish now (HTTP)."""
-    if isinstance(sink, StartsPublishing):
-        return sink.start_publish(messages, abandon)
-    return Published(sink.publish(messages, abandon))
+class OnePhase:
+    """For a sink that delivers a whole batch inside one call (HTTP, NATS, RabbitMQ):
+    it implements `publish`; nothing outlives the call, so nothing is held between
+    phases, nothing is left to flush, and a reset has nothing to drop."""
+
+    def publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> list[Result]:
+        raise NotImplementedError
+
+    def start_publish(
+        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> Pending:
+        return Published(self.publish(messages, abandon))
+
+    def stop_sending(self) -> None:
+        return  # `abandon()` ends a publish in progress; nothing waits between calls
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+    def reset(self) -> None:
+        return
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """A sink as the registry knows it (`SINK` in its `relay/sinks/<name>_settings.py`):
+    enough to load and validate its settings without importing its client library."""
+
+    name: str  # the value of RELAY_SINK
+    settings: type[BaseModel]  # its RELAY_<NAME>_* fields, mixed into `Settings`
+    implementation: str  # "module:Class", imported only when this sink is chosen
+    secrets: tuple[str, ...] = ()  # fields that may come from RELAY_<FIELD>_FILE
+    # Raises `SettingsError` if a setting this sink cannot run without is missing;
+    # called only when this sink is the chosen one.
+    require: Callable[[Any], None] = lambda _settings: None
+    extra: str | None = None  # the pip extra that brings its client library

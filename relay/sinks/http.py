@@ -1,10 +1,9 @@
 """HTTP sink: one POST per message, keys in parallel, each key strictly in order.
 
-The drain loop's `publish()` is synchronous; the requests run on an asyncio loop owned
-by this sink (one thread, one pooled `httpx.AsyncClient`), so hundreds of keys can be
-in flight without a thread each. Per key, the next message is sent only after the
-previous one was acknowledged; once one fails, the rest of its key is `SKIPPED` and
-goes out after the failed row is settled (backed off or dead-lettered).
+Requests run on the sink's own asyncio loop through one pooled `httpx.AsyncClient`;
+`KeyedSink` schedules them: per key, the next message is sent only after the previous
+one was acknowledged; once one fails, the rest of its key is `SKIPPED` and goes out
+after the failed row is settled (backed off or dead-lettered).
 
 Outcomes, from the endpoint's answer:
 - 2xx: acknowledged, the row is marked sent.
@@ -18,42 +17,54 @@ Outcomes, from the endpoint's answer:
   even when the down one's backlog fills whole batches.
 - Any other status (3xx, 4xx): `DEAD`, with the status and a bounded body snippet.
 
-Long: a sink is one module by design (adding a sink touches one module): request
-building and signing, classification of answers, and the per-key scheduling on the
-sink's own event loop belong together.
+Long: a sink is one module by design (adding a sink touches its own modules only):
+request building and signing and the classification of answers belong together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
-import contextlib
 import hashlib
 import hmac
 import re
 import socket
 import ssl
-import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
+from prometheus_client import Counter, Histogram
 
-from relay import __version__, metrics
+from relay import __version__
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
+from relay.metrics import LATENCY_BUCKETS
 from relay.settings import Settings
-from relay.sinks.base import ACKED, SKIPPED, Outcome, Result
-from relay.sinks.http_settings import HEADER_TOKEN, configured_origins, signing_key
+from relay.sinks.base import ACKED, Outcome, Result
+from relay.sinks.http_settings import (
+    HEADER_TOKEN,
+    HttpSettings,
+    configured_origins,
+    signing_key,
+)
+from relay.sinks.keyed import KeyedSink
 
 log = get_logger("relay.sinks.http")
-T = TypeVar("T")
+
+REQUESTS = Counter(
+    "relay_http_requests_total",
+    "HTTP sink requests by response status code, or timeout / connect_error / error.",
+    ["status"],
+)
+REQUEST_SECONDS = Histogram(
+    "relay_http_request_duration_seconds",
+    "HTTP sink request time, connect to last byte of the response read.",
+    buckets=LATENCY_BUCKETS,
+)
 
 SNIPPET_CHARS = 200  # of a failed response body, kept in the dead-letter reason
 _MAX_BODY_READ = 64 * 1024  # more than this of a response is not worth a connection
@@ -170,7 +181,7 @@ def _header_value(name: str, value: str) -> bytes:
 class RequestBuilder:
     """Turns a row into the request to send: URL, headers, body (no I/O, testable)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: HttpSettings) -> None:
         self._default_url = settings.http_url
         self._topic_urls = settings.http_topic_urls
         self._content_type = settings.http_content_type
@@ -226,7 +237,7 @@ def _is_token(name: str) -> bool:
     return HEADER_TOKEN.fullmatch(name) is not None
 
 
-def ssl_context(settings: Settings) -> ssl.SSLContext:
+def ssl_context(settings: HttpSettings) -> ssl.SSLContext:
     context = ssl.create_default_context(cafile=settings.http_ca_file)
     if not settings.http_tls_verify:
         context.check_hostname = False
@@ -236,46 +247,43 @@ def ssl_context(settings: Settings) -> ssl.SSLContext:
     return context
 
 
-class HttpSink:
+class HttpSink(KeyedSink):
     name = "http"
-    serial_per_key = True
 
     def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._builder = RequestBuilder(settings)
-        self._ssl = ssl_context(settings)
+        options = settings.sink_options(HttpSettings)
+        self._options = options
+        self._builder = RequestBuilder(options)
+        self._ssl = ssl_context(options)
         self._retry_cap = settings.retry_max_seconds
-        self._also_retry = settings.http_retry_status_codes
-        self._total_timeout = settings.http_timeout_seconds
+        self._also_retry = options.http_retry_status_codes
+        self._total_timeout = options.http_timeout_seconds
         # identity: a compressed answer from a hostile endpoint cannot inflate in memory.
         self._static_headers: dict[str, str] = {
             "user-agent": f"relay/{__version__}",
             "accept-encoding": "identity",
         }
-        self._single_endpoint = len(configured_origins(settings)) == 1
-        if not settings.http_tls_verify:
+        self._single_endpoint = len(configured_origins(options)) == 1
+        if not options.http_tls_verify:
             log.warning("http.tls_verify_disabled", reason="RELAY_HTTP_TLS_VERIFY=false")
-        self._closed = False
-        if settings.http_auth_header_value is not None:
-            self._static_headers[settings.http_auth_header_name] = (
-                settings.http_auth_header_value.get_secret_value()
+        if options.http_auth_header_value is not None:
+            self._static_headers[options.http_auth_header_name] = (
+                options.http_auth_header_value.get_secret_value()
             )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="relay-http", daemon=True
+        super().__init__(
+            max_in_flight=options.http_max_in_flight, batch_seconds=options.http_timeout_seconds
         )
-        self._thread.start()
-        self._client = self._on_loop(self._make_client()).result()
+        self._client = self.run(self._make_client(), timeout=30)
 
     async def _make_client(self) -> httpx.AsyncClient:
-        limit = self._settings.http_max_in_flight
+        limit = self._options.http_max_in_flight
         return httpx.AsyncClient(
             verify=self._ssl,
             timeout=httpx.Timeout(
-                connect=self._settings.http_connect_timeout_seconds,
-                read=self._settings.http_read_timeout_seconds,
-                write=self._settings.http_read_timeout_seconds,
-                pool=self._settings.http_timeout_seconds,
+                connect=self._options.http_connect_timeout_seconds,
+                read=self._options.http_read_timeout_seconds,
+                write=self._options.http_read_timeout_seconds,
+                pool=self._options.http_timeout_seconds,
             ),
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
             follow_redirects=False,  # a redirect is the endpoint's answer: dead-letter it
@@ -283,82 +291,9 @@ class HttpSink:
             trust_env=False,  # proxies come from settings, not a stray HTTP_PROXY
         )
 
-    def _on_loop(self, coro: Coroutine[object, object, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+    # --- publishing (KeyedSink schedules the keys) ---
 
-    # --- publishing ---
-
-    def publish(
-        self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
-    ) -> list[Result]:
-        if self._closed:
-            raise RuntimeError("HttpSink.publish() after close()")
-        results: list[Result | None] = [None] * len(messages)
-        done = threading.Event()
-        future = self._on_loop(self._deliver(messages, results, done))
-        while True:
-            try:
-                future.result(timeout=0.05)
-                break
-            except concurrent.futures.TimeoutError:
-                if abandon():
-                    # Lease gone or shutdown overdue: stop now. Requests cut off may
-                    # still have landed; their rows stay unsent (a duplicate, never a loss).
-                    future.cancel()
-                    if not done.wait(2.0):
-                        log.warning("http.cancel_slow", pending=results.count(None))
-                    break
-            except concurrent.futures.CancelledError:
-                break
-        return [SKIPPED if result is None else result for result in list(results)]
-
-    async def _deliver(
-        self,
-        messages: Sequence[OutboxMessage],
-        results: list[Result | None],
-        done: threading.Event,
-    ) -> None:
-        chains: dict[str, list[int]] = {}
-        for index, message in enumerate(messages):
-            # A row without a key has no order to keep: it is a chain of its own.
-            chain = message.key if message.key is not None else f"\0{index}"
-            chains.setdefault(chain, []).append(index)
-        slots = asyncio.Semaphore(self._settings.http_max_in_flight)
-        # A key with many rows must not hold the batch (and every other key's acks)
-        # for rows x latency: past this, no new request starts; the rest go next batch.
-        stop_starting = time.monotonic() + self._total_timeout
-        try:
-            async with asyncio.TaskGroup() as group:
-                for indexes in chains.values():
-                    group.create_task(
-                        self._deliver_chain(messages, indexes, results, slots, stop_starting)
-                    )
-        finally:
-            done.set()
-
-    async def _deliver_chain(
-        self,
-        messages: Sequence[OutboxMessage],
-        indexes: list[int],
-        results: list[Result | None],
-        slots: asyncio.Semaphore,
-        stop_starting: float,
-    ) -> None:
-        for index in indexes:
-            if time.monotonic() > stop_starting:
-                return  # left SKIPPED: unsent, untouched, first in the next batch
-            async with slots:
-                # Again once a slot is ours: against an endpoint that never answers,
-                # the wait for a slot is itself a request timeout, and starting then
-                # would stretch the batch by one timeout per round of slots.
-                if time.monotonic() > stop_starting:
-                    return
-                result = await self._send(messages[index])
-            results[index] = result
-            if result.outcome is not Outcome.ACKED:
-                return  # the rest of this key waits for this row to be settled
-
-    async def _send(self, message: OutboxMessage) -> Result:
+    async def send(self, message: OutboxMessage) -> Result:
         try:
             request = self._builder.build(message)
         except MalformedRow as exc:
@@ -408,21 +343,16 @@ class HttpSink:
         except httpx.HTTPError as exc:
             status = "connect_error" if isinstance(exc, httpx.ConnectError) else "error"
             return classify_error(exc)
-        except Exception as exc:
-            # A bug here must not take the other keys' requests down with it. The
-            # message of an unknown error may quote a header: only its type is kept.
-            log.exception("http.unexpected_error", error_type=type(exc).__name__)
-            return Result(Outcome.RETRY, f"unexpected error: {type(exc).__name__}")
         finally:
-            metrics.HTTP_REQUESTS.labels(status).inc()
-            metrics.HTTP_REQUEST_SECONDS.observe(time.monotonic() - started)
+            REQUESTS.labels(status).inc()
+            REQUEST_SECONDS.observe(time.monotonic() - started)
 
     # --- the rest of the Sink interface ---
 
     def check(self, timeout: float) -> str:
         """Open a TCP (and TLS) connection to every configured endpoint."""
         reached: list[str] = []
-        for scheme, host, port in sorted(configured_origins(self._settings)):
+        for scheme, host, port in sorted(configured_origins(self._options)):
             with socket.create_connection((host, port), timeout=timeout) as sock:
                 if scheme == "https":
                     with self._ssl.wrap_socket(sock, server_hostname=host):
@@ -430,30 +360,7 @@ class HttpSink:
             reached.append(f"{scheme}://{host}:{port}")
         return "http: reachable " + ", ".join(reached)
 
-    def flush(self, timeout: float) -> int:
-        return 0  # publish() returns only when every request has an outcome
-
-    def reset(self) -> None:
-        return  # nothing outlives a publish() call
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._on_loop(self._wind_down()).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    async def _wind_down(self) -> None:
-        """Cancel what an abandoned publish left running, then close the pool."""
-        current = asyncio.current_task()
-        leftovers = [task for task in asyncio.all_tasks() if task is not current]
-        for task in leftovers:
-            task.cancel()
-        await asyncio.gather(*leftovers, return_exceptions=True)
+    async def stop(self) -> None:
         await self._client.aclose()
 
 

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from relay.errors import SettingsError
+from relay.sinks.base import SinkSpec
 
 # Webhook URLs often carry a token.
 HTTP_SECRETS = ("http_url", "http_signing_secret", "http_auth_header_value")
@@ -172,3 +173,19 @@ def signing_key(secret: SecretStr) -> bytes:
     if len(key) < 16:
         raise ValueError("must decode to at least 16 bytes")
     return key
+
+
+def _require(settings: HttpSettings) -> None:
+    if not (settings.http_url or settings.http_topic_urls):
+        raise SettingsError(
+            "RELAY_HTTP_URL", "is required when RELAY_SINK=http (or RELAY_HTTP_TOPIC_URLS)"
+        )
+
+
+SINK = SinkSpec(
+    name="http",
+    settings=HttpSettings,
+    implementation="relay.sinks.http:HttpSink",
+    secrets=HTTP_SECRETS,
+    require=_require,
+)

@@ -22,6 +22,7 @@ from relay.logging import get_logger, library_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
+from relay.sinks.kafka_settings import KafkaSettings
 
 log = get_logger("relay.sinks.kafka")
 
@@ -127,10 +128,11 @@ def classify(error: KafkaError) -> Result:
     return Result(Outcome.RETRY, text, reached=True)
 
 
-def producer_config(settings: Settings) -> dict[str, Any]:
+def producer_config(common: Settings) -> dict[str, Any]:
+    settings = common.sink_options(KafkaSettings)
     config: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap_servers,
-        "client.id": f"relay-{settings.lease_name}",
+        "client.id": f"relay-{common.lease_name}",
         # Off by default in librdkafka: without it a retried batch can be duplicated or
         # reordered inside the partition.
         "enable.idempotence": True,
@@ -165,8 +167,9 @@ class KafkaSink:
     name = "kafka"
     serial_per_key = False
 
-    def __init__(self, settings: Settings) -> None:
-        self._config = producer_config(settings)
+    def __init__(self, common: Settings) -> None:
+        settings = common.sink_options(KafkaSettings)
+        self._config = producer_config(common)
         self._config["error_cb"] = self._on_client_error
         client_log = library_logger("librdkafka", "kafka.client_log")
         if not any(isinstance(f, _KnownConfigWarnings) for f in client_log.filters):
@@ -176,6 +179,7 @@ class KafkaSink:
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # How long a batch may wait for room in librdkafka's queue and for its reports.
         self._max_wait = settings.kafka_delivery_timeout_ms / 1000
+        self.max_publish_seconds = self._max_wait
         # How long without any report before a batch whose other messages were answered
         # leaves its stragglers (a sick partition's) in flight and lets the loop go on.
         self._straggler_wait = settings.kafka_straggler_ms / 1000

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from relay.errors import SettingsError
+from relay.sinks.base import SinkSpec
 
 KAFKA_SECRETS = ("kafka_sasl_password",)
 
@@ -98,3 +99,17 @@ def _check_guarantees(config: dict[str, str]) -> None:
         if rule is not None and not rule[0](str(value).strip()):
             env = f"RELAY_KAFKA__{name.upper().replace('.', '_')}"
             raise SettingsError(env, rule[1])
+
+
+def _require(settings: KafkaSettings) -> None:
+    if not settings.kafka_bootstrap_servers:
+        raise SettingsError("RELAY_KAFKA_BOOTSTRAP_SERVERS", "is required when RELAY_SINK=kafka")
+
+
+SINK = SinkSpec(
+    name="kafka",
+    settings=KafkaSettings,
+    implementation="relay.sinks.kafka:KafkaSink",
+    secrets=KAFKA_SECRETS,
+    require=_require,
+)
