@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the pinned, hashed dependency sets the container image installs:
-#   requirements.lock        what `relay` needs at run time (from pyproject.toml)
+#   requirements.lock        what `relay` needs at run time, every sink's extra included
 #   requirements-build.lock  the build backend that turns the source into a wheel
 # Run it (from anywhere) after changing dependencies in pyproject.toml, with the Python
 # minor version the Dockerfile uses (3.11), and commit both files. It reads PyPI only:
@@ -19,7 +19,8 @@ ${PYTHON:-python3} -m venv "$tmp/venv"
 compile=("$tmp/venv/bin/pip-compile" --quiet --generate-hashes --strip-extras --allow-unsafe
          --no-emit-index-url --no-emit-find-links --no-emit-trusted-host --resolver=backtracking)
 
-"${compile[@]}" --output-file requirements.lock pyproject.toml
+# Every sink's extra: the image runs whichever sink RELAY_SINK names.
+"${compile[@]}" --extra nats --extra rabbitmq --output-file requirements.lock pyproject.toml
 # The [build-system] requirement, so the wheel is built by a pinned hatchling.
 printf 'hatchling>=1.21\n' >"$tmp/build.in"
 "${compile[@]}" --output-file requirements-build.lock "$tmp/build.in"

@@ -20,6 +20,9 @@ from relay.settings import CommonSettings, Settings
 from tests.harness.kafka import TansuBroker
 from tests.harness.postgres import PostgresServer
 
+# The sinks' servers and the contract suite's `target` fixture.
+pytest_plugins = ["tests.sink_targets"]
+
 TEMPLATE_DB = "relay_template"
 RELAY_ROLE = "relay"
 RELAY_ROLE_PASSWORD = "relay-secret-pw"

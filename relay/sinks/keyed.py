@@ -80,6 +80,8 @@ class KeyedSink(OnePhase, abc.ABC):
     ) -> list[Result]:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__}.publish() after close()")
+        if abandon():  # the lease went while the batch was read: send none of it
+            return [SKIPPED] * len(messages)
         results: list[Result | None] = [None] * len(messages)
         done = threading.Event()
         future = self.on_loop(self._deliver(messages, results, done))
