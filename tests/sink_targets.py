@@ -7,6 +7,7 @@ A new sink joins the contract by adding one `Target` here and a line in `TARGETS
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import pytest
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.nats import NatsServer, Stored
+from tests.harness.rabbitmq import Queued, RabbitmqServer
 from tests.harness.webhook import Delivery, Reply, WebhookServer
 
 
@@ -153,7 +155,43 @@ class NatsTarget:
         return [Received(m.key, m.data, m.headers) for m in stored]
 
 
-TARGETS = ("kafka", "http", "nats")
+class RabbitmqTarget:
+    name = "rabbitmq"
+
+    def __init__(self, server: RabbitmqServer) -> None:
+        self._server = server
+        suffix = uuid.uuid4().hex[:8]
+        self.topic = f"contract-{suffix}"  # a queue, through the default exchange
+        self.refused_topic = f"noqueue-{suffix}"  # unroutable: no queue of that name
+        server.declare_queue(self.topic)
+
+    def settings(self) -> dict[str, Any]:
+        return {"sink": "rabbitmq", "rabbitmq_url": self._server.url}
+
+    def env(self) -> dict[str, str]:
+        return {"RELAY_SINK": "rabbitmq", "RELAY_RABBITMQ_URL": self._server.url}
+
+    def unreachable(self) -> dict[str, Any]:
+        return {"sink": "rabbitmq", "rabbitmq_url": f"amqp://guest:guest@127.0.0.1:{free_port()}/"}
+
+    def received(self, at_least: int, timeout: float = 20.0) -> list[Received]:
+        from tests.support import wait_until
+
+        def enough() -> list[Queued] | None:
+            queued = self._server.read_queue(self.topic)
+            return queued if len(queued) >= at_least else None
+
+        queued = wait_until(enough, timeout, interval=0.1, message=f"{at_least} in {self.topic}")
+        assert all(m.persistent for m in queued)
+        return [
+            Received(
+                m.headers.get("message-key"), m.body, {**m.headers, "message-id": m.message_id}
+            )
+            for m in queued
+        ]
+
+
+TARGETS = ("kafka", "http", "nats", "rabbitmq")
 
 
 @pytest.fixture(scope="session")
@@ -168,6 +206,15 @@ def nats_server() -> Iterator[NatsServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def rabbitmq_server() -> Iterator[RabbitmqServer]:
+    epmd_before = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True).returncode == 0
+    with RabbitmqServer() as server:
+        yield server
+    if not epmd_before:  # Erlang's port mapper daemon, started by the node: ours to stop
+        subprocess.run(["pkill", "-x", "epmd"], check=False)
+
+
 @pytest.fixture(params=TARGETS)
 def target(request: pytest.FixtureRequest) -> Target:
     if request.param == "kafka":
@@ -176,4 +223,6 @@ def target(request: pytest.FixtureRequest) -> Target:
         return HttpTarget(request.getfixturevalue("webhook_for_contract"))
     if request.param == "nats":
         return NatsTarget(request.getfixturevalue("nats_server"))
+    if request.param == "rabbitmq":
+        return RabbitmqTarget(request.getfixturevalue("rabbitmq_server"))
     raise AssertionError(request.param)

@@ -1,0 +1,260 @@
+"""RabbitMQ sink on aio-pika: persistent, mandatory publishes, delivered on the confirm.
+
+Publisher confirms decide delivery: a row is marked sent only once the broker has taken
+responsibility for its message. Publishes are `mandatory`, so a message no queue is
+bound for comes back and is dead-lettered with the reason instead of being dropped.
+Per key, the next publish starts only after the previous one was confirmed
+(`KeyedSink`): a refused message is never overtaken by a later one of its key.
+
+Outcomes:
+- Basic.Ack: acknowledged.
+- Basic.Return (no queue bound for the routing key), a routing key or header the AMQP
+  encoding cannot carry, a message over the broker's size limit: `DEAD`.
+- Basic.Nack (the broker could not take it): `RETRY`.
+- No connection, the channel or connection lost, no confirm in time, the exchange
+  missing or access refused (a configuration the operator fixes; never the message's
+  fault): `UNAVAILABLE`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from datetime import datetime
+from urllib.parse import urlsplit
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractRobustConnection,
+    FieldValue,
+)
+from prometheus_client import Counter
+
+from relay.logging import get_logger
+from relay.message import MalformedRow, OutboxMessage
+from relay.settings import Settings
+from relay.sinks.base import ACKED, Outcome, Result
+from relay.sinks.keyed import KeyedSink
+from relay.sinks.rabbitmq_settings import MAX_SHORTSTR, RabbitmqSettings
+
+log = get_logger("relay.sinks.rabbitmq")
+
+PUBLISH_ERRORS = Counter(
+    "relay_rabbitmq_publish_errors_total",
+    "RabbitMQ publishes without a confirm, by kind (unroutable, nacked, ...).",
+    ["kind"],
+)
+
+_CONNECT_BACKOFF_SECONDS = 0.5  # while the broker is down, one connect attempt per this
+_MAX_HEADER_NAME = 128  # RabbitMQ's limit on a field-table key
+# Names the relay sets itself; `content-type` becomes the AMQP property.
+_OWN_HEADERS = frozenset({"message-id", "created-at", "message-key", "content-type"})
+
+
+def message_for(message: OutboxMessage) -> aio_pika.Message:
+    """The AMQP message of a row (no I/O, testable)."""
+    headers: dict[str, FieldValue] = {}
+    content_type: str | None = None
+    for name, value in message.row_headers():
+        lower = name.lower()
+        if lower == "content-type":
+            content_type = value
+            continue
+        if lower in _OWN_HEADERS:
+            continue
+        if not name or len(name.encode()) > _MAX_HEADER_NAME:
+            raise MalformedRow(f"header name {name[:40]!r}... is not 1-128 bytes")
+        headers[name] = value
+    headers["created-at"] = message.created_at
+    if message.key is not None:
+        headers["message-key"] = message.key
+    if content_type is not None and len(content_type.encode()) > MAX_SHORTSTR:
+        raise MalformedRow("the content-type header is over 255 bytes")
+    return aio_pika.Message(
+        body=message.payload or b"",
+        headers=headers,
+        message_id=message.message_id,
+        content_type=content_type,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        timestamp=_timestamp(message.created_at),
+    )
+
+
+def _timestamp(created_at: str) -> datetime | None:
+    with contextlib.suppress(ValueError):
+        return datetime.fromisoformat(created_at)
+    return None
+
+
+def classify(exc: BaseException, exchange: str) -> Result:
+    """A publish that got no confirm."""
+    if isinstance(exc, aiormq.exceptions.PublishError):  # Basic.Return
+        PUBLISH_ERRORS.labels("unroutable").inc()
+        frame = getattr(exc, "frame", None)
+        text = getattr(frame, "reply_text", "") or "returned"
+        where = f"exchange {exchange!r}" if exchange else "the default exchange"
+        return Result(
+            Outcome.DEAD,
+            f"unroutable ({text}): no queue is bound for this routing key on {where}",
+            reached=True,
+        )
+    if isinstance(exc, aiormq.exceptions.DeliveryError):  # Basic.Nack
+        PUBLISH_ERRORS.labels("nacked").inc()
+        return Result(Outcome.RETRY, "the broker refused it (nack)", reached=True)
+    if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
+        PUBLISH_ERRORS.labels("no_exchange").inc()
+        return Result(Outcome.UNAVAILABLE, f"exchange missing: {exc}", reached=True)
+    if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
+        PUBLISH_ERRORS.labels("access_refused").inc()
+        return Result(Outcome.UNAVAILABLE, f"access refused: {exc}", reached=True)
+    if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed) and "size" in str(exc):
+        PUBLISH_ERRORS.labels("too_large").inc()
+        return Result(Outcome.DEAD, f"the broker refused it: {exc}", reached=True)
+    if isinstance(exc, asyncio.TimeoutError):
+        PUBLISH_ERRORS.labels("timeout").inc()
+        return Result(Outcome.UNAVAILABLE, "no confirm in time")
+    PUBLISH_ERRORS.labels("connection").inc()
+    return Result(Outcome.UNAVAILABLE, f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
+
+
+class RabbitmqSink(KeyedSink):
+    name = "rabbitmq"
+
+    def __init__(self, settings: Settings) -> None:
+        options = settings.sink_options(RabbitmqSettings)
+        self._options = options
+        assert options.rabbitmq_url is not None  # required by the registry's rule
+        self._url = options.rabbitmq_url.get_secret_value().strip()
+        self._where = _where(self._url)
+        self._exchange_name = options.rabbitmq_exchange
+        self._timeout = options.rabbitmq_publish_timeout_seconds
+        self._connection_name = f"relay-{settings.lease_name}"
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._exchange: AbstractExchange | None = None
+        self._lock: asyncio.Lock | None = None
+        self._retry_at = 0.0
+        self._last_error = ""
+        super().__init__(
+            max_in_flight=options.rabbitmq_max_in_flight,
+            batch_seconds=max(10.0, 3 * options.rabbitmq_publish_timeout_seconds),
+        )
+
+    def routing_key_for(self, message: OutboxMessage) -> str:
+        key = self._options.rabbitmq_routing_key_map.get(message.topic, message.topic)
+        if len(key.encode()) > MAX_SHORTSTR:
+            raise MalformedRow("the routing key is over 255 bytes")
+        return key
+
+    # --- connection and channel, opened on first use and again after a loss ---
+
+    async def _ready_exchange(self) -> AbstractExchange:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._connection is None or self._connection.is_closed:
+                if time.monotonic() < self._retry_at:
+                    raise ConnectionError(self._last_error)
+                self._connection, self._channel = await self._connect(), None
+            if self._channel is None or self._channel.is_closed or self._exchange is None:
+                self._channel = await self._connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
+                self._exchange = (
+                    self._channel.default_exchange
+                    if not self._exchange_name
+                    else await self._channel.get_exchange(self._exchange_name, ensure=False)
+                )
+            return self._exchange
+
+    async def _connect(self) -> AbstractRobustConnection:
+        try:
+            connection = await asyncio.wait_for(
+                aio_pika.connect(
+                    self._url,
+                    timeout=self._timeout,
+                    ssl_context=self._ssl_context(),
+                    client_properties={"connection_name": self._connection_name},
+                ),
+                self._timeout,
+            )
+        except BaseException as exc:
+            self._retry_at = time.monotonic() + _CONNECT_BACKOFF_SECONDS
+            # aiormq's messages name the host, never the password.
+            self._last_error = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+            raise
+        log.info("rabbitmq.connected", server=self._where)
+        return connection  # type: ignore[return-value]  # connect() returns the plain kind
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        o = self._options
+        if not self._url.startswith("amqps://"):
+            return None
+        context = ssl.create_default_context(cafile=o.rabbitmq_tls_ca_file)
+        if o.rabbitmq_tls_cert_file:
+            context.load_cert_chain(o.rabbitmq_tls_cert_file, o.rabbitmq_tls_key_file)
+        return context
+
+    # --- publishing (KeyedSink schedules the keys) ---
+
+    async def send(self, message: OutboxMessage) -> Result:
+        try:
+            routing_key = self.routing_key_for(message)
+            amqp_message = message_for(message)
+        except MalformedRow as exc:
+            return Result(Outcome.DEAD, str(exc))
+        try:
+            exchange = await self._ready_exchange()
+        except Exception as exc:
+            await self._drop(self._connection)
+            return classify(exc, self._exchange_name)
+        connection = self._connection
+        try:
+            await exchange.publish(
+                amqp_message, routing_key=routing_key, mandatory=True, timeout=self._timeout
+            )
+        except Exception as exc:
+            result = classify(exc, self._exchange_name)
+            if not result.reached:  # the connection is suspect: the next send opens anew
+                await self._drop(connection)
+            return result
+        return ACKED
+
+    async def _drop(self, connection: AbstractRobustConnection | None) -> None:
+        """Forget `connection` if it is still the current one. aio-pika does not always
+        mark a connection closed when its socket died, so a failure decides."""
+        if connection is None or connection is not self._connection:
+            return  # another send already replaced it
+        self._connection, self._channel, self._exchange = None, None, None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(connection.close(), 1.0)
+
+    # --- the rest of the Sink interface ---
+
+    def check(self, timeout: float) -> str:
+        """Connect, open a channel, and check that the exchange exists."""
+        return self.run(self._check(), timeout)
+
+    async def _check(self) -> str:
+        exchange = await self._ready_exchange()
+        if self._exchange_name and self._channel is not None:
+            # Passive declare: fails (and closes the channel) if it does not exist.
+            await self._channel.declare_exchange(self._exchange_name, passive=True)
+        where = f"exchange {exchange.name!r}" if exchange.name else "the default exchange"
+        return f"rabbitmq: connected to {self._where}, {where}"
+
+    async def stop(self) -> None:
+        if self._connection is not None and not self._connection.is_closed:
+            await self._connection.close()
+
+
+def _where(url: str) -> str:
+    parts = urlsplit(url)
+    vhost = parts.path[1:] or "/"
+    port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+    return f"{parts.hostname}:{port} vhost {vhost}"
