@@ -208,7 +208,8 @@ def nats_server() -> Iterator[NatsServer]:
 
 @pytest.fixture(scope="session")
 def rabbitmq_server() -> Iterator[RabbitmqServer]:
-    epmd_before = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True).returncode == 0
+    pgrep = subprocess.run(["pgrep", "-x", "epmd"], check=False, capture_output=True)
+    epmd_before = pgrep.returncode == 0
     with RabbitmqServer() as server:
         yield server
     if not epmd_before:  # Erlang's port mapper daemon, started by the node: ours to stop

@@ -149,7 +149,8 @@ def test_the_same_row_sent_twice_keeps_its_message_id(
     received = target.received(at_least=2)
     copies = [r for r in received if r.payload == b"a:0"]
     assert copies and {r.message_id for r in copies} == {once.message_id}
-    # JetStream's duplicate window keeps one copy; the others deliver both.
+    # JetStream's duplicate window keeps one copy; the others deliver both (consumers
+    # deduplicate by the id).
     assert len(copies) == (1 if target.name == "nats" else 2)
 
 
