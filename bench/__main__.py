@@ -4,6 +4,7 @@
     ./dev bench --quick    smaller sizes and shorter windows (about a minute and a half)
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
+    ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
 
 Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and prints:
   1. the raw limit: a bare select + mark (or delete) loop through the same partial index
@@ -39,12 +40,14 @@ from tests.harness.postgres import PostgresServer
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="bench")
-    parser.add_argument("--sink", choices=["kafka", "http"], default="kafka")
+    parser.add_argument("--sink", choices=["kafka", "http", "nats", "rabbitmq"], default="kafka")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, shorter windows")
     parser.add_argument("--full", action="store_true", help="add the 10M-row history case")
     parser.add_argument("--rows", type=int, default=None, help="rows per drain run")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
-    parser.add_argument("--in-flight", type=int, default=16, help="RELAY_HTTP_MAX_IN_FLIGHT")
+    parser.add_argument(
+        "--in-flight", type=int, default=None, help="RELAY_<SINK>_MAX_IN_FLIGHT (16 / 64)"
+    )
     parser.add_argument("--only", choices=["fairness"], default=None, help="run one section alone")
     args = parser.parse_args()
 
@@ -52,7 +55,10 @@ def main() -> int:
 
     configure("console", "warning")
     if args.sink == "http":
-        return bench_http(args.rows or 10_000, args.batch or [500], args.in_flight)
+        return bench_http(args.rows or 10_000, args.batch or [500], args.in_flight or 16)
+    if args.sink in ("nats", "rabbitmq"):
+        rows, batches = args.rows or 20_000, args.batch or [500]
+        return bench_broker(args.sink, rows, batches, args.in_flight or 64)
     if args.only == "fairness":
         return bench_fairness(args.quick)
     return bench_kafka(args)
@@ -159,6 +165,17 @@ def bench_http(rows: int, batches: list[int], in_flight: int) -> int:
         migrate(CommonSettings(database_url=dsn))
         results = http.run(dsn, rows, batches, in_flight)
     save({"mode": "delete", "sink": "http", "results": results})
+    return 0
+
+
+def bench_broker(sink: str, rows: int, batches: list[int], in_flight: int) -> int:
+    from bench import brokers
+
+    with PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg:
+        dsn = pg.create_database("bench")
+        migrate(CommonSettings(database_url=dsn))
+        results = brokers.run(sink, dsn, rows, batches, in_flight)
+    save({"mode": "delete", "sink": sink, "results": results})
     return 0
 
 

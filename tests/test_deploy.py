@@ -797,6 +797,20 @@ def test_scrape_parsing_covers_histograms_and_counters(scraped_metric_names: set
     assert "relay_messages" not in scraped_metric_names  # a counter's family is no series
 
 
+def sink_metric_names() -> set[str]:
+    """The series every sink module defines (the scraped relay runs one sink only)."""
+    import importlib
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    from relay.sinks import sink_specs
+
+    for spec in sink_specs().values():
+        importlib.import_module(spec.implementation.partition(":")[0])
+    names = exported_series_names(generate_latest(REGISTRY).decode())
+    return {name for name in names if name.startswith("relay_")}
+
+
 @pytest.mark.parametrize("source", ["alert rules", "dashboard"])
 def test_every_queried_metric_is_one_the_relay_exports(
     source: str, scraped_metric_names: set[str]
@@ -807,6 +821,6 @@ def test_every_queried_metric_is_one_the_relay_exports(
         exprs = _dashboard_queries()
     queried = set().union(*(promql_metric_names(e) for e in exprs))
     assert queried, source
-    known = scraped_metric_names | PROMETHEUS_SERIES
+    known = scraped_metric_names | PROMETHEUS_SERIES | sink_metric_names()
     unknown = sorted(queried - known)
     assert not unknown, f"{source} query metrics the relay does not export: {unknown}"

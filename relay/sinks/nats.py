@@ -120,6 +120,7 @@ class NatsSink(KeyedSink):
         self._retry_at = 0.0  # monotonic: no connect attempt before, after a failed one
         self._last_error = ""
         self._connect_failures: list[Exception] | None = None
+        self._closing = False
         super().__init__(
             max_in_flight=options.nats_max_in_flight,
             batch_seconds=max(10.0, 3 * options.nats_publish_timeout_seconds),
@@ -223,7 +224,8 @@ class NatsSink(KeyedSink):
         log.debug("nats.client_error", error=f"{type(exc).__name__}: {exc}")
 
     async def _on_disconnected(self) -> None:
-        if self._connect_failures is None:  # not a first connect giving up
+        # Not a first connect giving up, nor our own close.
+        if self._connect_failures is None and not self._closing:
             log.warning("nats.disconnected")
 
     async def _on_reconnected(self) -> None:
@@ -269,5 +271,6 @@ class NatsSink(KeyedSink):
         return f"nats: connected to {where}, JetStream with {info.streams} stream(s)"
 
     async def stop(self) -> None:
+        self._closing = True
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.close()
