@@ -8,10 +8,13 @@ overtaken by a later one of its key.
 
 Outcomes:
 - PubAck: acknowledged (a `duplicate` ack too: the stream already has it).
-- No stream bound to the subject ("no responders"), an invalid subject or header, a
-  payload over the server's limit, a 400 from JetStream: `DEAD`, with the reason.
+- No stream bound to the subject (the publish had no responders and JetStream confirms
+  no stream takes the subject), an invalid subject or header, a payload over the
+  server's limit, a 400 from JetStream: `DEAD`, with the reason.
 - Not connected, no ack within RELAY_NATS_PUBLISH_TIMEOUT_SECONDS, a 503 from
-  JetStream: `UNAVAILABLE` (rows untouched, no attempt spent, the drain backs off).
+  JetStream, no responders while a stream does take the subject (a server still
+  recovering its streams): `UNAVAILABLE` (rows untouched, no attempt spent, the drain
+  backs off).
   A publish that timed out may have been stored: sent again, the duplicate window
   drops it.
 - Any other JetStream error (a stream full under `discard: new`, a 500): `RETRY`.
@@ -251,11 +254,32 @@ class NatsSink(KeyedSink):
             ack = await js.publish(
                 subject, message.payload or b"", timeout=self._timeout, headers=headers
             )
+        except nats.js.errors.NoStreamResponseError as exc:
+            return await self._no_responders(js, subject, exc)
         except Exception as exc:
             return classify(exc)
         if ack.duplicate:
             DUPLICATES.inc()
         return ACKED
+
+    async def _no_responders(self, js: JetStreamContext, subject: str, exc: Exception) -> Result:
+        """Nobody answered the publish: no stream takes the subject (the message's
+        fault: dead-letter it), or JetStream is not serving yet (a server restarting
+        recovers its streams after it accepts clients; a cluster electing a stream
+        leader): unavailable. Ask JetStream which it is."""
+        try:
+            await js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return classify(exc)  # JetStream answered: no stream for it
+        except Exception as probe:
+            PUBLISH_ERRORS.labels("unavailable").inc()
+            return Result(Outcome.UNAVAILABLE, f"JetStream not answering: {type(probe).__name__}")
+        PUBLISH_ERRORS.labels("unavailable").inc()
+        return Result(
+            Outcome.UNAVAILABLE,
+            "the subject's stream exists but did not answer (starting up, or electing a leader)",
+            reached=True,
+        )
 
     # --- the rest of the Sink interface ---
 
