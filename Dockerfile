@@ -38,7 +38,7 @@ RUN /build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 FROM ${PYTHON_IMAGE} AS runtime
 ARG RELAY_UID=10001
 LABEL org.opencontainers.image.title="relay" \
-      org.opencontainers.image.description="Transactional outbox relay: PostgreSQL outbox to Kafka or HTTP" \
+      org.opencontainers.image.description="Transactional outbox relay: PostgreSQL outbox to Kafka, HTTP, NATS JetStream or RabbitMQ" \
       org.opencontainers.image.licenses="Apache-2.0"
 # A fixed, unprivileged UID/GID: Kubernetes' runAsUser/runAsNonRoot and file ownership
 # of mounted secrets refer to it by number.
