@@ -1,13 +1,12 @@
-"""The system under test: PostgreSQL, a Tansu broker, and N `relay run` replicas.
+"""The system under test: PostgreSQL, the sink's server, and N `relay run` replicas.
 
 Replicas run as the least-privilege role (migrations/grants.sql), log JSON at debug level
 (for `batch.settled`), serve /metrics, and may be armed at a failpoint (relay/failpoints.py)
 through their own directory. One replica may run with a skewed wall clock (libfaketime).
 
-Where mount namespaces are available (root, tests/harness/netcut.py), each replica runs
-in its own, reaching the broker only through a proxy of its own: a fault can cut one
-replica off from the broker and nothing else. The broker then advertises `localhost`;
-the recorder and the other harness clients still reach it on 127.0.0.1.
+Where the sink allows it (tests/chaos/sinks.py), each replica reaches the sink's server
+only through a proxy of its own: a fault can cut one replica off from the sink and
+nothing else. The recorder and the other harness clients reach the server directly.
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ import psycopg
 from relay.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings
 from tests.chaos.producer import LEDGER_DDL
-from tests.conftest import relay_command, relay_env, start_relay
+from tests.chaos.sinks import TOPIC, ChaosSink
+from tests.conftest import relay_env, start_relay
 from tests.harness import free_port
-from tests.harness.kafka import TansuBroker
-from tests.harness.netcut import TcpProxy, loopback, namespaced, namespaces_available
+from tests.harness.netcut import TcpProxy
 from tests.harness.postgres import PostgresServer
 
 DATABASE = "chaos"
@@ -52,7 +51,7 @@ class Replica:
     failpoints: Path
     metrics_port: int
     skew: str | None = None
-    proxy: TcpProxy | None = None  # its only way to the broker, when namespaced
+    proxy: TcpProxy | None = None  # its only way to the sink's server, where one is cut
     incarnation: int = 0
     proc: subprocess.Popen[bytes] | None = None
     expected_exit: bool = False
@@ -72,13 +71,13 @@ class Replica:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, *, replicas: int, settings: dict[str, str]) -> None:
+    def __init__(
+        self, workdir: Path, sink: ChaosSink, *, replicas: int, settings: dict[str, str]
+    ) -> None:
         self.workdir = workdir
         self.pg = PostgresServer(workdir / "pg")
-        self.netcut = namespaces_available()
-        self.broker = TansuBroker(advertised_host="localhost" if self.netcut else "127.0.0.1")
-        self.topic = "chaos-orders"
-        self.partitions = 3
+        self.sink = sink
+        self.topic = TOPIC
         self.password = f"chaos-{secrets.token_hex(12)}"
         self.settings = settings
         self.replicas = [
@@ -90,10 +89,12 @@ class Cluster:
             )
             for n in range(replicas)
         ]
-        if self.netcut:
-            upstream = ("127.0.0.1", self.broker.port)
-            for n, replica in enumerate(self.replicas):
-                replica.proxy = TcpProxy(loopback(n), self.broker.port, upstream)
+        sink.attach(self.replicas)
+
+    @property
+    def netcut(self) -> bool:
+        """Can a fault cut one replica off from the sink?"""
+        return all(replica.proxy is not None for replica in self.replicas)
 
     # --- servers ---
 
@@ -104,8 +105,7 @@ class Cluster:
         self.pg.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{self.password}'")
         self.pg.execute((migrations_dir() / "grants.sql").read_text(), dbname=DATABASE)
         self.pg.execute(LEDGER_DDL, dbname=DATABASE)
-        self.broker.start()
-        self.broker.create_topic(self.topic, self.partitions)
+        self.sink.start()
         for replica in self.replicas:
             if replica.proxy is not None:
                 replica.proxy.start()
@@ -133,13 +133,8 @@ class Cluster:
             "RELAY_METRICS_ENABLED": "true",
             "RELAY_METRICS_PORT": str(replica.metrics_port),
         }
-        proxy = replica.proxy
-        bootstrap = self.broker.bootstrap_servers
-        command = None
-        if proxy is not None:
-            bootstrap = self.broker.advertised_bootstrap  # `localhost`: its own proxy
-            command = namespaced(relay_command("run"), proxy.host, self.workdir)
-        env = relay_env(self.relay_dsn, bootstrap, **extra)
+        command = self.sink.replica_command(replica, self.workdir)
+        env = relay_env(self.relay_dsn, **extra, **self.sink.replica_env(replica))
         lib = libfaketime()
         if replica.skew and lib is not None:
             # Only the wall clock: an NTP-less node. The lease runs on the database's
@@ -219,7 +214,7 @@ class Cluster:
         for replica in self.replicas:
             if replica.proxy is not None:
                 replica.proxy.close()
-        self.broker.stop()
+        self.sink.stop()
         self.pg.stop("immediate")
 
     # --- reading state ---

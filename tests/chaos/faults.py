@@ -5,10 +5,11 @@ crash or clean restart) come from the same RNG, so a seed replays the same sched
 `in_flight_bound` is how many messages the fault can make the relay publish twice: three
 batches for a crash or a pause (the drain publishes one batch while the previous one is
 being settled, and up to a batch of Kafka stragglers may be waiting for their reports),
-one batch per delivery timeout that a paused broker can swallow and later persist.
+one batch per publish timeout that a paused broker can swallow and later persist.
 
-`cut_leader_from_broker` needs every replica in its own mount namespace behind its own
-proxy (tests/harness/netcut.py, root only); where that is unavailable it is left out.
+"Broker" is the sink's server, whichever it is (tests/chaos/sinks.py says how each is
+killed, paused and cut). `cut_leader_from_broker` needs every replica behind a proxy of
+its own; where the sink cannot have that (Kafka without root) it is left out.
 """
 
 from __future__ import annotations
@@ -22,12 +23,9 @@ from dataclasses import dataclass
 
 from tests.chaos.cluster import Cluster, Replica
 from tests.chaos.history import Fault
-from tests.chaos.recorder import Recorder, put_markers
-from tests.harness.kafka import issue_producer_ids
-from tests.harness.netcut import namespaces_available
 from tests.support import wait_until
 
-NETWORK_FAULTS = ("cut_leader_from_broker",) if namespaces_available() else ()
+NETWORK_FAULTS = ("cut_leader_from_broker",)
 LEADER_FAULTS = (
     "kill_leader",
     "kill_after_publish",
@@ -48,7 +46,7 @@ ALL_FAULTS = (
 class Timing:
     ttl: float
     batch: int
-    delivery_timeout: float
+    publish_timeout: float  # the sink's: a paused broker may swallow a batch per this
     started: float  # monotonic start of the run
     give_way: float = 0.0  # RELAY_GIVE_WAY_SECONDS: a leader stalled this long hands over
 
@@ -62,15 +60,10 @@ class Timing:
 
 
 class Injector:
-    def __init__(
-        self, cluster: Cluster, recorder: Recorder, timing: Timing, rng: random.Random
-    ) -> None:
+    def __init__(self, cluster: Cluster, timing: Timing, rng: random.Random) -> None:
         self.cluster = cluster
-        self.recorder = recorder
         self.timing = timing
         self.rng = rng
-        # The highest idempotent producer id any broker incarnation has issued.
-        self.producer_id_floor = 0
 
     def _now(self) -> float:
         return round(time.monotonic() - self.timing.started, 2)
@@ -171,7 +164,7 @@ class Injector:
         relay's to prevent and the checker's to catch (order, duplicates)."""
         replica, epoch = self.leader()
         proxy = replica.proxy
-        assert proxy is not None, "cut_leader_from_broker needs namespaced replicas"
+        assert proxy is not None, "cut_leader_from_broker needs a proxy per replica"
         hold = self.rng.uniform(0.5, 2.0)
         at = self._now()
         cut = time.monotonic()
@@ -240,65 +233,35 @@ class Injector:
         return self._postgres_down(crash=True)
 
     def kill_broker(self) -> Fault:
-        """SIGKILL the broker and start a fresh one on the same port.
-
-        Tansu keeps its log in memory, so a killed broker comes back empty: records it
-        acknowledged but nobody had read yet would vanish — the broker's loss, not the
-        relay's. So the replicas are frozen for a moment, the recorder reads everything
-        the old broker holds, and only then is it killed. What the relay sees is still a
-        dead broker under its producer, with its batch possibly half acknowledged.
-        """
+        """SIGKILL the sink's server and start it again on the same port."""
         at = self._now()
-        frozen = time.monotonic()
-        self.cluster.freeze_all()
-        try:
-            # Not the high watermarks: Tansu's lag its log by a batch (an acked batch
-            # would vanish unread). A marker after everything, read back, proves it.
-            markers = put_markers(
-                self.cluster.broker.bootstrap_servers, self.cluster.topic, self.cluster.partitions
-            )
-            wait_until(
-                lambda: self.recorder.read_markers(markers),
-                timeout=30,
-                interval=0.05,
-                message="the recorder to read every partition's marker",
-            )
-            if not self.recorder.suspend():
-                raise AssertionError("recorder did not let go of the old broker")
-            bootstrap = self.cluster.broker.bootstrap_servers
-            issued = max(issue_producer_ids(bootstrap, 1))
-            self.producer_id_floor = max(self.producer_id_floor, issued)
-            self.cluster.broker.kill()
-            self.cluster.broker.start()
-            self.cluster.broker.create_topic(self.cluster.topic, self.cluster.partitions)
-            issue_producer_ids(bootstrap, self.producer_id_floor)
-            self.recorder.resume()
-        finally:
-            self.cluster.thaw_all()
-        took = time.monotonic() - frozen
-        note = f"replicas frozen {took:.1f}s"
+        began = time.monotonic()
+        note = self.cluster.sink.kill_and_restart(self.cluster)
+        took = time.monotonic() - began
+        note = f"{note}, back after {took:.1f}s"
         return Fault("kill_broker", at, round(took, 2), self.timing.in_flight, None, note)
 
     def pause_broker(self) -> Fault:
-        hold = self.rng.uniform(1.0, 2.5 * self.timing.delivery_timeout)
+        hold = self.rng.uniform(1.0, 2.5 * self.timing.publish_timeout)
         at = self._now()
-        self.cluster.broker.pause()
+        self.cluster.sink.pause()
         try:
             time.sleep(hold)
         finally:
-            self.cluster.broker.resume()
-        # Each delivery timeout inside the pause can leave one batch in the broker's
+            self.cluster.sink.resume()
+        # Each publish timeout inside the pause can leave one batch in the broker's
         # socket buffer that it persists on waking, while the relay sends it again.
-        copies = math.ceil(hold / self.timing.delivery_timeout) + 1
+        copies = math.ceil(hold / self.timing.publish_timeout) + 1
         return Fault(
             "pause_broker", at, round(hold, 2), self.timing.batch * copies, None, f"{hold:.1f}s"
         )
 
 
-def schedule(rng: random.Random, count: int) -> list[str]:
+def schedule(rng: random.Random, count: int, *, netcut: bool) -> list[str]:
     """Every kind at least once (when count allows), the rest drawn at random."""
-    kinds = list(ALL_FAULTS[:count])
-    weights = {kind: 1.0 for kind in ALL_FAULTS} | {"kill_leader": 2.0, "pause_leader": 2.0}
+    kinds_here = tuple(k for k in ALL_FAULTS if netcut or k not in NETWORK_FAULTS)
+    kinds = list(kinds_here[:count])
+    weights = {kind: 1.0 for kind in kinds_here} | {"kill_leader": 2.0, "pause_leader": 2.0}
     while len(kinds) < count:
         kinds += rng.choices(list(weights), weights=list(weights.values()))
     rng.shuffle(kinds)

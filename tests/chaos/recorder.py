@@ -1,4 +1,4 @@
-"""The consumer side: every record the broker hands out, in order, across broker restarts.
+"""The consumer side over Kafka: every record the broker hands out, in order, across broker restarts.
 
 It assigns every partition from the beginning (no group join: Tansu's is slow). The
 in-memory broker comes back empty after a kill, so each incarnation is a `generation`:
@@ -71,7 +71,7 @@ def put_markers(bootstrap: str, topic: str, partitions: int) -> set[str]:
     return markers
 
 
-class Recorder:
+class KafkaRecorder:
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         self._bootstrap = bootstrap
         self._topic = topic

@@ -1,5 +1,6 @@
 """One chaos run: servers up, three replicas, producer and recorder running, a seeded
-schedule of faults, then recovery, a clean stop, and the checker over the history."""
+schedule of faults, then recovery, a clean stop, and the checker over the history.
+The sink is Kafka unless named (tests/chaos/sinks.py: kafka, nats, rabbitmq)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.chaos.cluster import Cluster, libfaketime, make_workdir
 from tests.chaos.faults import LEADER_FAULTS, Injector, Timing, schedule
 from tests.chaos.history import History, Produced, read_lease_history
 from tests.chaos.producer import Producer
-from tests.chaos.recorder import Recorder
+from tests.chaos.sinks import ChaosSink, Recorder, make_sink
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ PROFILES = {
 class Outcome:
     seed: int
     profile: Profile
+    sink: str
     report: Report
     history: History
     produced: int
@@ -63,7 +65,7 @@ class Outcome:
         takeover = f"{self.max_takeover:.2f}s" if self.max_takeover else "n/a"
         recovery = self.history.recovery_seconds
         lines = [
-            f"chaos profile={self.profile.name} seed={self.seed}"
+            f"chaos profile={self.profile.name} sink={self.sink} seed={self.seed}"
             f" run={self.seconds:.0f}s messages={self.produced}"
             f" faults={len(self.history.faults)} max_takeover={takeover}"
             f" recovery={'never' if recovery is None else f'{recovery:.1f}s'}",
@@ -79,24 +81,29 @@ def say(text: str) -> None:
     print(f"[chaos] {text}", file=sys.stderr, flush=True)
 
 
-def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
-    say(f"profile={profile.name} seed={seed} (replay: python -m tests.chaos --seed {seed})")
+def run(
+    profile: Profile, seed: int, sink_name: str = "kafka", workdir: Path | None = None
+) -> Outcome:
+    say(
+        f"profile={profile.name} sink={sink_name} seed={seed}"
+        f" (replay: python -m tests.chaos --sink {sink_name} --seed {seed})"
+    )
     rng = random.Random(seed)
     workdir = workdir or make_workdir()
-    delivery_timeout = 5.0
     give_way = 3.0
+    sink = make_sink(sink_name, delivery_timeout=5.0)
     cluster = Cluster(
         workdir,
+        sink,
         replicas=3,
         settings={
             "RELAY_LEASE_TTL_SECONDS": str(profile.ttl),
             "RELAY_STANDBY_POLL_SECONDS": "0.2",
             "RELAY_BATCH_SIZE": str(profile.batch),
-            "RELAY_KAFKA_DELIVERY_TIMEOUT_MS": str(int(delivery_timeout * 1000)),
             "RELAY_RETRY_BASE_SECONDS": "0.1",
             "RELAY_RETRY_MAX_SECONDS": "1",
             "RELAY_DATABASE_CONNECT_TIMEOUT_SECONDS": "2",
-            # A leader that cannot reach the broker hands over (cut_leader_from_broker);
+            # A leader that cannot reach the sink hands over (cut_leader_from_broker);
             # the window must cover two heartbeats.
             "RELAY_GIVE_WAY_SECONDS": str(give_way),
             "RELAY_HEARTBEAT_SECONDS": "0.5",
@@ -114,7 +121,7 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
         notes.append("clock skew: off (set RELAY_CHAOS_SKEW=+600s with faketime installed)")
     notes.append("db network latency (tc/netem): not injected (loopback is shared; see README)")
     if not cluster.netcut:
-        notes.append("broker cut (cut_leader_from_broker): off, needs root and unshare")
+        notes.append("broker cut (cut_leader_from_broker): off, Kafka needs root and unshare")
     started = time.monotonic()
     history = History(recovery_bound=profile.recovery_bound)
     producer: Producer | None = None
@@ -122,7 +129,7 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
     try:
         cluster.start_servers()
         cluster.start_replicas()
-        recorder = Recorder(cluster.broker.bootstrap_servers, cluster.topic, cluster.partitions)
+        recorder = sink.recorder
         recorder.start()
         producer = Producer(
             cluster.admin_dsn,
@@ -133,11 +140,11 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
             rate=profile.rate,
             late_hold=profile.late_hold,
         )
-        timing = Timing(profile.ttl, profile.batch, delivery_timeout, started, give_way)
-        injector = Injector(cluster, recorder, timing, rng)
+        timing = Timing(profile.ttl, profile.batch, sink.publish_timeout, started, give_way)
+        injector = Injector(cluster, timing, rng)
         injector.leader(timeout=60)
         producer.start()
-        for n, kind in enumerate(schedule(rng, profile.faults), 1):
+        for n, kind in enumerate(schedule(rng, profile.faults, netcut=cluster.netcut), 1):
             time.sleep(rng.uniform(*profile.gap))  # the schedule's pause between faults
             cluster.note_unexpected_exits()
             fault = injector.run(kind)
@@ -161,6 +168,7 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
         _collect(cluster, recorder, producer, history)
         report = check(history)
         report.findings += _secret_findings(cluster, metrics)
+        report.findings += _exactness_findings(sink, report)
         report.findings += [
             Finding("replica_crashed", exit)
             for r in cluster.replicas
@@ -176,6 +184,7 @@ def run(profile: Profile, seed: int, workdir: Path | None = None) -> Outcome:
         return Outcome(
             seed,
             profile,
+            sink.name,
             report,
             history,
             producer.produced,
@@ -237,6 +246,20 @@ def _secret_findings(cluster: Cluster, metrics: list[str]) -> list[Finding]:
     if not metrics:
         findings.append(Finding("secret_leak", "no /metrics scraped: nothing was checked"))
     return findings
+
+
+def _exactness_findings(sink: ChaosSink, report: Report) -> list[Finding]:
+    """A sink whose server drops redeliveries (JetStream's duplicate window) holds each
+    message once, whatever the faults put in flight."""
+    if sink.exact and report.duplicates:
+        return [
+            Finding(
+                "duplicates",
+                f"{report.duplicates} duplicate(s) stored by {sink.name}, which should drop"
+                " every redelivery of a message id",
+            )
+        ]
+    return []
 
 
 def cleanup(outcome: Outcome) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import signal
 import subprocess
@@ -21,6 +22,9 @@ from aio_pika.abc import AbstractConnection
 from tests.harness import Service, free_port
 
 T = TypeVar("T")
+# The harness polls a node that is starting (or being killed) until it answers; aiormq
+# would log each refused connection as an error on the test's stderr.
+logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # not the sbin wrapper: it switches user
 
 
@@ -103,6 +107,7 @@ class RabbitmqServer(Service):
         if proc is None or proc.poll() is not None:
             return
         try:
+            os.killpg(proc.pid, signal.SIGCONT)  # a paused node must hear the signal
             os.killpg(proc.pid, sig)
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
@@ -112,6 +117,15 @@ class RabbitmqServer(Service):
             pass
         # The node itself (beam.smp) may have left the group's leader behind.
         subprocess.run(["pkill", "-KILL", "-f", f"[-]home {self._dir} "], check=False)
+
+    def pause(self) -> None:
+        """SIGSTOP the node's whole process group: a broker that hangs, sockets open."""
+        assert self._proc is not None
+        os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGCONT)
 
     def restart(self) -> None:
         """Kill it and start it again, same port and data (durable queues survive)."""
