@@ -9,8 +9,10 @@
 -- retry/dead-letter bookkeeping (UPDATE). It never inserts outbox rows.
 GRANT SELECT, UPDATE, DELETE ON outbox TO relay;
 
--- The lease row for RELAY_LEASE_NAME is created on first use, hence INSERT.
+-- The lease row for RELAY_LEASE_NAME (one per shard) is created on first use, hence
+-- INSERT; so is its group's row, which every acquisition updates.
 GRANT SELECT, INSERT, UPDATE ON leases TO relay;
+GRANT SELECT, INSERT, UPDATE ON lease_groups TO relay;
 
 -- Each replica keeps its own heartbeat row (and removes those of replicas long gone).
 GRANT SELECT, INSERT, UPDATE, DELETE ON replicas TO relay;

@@ -105,13 +105,19 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_migrate(_args: argparse.Namespace) -> int:
-    from relay.migrate import migrate
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from relay.migrate import create_shard_indexes, migrate
 
     settings = load_settings(CommonSettings)
     configure(settings.log_format, settings.log_level)
     applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    if args.shards > 1:
+        built = create_shard_indexes(settings, args.shards)
+        print(
+            f"shard indexes for {args.shards} shards: "
+            + (f"built {', '.join(built)}" if built else "already there")
+        )
     return EXIT_OK
 
 
@@ -147,11 +153,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     if leases:
+        sharded = any(lease.shards > 1 for lease in leases)
         rows = []
         for lease in leases:
+            shard = (f"{lease.shard}/{lease.shards}",) if sharded else ()
             rows.append(
                 (
-                    lease.name,
+                    lease.lease_group,
+                    *shard,
                     "held" if lease.live else "free",
                     lease.holder,
                     lease.epoch,
@@ -159,7 +168,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"{lease.seconds_to_expiry:.1f}s" if lease.live else "expired",
                 )
             )
-        print(_table(("LEASE", "STATE", "HOLDER", "EPOCH", "EXPIRES AT", "EXPIRES IN"), rows))
+        headers = ("LEASE", *(("SHARD",) if sharded else ()), "STATE", "HOLDER", "EPOCH")
+        print(_table((*headers, "EXPIRES AT", "EXPIRES IN"), rows))
     else:
         print("no lease rows yet (no relay has run)")
     if replicas:
@@ -332,7 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     add("run", cmd_run, "run the relay daemon (one replica of many)")
-    add("migrate", cmd_migrate, "apply pending schema migrations (safe from several replicas)")
+    migrate_cmd = add(
+        "migrate", cmd_migrate, "apply pending schema migrations (safe from several replicas)"
+    )
+    migrate_cmd.add_argument(
+        "--shards",
+        type=_positive_int,
+        default=1,
+        help="also build the indexes N shards fetch through (CONCURRENTLY; idempotent)",
+    )
     status = add("status", cmd_status, "show lease holder, epoch, expiry and backlog")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(

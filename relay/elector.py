@@ -25,6 +25,7 @@ from relay.lease import (
     HeldByOther,
     Lease,
     LeaseToken,
+    OtherShardCount,
     ensure_row,
     release,
     renew,
@@ -204,6 +205,18 @@ class Elector(threading.Thread):
                     holder=self._lease.holder,
                     leader=outcome.holder,
                     epoch=outcome.epoch,
+                )
+        elif isinstance(outcome, OtherShardCount):
+            seen = (outcome.lease, -1)
+            if seen != self._last_other:
+                self._last_other = seen
+                log.warning(
+                    "lease.other_shard_count",
+                    lease=self._lease.name,
+                    holder=self._lease.holder,
+                    live=outcome.lease,
+                    hint="replicas with another RELAY_SHARDS still hold a lease; this one"
+                    " waits until they stop",
                 )
         else:
             log.debug(

@@ -11,6 +11,12 @@ The protocol (docs/DESIGN.md, "The lease"):
 5. Every transaction that settles rows re-checks holder and epoch first (`lease_renew`
    in queries.sql, used by the repository); no match means roll back and stand by.
 6. On shutdown the holder expires its lease at once so a standby takes over quickly.
+
+Shards (migration 0007): with N > 1 shards each shard has a lease row of its own
+(`shard_lease_name`), and every guarantee above holds per row. Every acquisition first
+passes through its group's row (`lease_group_claim`): acquisitions of one group are
+serialized, and the group's shard count changes only while no lease of the old count is
+live, fencing them all, so two shard counts never drain one outbox at once.
 7. A leader that cannot deliver (cut off from the sink, not from the database) gives
    the lease up the same way, once a live replica reports it can reach the sink
    (relay/presence.py); the drain loop decides, the elector's thread writes it.
@@ -59,20 +65,59 @@ class LostRace:
     detail: str
 
 
-Attempt = Acquired | HeldByOther | LostRace
+@dataclass(frozen=True, slots=True)
+class OtherShardCount:
+    """Replicas draining with another shard count hold a live lease (`lease`): this
+    count waits until they are all gone (a rolling change of RELAY_SHARDS)."""
+
+    lease: str | None
+
+
+Attempt = Acquired | HeldByOther | LostRace | OtherShardCount
 
 
 # --- the SQL steps of the protocol -------------------------------------------------
 
 
-def ensure_row(conn: Conn, name: str) -> None:
-    conn.execute(QUERIES.lease_ensure, {"name": name})
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Which lease row: shard `shard` of `shards` of the lease `group`."""
+
+    group: str
+    shard: int = 0
+    shards: int = 1
+
+    @property
+    def name(self) -> str:
+        return shard_lease_name(self.group, self.shard, self.shards)
 
 
-def try_acquire(conn: Conn, name: str, holder: str, ttl: float) -> Attempt:
+def shard_lease_name(group: str, shard: int, shards: int) -> str:
+    """The lease row of one shard: the lease's own name with one shard, as always."""
+    return group if shards == 1 else f"{group}#{shard}/{shards}"
+
+
+def ensure_row(conn: Conn, name: str, shard: Shard | None = None) -> None:
+    shard = shard or Shard(name)
+    conn.execute(
+        QUERIES.lease_ensure,
+        {"name": name, "group": shard.group, "shards": shard.shards, "shard": shard.shard},
+    )
+
+
+def try_acquire(
+    conn: Conn, name: str, holder: str, ttl: float, shard: Shard | None = None
+) -> Attempt:
     """One compare-and-swap attempt. `conn` must be autocommit with REPEATABLE READ."""
+    shard = shard or Shard(name)
+    assert shard.name == name, f"lease row {name!r} is not {shard}"
     try:
         with conn.transaction():
+            claim = conn.execute(
+                QUERIES.lease_group_claim, {"group": shard.group, "shards": shard.shards}
+            ).fetchone()
+            if claim is None or not claim["claimed"]:
+                return OtherShardCount(claim["live_other"] if claim else None)
             row = conn.execute(QUERIES.lease_read, {"name": name}).fetchone()
             if row is None:
                 return LostRace("lease row missing")

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 
 from relay import db
 from relay.errors import MigrationError
@@ -90,3 +91,40 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> list[str
             if not conn.closed and not conn.broken:
                 conn.execute(QUERIES.migrations_unlock)
     return applied_now
+
+
+def shard_index_names(shards: int) -> tuple[str, str]:
+    """The two indexes a count of `shards` needs: unsent rows by id, and their keys."""
+    return f"outbox_shards_{shards}_idx", f"outbox_shards_{shards}_key_idx"
+
+
+def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
+    """`relay migrate --shards N`: build (CONCURRENTLY, so the app's inserts go on) the
+    indexes that let each of N shards fetch only its own rows. Idempotent; an invalid
+    leftover of a failed build is dropped and built again. Returns the names built."""
+    if shards < 2:
+        return []
+    names = shard_index_names(shards)
+    built: list[str] = []
+    with db.connect(settings, purpose="migrate") as conn:
+        conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside a transaction
+        conn.execute(QUERIES.migrations_no_timeout)
+        try:
+            state = {
+                r["name"]: r["valid"]
+                for r in conn.execute(QUERIES.shard_index_state, {"names": list(names)})
+            }
+            for name, query in zip(
+                names, (QUERIES.shard_index_unsent, QUERIES.shard_index_keys), strict=True
+            ):
+                if state.get(name):
+                    continue
+                index = sql.Identifier(name)
+                if name in state:  # invalid: a build that failed half-way
+                    conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+                conn.execute(sql.SQL(query).format(index=index, shards=sql.Literal(shards)))
+                built.append(name)
+                log.info("migration.shard_index", name=name, shards=shards)
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
+    return built

@@ -85,6 +85,8 @@ def fetch_batch(
     *,
     held: Sequence[str] = (),
     share_busy_keys: bool = True,
+    shards: int = 1,
+    shard: int = 0,
 ) -> Fetched:
     """The next batch (README "Fetching: fair and bounded").
 
@@ -99,8 +101,11 @@ def fetch_batch(
     `share_busy_keys=False` skips the second reason where the cap may be filled past
     anyway (`limits.fill`): the caller's way to look for other keys less often while
     a key drains alone.
+    `shards`, `shard`: with more than one shard, only that shard's rows (migration 0007).
     """
     params: dict[str, Any] = {
+        "shards": shards,
+        "shard": shard,
         "limit": limits.rows,
         "in_flight": in_flight,
         "held": list(held),

@@ -17,6 +17,9 @@ class LeaseRow:
     """`lease_status`: one lease, with the database's view of its expiry."""
 
     name: str
+    lease_group: str  # the lease it is a shard of (its own name with one shard)
+    shards: int
+    shard: int
     holder: str | None
     epoch: int
     expires_at: datetime

@@ -79,6 +79,8 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
         "fill": True,
         "in_flight": "{}",
         "held": [],
+        "shards": 1,
+        "shard": 0,
         "after_key": None,
     }
     fields = [f.name for f in dataclasses.fields(OutboxMessage)]
@@ -100,7 +102,14 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
             " ('t', 'k', 'x', %s::jsonb), ('t', 'k', 'y', '[1]'), ('t', NULL, NULL, NULL)",
             (HOSTILE_HEADERS,),
         )
-        params = {"limit": 10, "in_flight": "{}", "held": [], "max_bytes": 1 << 30}
+        params = {
+            "limit": 10,
+            "in_flight": "{}",
+            "held": [],
+            "max_bytes": 1 << 30,
+            "shards": 1,
+            "shard": 0,
+        }
         head = [row[:-3] for row in conn.execute(QUERIES.fetch_head, params).fetchall()]
         fair = conn.execute(
             QUERIES.fetch_batch,
@@ -250,6 +259,8 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
         "fill": limits.fill,
         "in_flight": "{}",
         "held": [],
+        "shards": 1,
+        "shard": 0,
         "after_key": None,
     }
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -24,9 +24,53 @@ SELECT set_config('synchronous_commit', %(synchronous_commit)s, false);
 ------------------------------------------------------------------------------------
 
 -- name: lease_ensure
--- Create the lease row on first use; expired and unheld, epoch 0.
-INSERT INTO leases (name) VALUES (%(name)s)
+-- Create the lease row on first use, expired and unheld, epoch 0; and its group's row
+-- (migration 0007), in force with this replica's shard count if it is the first.
+WITH grp AS (
+    INSERT INTO lease_groups (name, shards) VALUES (%(group)s, %(shards)s)
+    ON CONFLICT (name) DO NOTHING
+)
+INSERT INTO leases (name, lease_group, shards, shard)
+VALUES (%(name)s, CASE WHEN %(shards)s::integer > 1 THEN %(group)s END, %(shards)s, %(shard)s)
 ON CONFLICT (name) DO NOTHING;
+
+-- name: lease_group_claim
+-- The first statement of every acquisition, under REPEATABLE READ: pass through the
+-- group's row, so acquisitions of one lease group are serialized (a concurrent one
+-- fails with 40001: a lost race). The group's shard count becomes ours only if no
+-- lease of another count is live (held, not released, not expired); a change of count
+-- fences every lease of the old one (epoch + 1, holder cleared), so its holders'
+-- renewals and settles match nothing. `claimed` is 0 while another count drains.
+WITH live_other AS (
+    SELECT l.name
+    FROM leases AS l
+    WHERE coalesce(l.lease_group, l.name) = %(group)s
+      AND l.shards <> %(shards)s
+      AND l.holder IS NOT NULL
+      AND l.released_at IS NULL
+      AND l.expires_at > now()
+), claimed AS (
+    UPDATE lease_groups AS g
+    SET shards      = %(shards)s,
+        switched_at = CASE WHEN g.shards <> %(shards)s THEN now() ELSE g.switched_at END,
+        claimed_at  = now()
+    WHERE g.name = %(group)s
+      AND (g.shards = %(shards)s OR NOT EXISTS (SELECT 1 FROM live_other))
+    RETURNING g.name
+), fenced AS (
+    UPDATE leases AS l
+    SET epoch       = l.epoch + 1,
+        holder      = NULL,
+        expires_at  = least(l.expires_at, now()),
+        released_at = now(),
+        updated_at  = now()
+    WHERE coalesce(l.lease_group, l.name) = %(group)s
+      AND l.shards <> %(shards)s
+      AND l.holder IS NOT NULL
+      AND EXISTS (SELECT 1 FROM claimed)
+)
+SELECT (SELECT count(*) FROM claimed) AS claimed,
+       (SELECT min(name) FROM live_other) AS live_other;
 
 -- name: lease_read
 -- First half of the compare-and-swap, under REPEATABLE READ. Time is the database's.
@@ -80,7 +124,8 @@ WHERE name = %(name)s
 
 -- name: lease_status
 -- All lease rows with the database's view of their expiry.
-SELECT name, holder, epoch, expires_at, expires_at > now() AS live,
+SELECT name, coalesce(lease_group, name) AS lease_group, shards, shard,
+       holder, epoch, expires_at, expires_at > now() AS live,
        extract(epoch FROM expires_at - now())::float8 AS seconds_to_expiry,
        acquired_at, renewed_at, released_at
 FROM leases
@@ -152,6 +197,8 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
 -- (headers->>'name'), nulls and the relay's own names left out, never parsed by Python
 -- (a value Python's json cannot load cannot hurt the relay); header_error says why a
 -- row's headers cannot be sent (not an object, or a value that is not a scalar).
+-- With %(shards)s > 1 (migration 0007), only rows of shard %(shard)s, read through the
+-- per-count indexes `relay migrate --shards N` creates; fetch_batch likewise.
 SELECT h.id,
        h.message_id::text,
        h.topic,
@@ -207,6 +254,9 @@ FROM (SELECT head.*,
               -- untyped, so the cast makes it a bigint[] constant of the custom plan:
               -- a hash lookup.
               AND o.id <> ALL(%(in_flight)s::bigint[])
+              -- With RELAY_SHARDS > 1, this shard's rows only, through its index
+              -- (outbox_shards_N_idx); with one shard the test folds away.
+              AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
             ORDER BY o.id
             LIMIT %(limit)s) AS head) AS h
 ORDER BY h.id;
@@ -257,6 +307,7 @@ WITH RECURSIVE head AS MATERIALIZED (
       -- The batches published and not yet settled. The parameter is sent untyped, so
       -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
       AND o.id <> ALL(%(in_flight)s::bigint[])
+      AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)  -- this shard's rows only
     ORDER BY o.id
     LIMIT %(limit)s
 ),
@@ -282,12 +333,14 @@ keys_after (key) AS (
     FROM (SELECT min(o.key) AS key
           FROM outbox AS o
           WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
             AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
     WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
     UNION ALL
     SELECT (SELECT min(o.key)
             FROM outbox AS o
-            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key)
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key
+              AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer))
     FROM keys_after AS k
     WHERE k.key IS NOT NULL
 ),
@@ -295,12 +348,14 @@ keys_before (key) AS (
     SELECT s.key
     FROM (SELECT min(o.key) AS key
           FROM outbox AS o
-          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL) AS s
+          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)) AS s
     WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
     UNION ALL
     SELECT (SELECT min(o.key)
             FROM outbox AS o
-            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key)
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key
+              AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer))
     FROM keys_before AS k
     WHERE k.key < %(after_key)s::text
 ),
@@ -361,6 +416,7 @@ beyond AS (
        AND o.sent_at IS NULL
        AND o.dead_lettered_at IS NULL
        AND o.id <> ALL(%(in_flight)s::bigint[])
+       AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
      ORDER BY o.key, o.id  -- the (key, id) order of outbox_key_idx: see above
      LIMIT %(limit)s)
 ),
@@ -588,6 +644,34 @@ SELECT max(version) AS version FROM schema_migrations;
 -- DDL may queue behind the application's traffic: the hot-path statement timeout
 -- must not cut a migration short.
 SET statement_timeout = 0;
+
+-- name: shard_index_unsent
+-- `relay migrate --shards N`: with N shards, each shard's fetch reads its own unsent
+-- rows in id order from this index. {shards} is N and {index} the index's name, both
+-- composed by psycopg.sql (a literal and an identifier), never pasted in as text.
+-- CONCURRENTLY: the app's inserts go on while it builds.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
+    ON outbox (outbox_shard(key, id, {shards}), id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL;
+
+-- name: shard_index_keys
+-- ... and walks its keys (the fair fetch) from this one.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
+    ON outbox (outbox_shard(key, id, {shards}), key, id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL;
+
+-- name: shard_index_state
+-- Whether each of these indexes exists and is valid (a CONCURRENTLY build that failed
+-- leaves an invalid index behind, which IF NOT EXISTS would then skip).
+SELECT c.relname AS name, i.indisvalid AS valid
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE c.relname = ANY(%(names)s::text[])
+  AND i.indrelid = 'outbox'::regclass;
+
+-- name: shard_index_drop
+-- An invalid leftover, dropped before it is built again.
+DROP INDEX CONCURRENTLY IF EXISTS {index};
 
 -- name: migrations_lock
 -- Session advisory lock: N replicas running `relay migrate` at once apply each file once.

@@ -1,0 +1,191 @@
+"""Shards, the database half (migration 0007): each shard's fetch reads its own rows
+through its own index, every key lives in one shard, and the lease group lets only one
+shard count drain at a time, fencing the old count when it changes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from typing import Any
+
+import psycopg
+from psycopg import IsolationLevel
+from psycopg.rows import dict_row
+
+from relay import lease as protocol
+from relay import repository
+from relay.lease import Acquired, LostRace, OtherShardCount, Shard
+from relay.migrate import create_shard_indexes, shard_index_names
+from relay.queries import QUERIES
+from relay.repository import BatchLimits
+from relay.settings import CommonSettings
+from tests.support import insert_rows, keyed_rows, scalar
+
+Conn = psycopg.Connection[dict[str, Any]]
+SHARDS = 4
+LIMITS = BatchLimits(rows=500, bytes=8 << 20, per_key=500)
+
+
+def rr_conn(dsn: str) -> Conn:
+    conn = psycopg.connect(dsn, autocommit=True, row_factory=dict_row)
+    conn.isolation_level = IsolationLevel.REPEATABLE_READ
+    return conn
+
+
+def fetch_shard(dsn: str, shard: int, limits: BatchLimits = LIMITS) -> repository.Fetched:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        return repository.fetch_batch(conn, limits, "{}", shards=SHARDS, shard=shard)
+
+
+def test_each_shard_fetches_only_its_rows_and_every_key_lives_in_one(database: str) -> None:
+    create_shard_indexes(CommonSettings(database_url=database), SHARDS)
+    insert_rows(database, "t", keyed_rows(keys=40, per_key=5))
+    insert_rows(database, "t", [(None, b"no key") for _ in range(40)])
+    owner: dict[int, int] = {}
+    for shard in range(SHARDS):
+        for message in fetch_shard(database, shard).messages:
+            assert message.id not in owner, (
+                f"row {message.id} in shards {owner[message.id]}, {shard}"
+            )
+            owner[message.id] = shard
+    assert len(owner) == 240, "every unsent row is in exactly one shard"
+    keys = {
+        row[0]: {
+            owner[row[1]]
+            for row in psycopg.connect(database).execute(
+                "SELECT key, id FROM outbox WHERE key = %s", (row[0],)
+            )
+        }
+        for row in psycopg.connect(database).execute(
+            "SELECT DISTINCT key FROM outbox WHERE key IS NOT NULL"
+        )
+    }
+    assert all(len(shards) == 1 for shards in keys.values()), "a key split across shards"
+    spread = Counter(owner.values())
+    assert len(spread) == SHARDS and min(spread.values()) >= 20, f"uneven: {spread}"
+
+
+def test_a_shard_fetch_reads_its_own_index_not_the_others_rows(database: str) -> None:
+    """The EXPLAIN guard: with 4 shards and a backlog of 40,000 rows, a fetch of 100 rows
+    of shard 0 walks outbox_shards_4_idx in id order and stops at 100: its cost does
+    not grow with the backlog, nor with the other shards' rows."""
+    create_shard_indexes(CommonSettings(database_url=database), SHARDS)
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT 't', 'k' || (g % 400), 'x' FROM generate_series(1, 40000) AS g"
+        )
+        conn.execute("ANALYZE outbox")
+        conn.execute(QUERIES.force_custom_plans)
+        params = {
+            "limit": 100,
+            "max_bytes": 1 << 30,
+            "in_flight": "{}",
+            "held": [],
+            "shards": SHARDS,
+            "shard": 0,
+        }
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
+        ).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    scans: list[tuple[str, int]] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if "Scan" in node["Node Type"]:
+            scans.append((node.get("Index Name", node["Node Type"]), node["Actual Rows"]))
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    unsent, _ = shard_index_names(SHARDS)
+    assert (unsent, 100) in scans, scans
+
+
+def test_shard_indexes_are_built_once_and_rebuilt_if_invalid(database: str) -> None:
+    settings = CommonSettings(database_url=database)
+    assert create_shard_indexes(settings, SHARDS) == list(shard_index_names(SHARDS))
+    assert create_shard_indexes(settings, SHARDS) == []
+    unsent, _ = shard_index_names(SHARDS)
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass", (unsent,)
+        )
+    assert create_shard_indexes(settings, SHARDS) == [unsent]
+    assert scalar(
+        database, "SELECT indisvalid FROM pg_index WHERE indexrelid = %s::regclass", (unsent,)
+    )
+
+
+def test_a_new_shard_count_waits_for_the_old_and_then_fences_it(relay_dsn: str) -> None:
+    one = Shard("orders")
+    two = [Shard("orders", n, 2) for n in range(2)]
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, one.name, one)
+        for shard in two:
+            protocol.ensure_row(b, shard.name, shard)
+        old = protocol.try_acquire(a, one.name, "old", 60.0, one)
+        assert isinstance(old, Acquired)
+        # A replica of the new count waits while the old count's lease is live...
+        waiting = protocol.try_acquire(b, two[0].name, "new", 60.0, two[0])
+        assert isinstance(waiting, OtherShardCount) and waiting.lease == "orders"
+        # ... takes over once it ends (here: released) ...
+        assert protocol.release(a, old.token)
+        taken = [protocol.try_acquire(b, s.name, "new", 60.0, s) for s in two]
+        assert all(isinstance(t, Acquired) for t in taken), taken
+        # ... and the old count is fenced: its holder can neither renew nor come back
+        # while the new count holds its leases.
+        assert not protocol.renew(a, old.token, 60.0)
+        again = protocol.try_acquire(a, one.name, "old", 60.0, one)
+        assert isinstance(again, OtherShardCount)
+    assert scalar(relay_dsn, "SELECT shards FROM lease_groups WHERE name = 'orders'") == 2
+
+
+def test_an_expired_old_count_lease_is_fenced_by_the_switch(relay_dsn: str) -> None:
+    """A holder of the old count, paused past its expiry, must not renew after the new
+    count took over: nobody took ITS row, so only the switch's fence stops it."""
+    one, new = Shard("paused"), Shard("paused", 1, 2)
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, one.name, one)
+        protocol.ensure_row(b, new.name, new)
+        old = protocol.try_acquire(a, one.name, "old", 0.2, one)
+        assert isinstance(old, Acquired)
+        a.execute("SELECT pg_sleep(0.3)")
+        assert isinstance(protocol.try_acquire(b, new.name, "new", 60.0, new), Acquired)
+        assert not protocol.renew(a, old.token, 60.0), "the old count's zombie renewed"
+
+
+def test_two_shard_counts_racing_never_both_acquire(relay_dsn: str) -> None:
+    """Write skew: each transaction alone sees no live lease of the other count. The
+    group row both must update makes the later one lose (40001), never both win."""
+    one, two = Shard("skew"), Shard("skew", 0, 2)
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, one.name, one)
+        protocol.ensure_row(b, two.name, two)
+        for _ in range(10):
+            barrier = threading.Barrier(2)
+            results: list[object] = []
+            threads = [
+                threading.Thread(target=_race, args=(barrier, results, a, one, "a")),
+                threading.Thread(target=_race, args=(barrier, results, b, two, "b")),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            winners = [r for r in results if isinstance(r, Acquired)]
+            assert len(winners) <= 1, results
+            assert all(isinstance(r, Acquired | LostRace | OtherShardCount) for r in results)
+            for w in winners:
+                assert isinstance(w, Acquired)
+                protocol.release(a if w.token.holder == "a" else b, w.token)
+
+
+def _race(
+    barrier: threading.Barrier, results: list[object], conn: Conn, shard: Shard, holder: str
+) -> None:
+    barrier.wait()
+    results.append(protocol.try_acquire(conn, shard.name, holder, 60.0, shard))
