@@ -7,19 +7,20 @@ import threading
 import time
 from types import FrameType
 
-from relay import __version__, metrics
-from relay.drain import Drainer
-from relay.elector import Elector
-from relay.guard import DeadlineGuard
+import psycopg
+
+from relay import __version__, db, metrics, repository
 from relay.lag import LagSampler
-from relay.lease import Lease
+from relay.lanes import FairShare, Lane
+from relay.lease import Lease, Shard
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
-from relay.presence import Presence, Progress
+from relay.migrate import shard_index_names
+from relay.presence import Presence
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
-from relay.sinks import create_sink
+from relay.sinks import Sink, create_sink
 
 log = get_logger("relay.app")
 
@@ -28,13 +29,6 @@ class RelayApp:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.shutdown = Shutdown(settings.shutdown_timeout_seconds)
-        self.lease = Lease(
-            settings.lease_name,
-            settings.replica_id,
-            settings.lease_ttl_seconds,
-            settings.safety_margin,
-            time.monotonic,
-        )
         self.health = Health()
         # The elector and the sampler beat once per turn; one turn may wait out a
         # connect and a statement timeout against a sick database.
@@ -42,42 +36,82 @@ class RelayApp:
             settings.database_connect_timeout_seconds
             + 2 * settings.database_statement_timeout_ms / 1000
         )
-        self.health.register("elector", max(60.0, 3 * settings.standby_poll_seconds + db_wait))
-        self.sink = create_sink(settings)
-        # The main loop beats at least every poll; a publish waiting on a dead broker
-        # beats from its wait loop too. Minutes of silence means it is truly stuck.
-        self.health.register("main", max(60.0, 2 * self.sink.max_publish_seconds))
-        progress = Progress()
-        self.presence = Presence(settings, self.lease, self.sink, progress)
-        self.elector = Elector(settings, self.lease, health=self.health, defer=self.presence.defer)
+        shards = [Shard(settings.lease_name, n, settings.shards) for n in range(settings.shards)]
+        # One sink per shard: giving way, a deadline cut or a hand-over resets one
+        # shard's producer, never another's in-flight messages.
+        sinks = [create_sink(settings) for _ in shards]
+        self.lanes: list[Lane] = []
+        self.presence = Presence(
+            settings,
+            leading=lambda: any(lane.held() for lane in self.lanes),
+            sink=sinks[0],
+            stalled_for=self._worst_stall,
+        )
+        self.fair: FairShare | None = None
+        if settings.shards > 1:
+            self.fair = FairShare(settings.shards, self.presence.live_peers)
+            self.fair.watch(self.held_shards)
+        self._crashed: BaseException | None = None
+        for shard, sink in zip(shards, sinks, strict=True):
+            lane = Lane(
+                settings,
+                shard,
+                sink,
+                self.shutdown,
+                self.health,
+                self.fair,
+                self.presence,
+                self._lane_crashed,
+            )
+            self.lanes.append(lane)
+            self.health.register(
+                lane.elector.loop, max(60.0, 3 * settings.standby_poll_seconds + db_wait)
+            )
+            # The drain loop beats at least every poll; a publish waiting on a dead
+            # broker beats from its wait loop too. Minutes of silence: truly stuck.
+            self.health.register(lane.main_loop, max(60.0, 2 * sink.max_publish_seconds))
         self.health.db_ok = self._db_recently_ok
         self.lag_sampler: LagSampler | None = None
         if settings.lag_sample_seconds > 0:
             self.health.register("lag", max(60.0, 3 * settings.lag_sample_seconds + db_wait))
             self.lag_sampler = LagSampler(settings, self.health)
-        self.purger = Purger(settings, self.lease) if settings.keep_sent_rows else None
-        self.guard = DeadlineGuard(self.lease, self.sink)
-        self.drainer = Drainer(
-            settings,
-            self.sink,
-            self.lease,
-            self.shutdown,
-            self.health,
-            presence=self.presence,
-            progress=progress,
-        )
+        # Retention: one purger for the whole outbox, run by whoever holds shard 0.
+        self.purger = Purger(settings, self.lanes[0].lease) if settings.keep_sent_rows else None
         self.metrics_server: MetricsServer | None = None
 
+    @property
+    def lease(self) -> Lease:
+        """Shard 0's lease: with one shard, the lease."""
+        return self.lanes[0].lease
+
+    @property
+    def sink(self) -> Sink:
+        """Shard 0's sink: with one shard, the sink."""
+        return self.lanes[0].sink
+
+    def held_shards(self) -> list[int]:
+        return [lane.shard.shard for lane in self.lanes if lane.held()]
+
+    def _worst_stall(self) -> float:
+        return max((lane.progress.stalled_for() for lane in self.lanes if lane.held()), default=0.0)
+
+    def _lane_crashed(self, exc: BaseException) -> None:
+        if self._crashed is None:
+            self._crashed = exc
+        self.shutdown.request("crash")
+
     def _db_recently_ok(self) -> bool:
-        """A lease statement (the elector's, or a settle's renewal) came back within
+        """A lease statement (an elector's, or a settle's renewal) came back within
         max(3 x standby poll, ttl): measured from the last real round trip, so a leader
         whose database is gone turns unready within that window. A standby that defers
         to a peer makes no lease round trips: its heartbeats count for it."""
         window = max(3 * self.settings.standby_poll_seconds, self.settings.lease_ttl_seconds)
-        last_ok = self.elector.last_db_ok
-        if self.lease.held_token() is None:
+        last_ok = max(lane.elector.last_db_ok for lane in self.lanes)
+        if all(lane.lease.held_token() is None for lane in self.lanes):
             last_ok = max(last_ok, self.presence.last_db_ok)
-        since = min(time.monotonic() - last_ok, self.lease.since_renewal())
+        since = min(
+            time.monotonic() - last_ok, *(lane.lease.since_renewal() for lane in self.lanes)
+        )
         return since < window
 
     def install_signal_handlers(self) -> None:
@@ -89,11 +123,35 @@ class RelayApp:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
+    def _check_shard_indexes(self) -> None:
+        """With shards, their indexes must exist: without them every shard's fetch would
+        read the whole backlog. Checked when the database answers at start-up (a
+        database down now is the elector's to wait out, not a reason not to start)."""
+        names = shard_index_names(self.settings.shards)
+        try:
+            with db.connect(self.settings, purpose="check") as conn:
+                missing = repository.shard_indexes_missing(conn, names)
+        except psycopg.Error as exc:
+            log.warning("shards.index_check_skipped", error=db.describe_error(exc))
+            return
+        if missing:
+            raise SettingsError(
+                "RELAY_SHARDS",
+                f"{self.settings.shards} shards need the indexes {', '.join(missing)}:"
+                f" run `relay migrate --shards {self.settings.shards}` first",
+            )
+
     def run(self) -> int:
         s = self.settings
+        if s.shards > 1:
+            self._check_shard_indexes()
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
-        metrics.declare_lease(s.lease_name, lambda: self.lease.token() is not None)
-        metrics.LEASE_SINCE_RENEWAL.labels(s.lease_name).set_function(self.lease.since_renewal)
+        if self.fair is not None:
+            fair = self.fair
+            metrics.SHARDS_HELD.labels(s.lease_name, "held").set_function(
+                lambda: len(self.held_shards())
+            )
+            metrics.SHARDS_HELD.labels(s.lease_name, "fair_share").set_function(fair.cap)
         if s.metrics_enabled:
             try:
                 self.metrics_server = MetricsServer(s.metrics_host, s.metrics_port, self.health)
@@ -108,59 +166,48 @@ class RelayApp:
             version=__version__,
             replica=s.replica_id,
             lease=s.lease_name,
+            shards=s.shards,
             sink=s.sink,
             batch_size=s.batch_size,
             ttl=s.lease_ttl_seconds,
             metrics=f"{s.metrics_host}:{self.metrics_server.port}" if self.metrics_server else None,
         )
-        self.elector.start()
-        for loop in (self.presence, self.lag_sampler, self.purger, self.guard):
+        for lane in self.lanes:
+            lane.start()
+        for loop in (self.presence, self.lag_sampler, self.purger):
             if loop is not None:
                 loop.start()
         try:
-            while not self.shutdown.requested:
-                self.health.beat()
-                if self.lease.wait_held(timeout=0.25) is None:
-                    # Standby keeps its producer warm for a fast takeover; serving its
-                    # events keeps client logs and errors from piling up unread.
-                    self.sink.flush(0)
-                    continue
-                self.drainer.drain()
-        except Exception:
-            # A bug, not an outage (those are retried where they happen): say so in one
-            # structured line, give the lease up, and let the orchestrator restart us.
-            log.exception("relay.crashed", replica=s.replica_id)
-            return 1
+            while not self.shutdown.wait(0.25):
+                pass
+            for lane in self.lanes:
+                lane.join(timeout=max(5.0, s.shutdown_timeout_seconds))
+            if self._crashed is not None:
+                # A bug, not an outage (those are retried where they happen): say so in
+                # one structured line, give the leases up, and let the orchestrator
+                # restart us.
+                crash = self._crashed
+                log.error(
+                    "relay.crashed",
+                    replica=s.replica_id,
+                    exc_info=(type(crash), crash, crash.__traceback__),
+                )
+                return 1
         finally:
             self._stop()
         return 0
 
     def _stop(self) -> None:
-        # Order matters: no new batches, then flush the sink, then give the lease up
-        # so a standby takes over at its next poll instead of after a whole ttl.
+        # Order matters: no new batches, then flush the sinks, then give the leases up
+        # so standbys take over at their next poll instead of after a whole ttl.
         log.info("relay.stopping", reason=self.shutdown.reason or "error")
-        try:
-            left = self.sink.flush(min(5.0, self.settings.shutdown_timeout_seconds))
-            if left:
-                log.warning("sink.flush_incomplete", messages=left)
-        except Exception as exc:  # a dead producer must not keep the lease held
-            log.warning("sink.flush_failed", error=str(exc))
-        # The drain loop has returned and waited for its last settle; closing it first
-        # makes sure no settle (which renews the lease) runs after the release.
-        self.drainer.close()
-        self.elector.stop()
-        self.elector.join(timeout=5.0)
-        if self.elector.is_alive():
-            # Still inside a database call: releasing on its connection would race it.
-            # The lease then ends by its ttl instead.
-            log.warning("lease.release_skipped", reason="elector busy")
-        else:
-            self.elector.release()
-        for loop in (self.presence, self.lag_sampler, self.purger, self.guard):
+        flush = min(5.0, self.settings.shutdown_timeout_seconds)
+        for lane in self.lanes:
+            lane.stop(flush)
+        for loop in (self.presence, self.lag_sampler, self.purger):
             if loop is not None:
                 loop.stop()
                 loop.join(timeout=5.0)
-        self.sink.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
         log.info("relay.stopped", replica=self.settings.replica_id)

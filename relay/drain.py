@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from relay import db, failpoints, metrics, repository
+from relay import db, failpoints, lease_metrics, metrics, repository
 from relay.backoff import Backoff, Retrying
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
@@ -97,8 +97,15 @@ class Drainer:
         presence: Presence | None = None,
         progress: Progress | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        loop: str = "main",
+        surplus: Callable[[], bool] | None = None,
     ) -> None:
         self._settings = settings
+        self._loop = loop  # its name in the liveness probe (one per shard with shards)
+        # With shards: True while this replica holds more than its fair share and this
+        # shard is one to hand over (relay/lanes.py).
+        self._surplus = surplus
         self._presence = presence
         self._progress = progress or Progress(clock)
         self._sink = sink
@@ -151,6 +158,8 @@ class Drainer:
                 self._after_key,
                 held=sorted(held),
                 share_busy_keys=self._clock() >= self._look_for_others_at,
+                shards=self._lease.shard.shards,
+                shard=self._lease.shard.shard,
             )
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to
@@ -170,12 +179,14 @@ class Drainer:
         self._progress.reset()
         try:
             while token is not None and not self._shutdown.requested:
-                self._health.beat()
+                self._health.beat(self._loop)
                 try:
                     self._step(token)
                     self._db_retry.reset()
                     if self._cannot_deliver():
                         self._give_way(token)
+                    elif self._surplus is not None and self._surplus():
+                        self._hand_over(token)
                 except psycopg.Error as exc:
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
@@ -372,7 +383,7 @@ class Drainer:
         shutdown ends the wait at once."""
         deadline = self._clock() + delay
         while (left := deadline - self._clock()) > 0:
-            self._health.beat()
+            self._health.beat(self._loop)
             if self._shutdown.wait(min(left, 1.0)) or self._lease.token() != token:
                 return
             if self._cannot_deliver():
@@ -381,7 +392,7 @@ class Drainer:
     def _abandon(self, token: LeaseToken) -> bool:
         """Stop waiting on the sink: lease gone, shutdown grace used up, or time to
         give way to a peer that can deliver."""
-        self._health.beat()
+        self._health.beat(self._loop)
         return self._lease.token() != token or self._shutdown.grace_over() or self._cannot_deliver()
 
     # --- giving way ---
@@ -414,7 +425,9 @@ class Drainer:
         self._give_way_streak += 1
         self._presence.gave_way()  # and so we do not campaign while a peer can deliver
         if self._lease.give_up(token):
-            metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="gave_way")
+            lease_metrics.lease_transition(
+                self._lease.shard, held=False, epoch=token.epoch, reason="gave_way"
+            )
             log.warning(
                 "lease.gave_way",
                 lease=token.name,
@@ -423,6 +436,29 @@ class Drainer:
                 stalled_seconds=round(stalled, 1),
                 able_peers=peers,
                 sink=self._sink.name,
+            )
+        self._progress.reset()
+
+    def _hand_over(self, token: LeaseToken) -> None:
+        """Rebalancing: this replica holds more shards than its fair share, and this one
+        goes to a replica with fewer. As in giving way, the last settle lands, nothing
+        the sink still holds is sent, and the elector expires the row so the taker
+        starts at its next poll; unlike it, nothing says the sink is out of reach."""
+        self._settle_in_flight_quietly()
+        self._prefetched = None
+        if len(self._stragglers):
+            self._sink.reset()
+        self._stragglers.clear()
+        if self._lease.give_up(token):
+            lease_metrics.lease_transition(
+                self._lease.shard, held=False, epoch=token.epoch, reason="rebalanced"
+            )
+            log.info(
+                "lease.handed_over",
+                lease=token.name,
+                holder=token.holder,
+                epoch=token.epoch,
+                reason="this replica holds more shards than its fair share",
             )
         self._progress.reset()
 

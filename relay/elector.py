@@ -16,7 +16,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import IsolationLevel
 
-from relay import db, metrics
+from relay import db, lease_metrics
 from relay.backoff import jittered
 from relay.db import Conn
 from relay.lease import (
@@ -50,8 +50,13 @@ class Elector(threading.Thread):
         clock: Clock = time.monotonic,
         health: Health | None = None,
         defer: Callable[[], bool] | None = None,
+        at_fair_share: Callable[[], bool] | None = None,
+        loop: str = "elector",
     ) -> None:
-        super().__init__(name="relay-elector", daemon=True)
+        name = "relay-elector"
+        if lease.shard.shards > 1:
+            name += f"-{lease.shard.shard}"
+        super().__init__(name=name, daemon=True)
         self._settings = settings
         self._lease = lease
         self._clock = clock
@@ -60,6 +65,10 @@ class Elector(threading.Thread):
         # (it cannot reach the sink, a live peer can): it does not campaign then.
         self._defer = defer
         self._deferring = False
+        # With shards: True while this replica holds its fair share already; it leaves
+        # the rest to replicas that hold fewer (relay/lanes.py).
+        self._at_fair_share = at_fair_share
+        self.loop = loop  # its name in the liveness probe
         # The last renewal attempt failed on the database: if the lease then runs out,
         # the loss is an "error", not a plain "expired" (a paused or slow process).
         self._renew_error = False
@@ -81,7 +90,9 @@ class Elector(threading.Thread):
         """Give the lease up (after the drain stopped and the sink was flushed)."""
         token = self._lease.lose()
         if token is not None:
-            metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason="released")
+            lease_metrics.lease_transition(
+                self._lease.shard, held=False, epoch=token.epoch, reason="released"
+            )
         else:
             token = self._lease.take_release()  # given up; its row not expired yet
         if token is None:
@@ -119,7 +130,7 @@ class Elector(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             if self._health is not None:
-                self._health.beat("elector")
+                self._health.beat(self.loop)
             try:
                 fenced = self._lease.take_fenced()
                 if fenced is not None:
@@ -176,16 +187,22 @@ class Elector(threading.Thread):
             )
         if deferring:
             return
+        if self._at_fair_share is not None and self._at_fair_share():
+            return
         conn = self._session.get()
         started = self._clock()
         outcome = try_acquire(
-            conn, self._lease.name, self._lease.holder, self._settings.lease_ttl_seconds
+            conn,
+            self._lease.name,
+            self._lease.holder,
+            self._settings.lease_ttl_seconds,
+            self._lease.shard,
         )
         self.last_db_ok = self._clock()
         if isinstance(outcome, Acquired):
             self._lease.acquired(outcome.token, started)
             self._last_other = None
-            metrics.lease_transition(outcome.token.name, held=True, epoch=outcome.token.epoch)
+            lease_metrics.lease_transition(self._lease.shard, held=True, epoch=outcome.token.epoch)
             log.info(
                 "lease.acquired",
                 lease=outcome.token.name,
@@ -198,7 +215,7 @@ class Elector(threading.Thread):
             seen = (outcome.holder, outcome.epoch)
             if seen != self._last_other:
                 self._last_other = seen
-                metrics.lease_observed(self._lease.name, outcome.epoch)
+                lease_metrics.lease_observed(self._lease.shard, outcome.epoch)
                 log.info(
                     "lease.standby",
                     lease=self._lease.name,
@@ -251,9 +268,11 @@ class Elector(threading.Thread):
             self._on_lost(token, "error" if self._renew_error else "expired")
         return True
 
-    def _on_lost(self, token: LeaseToken, reason: metrics.LossReason) -> None:
+    def _on_lost(self, token: LeaseToken, reason: lease_metrics.LossReason) -> None:
         self._standby_since = self._clock()
-        metrics.lease_transition(token.name, held=False, epoch=token.epoch, reason=reason)
+        lease_metrics.lease_transition(
+            self._lease.shard, held=False, epoch=token.epoch, reason=reason
+        )
         log.warning(
             "lease.lost", lease=token.name, holder=token.holder, epoch=token.epoch, reason=reason
         )
@@ -265,7 +284,7 @@ class Elector(threading.Thread):
             self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
         )
         try:
-            ensure_row(conn, self._lease.name)
+            ensure_row(conn, self._lease.name, self._lease.shard)
         except BaseException:
             conn.close()
             raise

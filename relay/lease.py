@@ -157,7 +157,17 @@ def release(conn: Conn, token: LeaseToken) -> bool:
 class Lease:
     """Thread-safe local view: the token, and the monotonic deadline it is good until."""
 
-    def __init__(self, name: str, holder: str, ttl: float, margin: float, clock: Clock) -> None:
+    def __init__(
+        self,
+        name: str,
+        holder: str,
+        ttl: float,
+        margin: float,
+        clock: Clock,
+        shard: Shard | None = None,
+    ) -> None:
+        self.shard = shard or Shard(name)
+        assert self.shard.name == name, f"lease row {name!r} is not {self.shard}"
         self.name = name
         self.holder = holder
         self.ttl = ttl

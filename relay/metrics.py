@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,21 +23,12 @@ from prometheus_client import (
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-LEASE_HELD = Gauge("relay_lease_held", "1 if this replica holds the lease, else 0.", ["lease"])
-LEASE_EPOCH = Gauge("relay_lease_epoch", "Latest lease epoch this replica has seen.", ["lease"])
-LEASE_ACQUISITIONS = Counter(
-    "relay_lease_acquisitions_total", "Times this replica acquired the lease.", ["lease"]
-)
-LEASE_LOSSES = Counter(
-    "relay_lease_losses_total",
-    "Times this replica stopped holding the lease, by reason (expired, fenced, released, "
-    "gave_way: it could not deliver and a peer could, error).",
-    ["lease", "reason"],
-)
-LEASE_SINCE_RENEWAL = Gauge(
-    "relay_lease_seconds_since_renewal",
-    "Seconds since this replica last acquired or renewed the lease (since start if never).",
-    ["lease"],
+
+SHARDS_HELD = Gauge(
+    "relay_shards_held",
+    "Shards whose lease this replica holds, and the most it may hold (fair share: "
+    "ceil(shards / live replicas)).",
+    ["lease", "kind"],
 )
 MESSAGES = Counter(
     "relay_messages_total",
@@ -136,36 +126,6 @@ LOOP_HEARTBEAT_AGE = Gauge(
     "Seconds since a loop of this process last beat (main, elector, lag).",
     ["loop"],
 )
-
-LossReason = Literal["expired", "fenced", "released", "gave_way", "error"]
-LOSS_REASONS: tuple[LossReason, ...] = ("expired", "fenced", "released", "gave_way", "error")
-
-
-def declare_lease(lease: str, held: Callable[[], bool]) -> None:
-    """Create the lease's series, so rate() and absent() work from the first scrape.
-
-    `relay_lease_held` is read from `held` at scrape time, not set on transitions: it
-    drops to 0 at the local deadline even while the elector is stuck inside a renewal
-    the database never answers.
-    """
-    LEASE_HELD.labels(lease).set_function(lambda: 1.0 if held() else 0.0)
-    LEASE_ACQUISITIONS.labels(lease)
-    for reason in LOSS_REASONS:
-        LEASE_LOSSES.labels(lease, reason)
-
-
-def lease_transition(
-    lease: str, *, held: bool, epoch: int, reason: LossReason | None = None
-) -> None:
-    LEASE_EPOCH.labels(lease).set(epoch)
-    if held:
-        LEASE_ACQUISITIONS.labels(lease).inc()
-    else:
-        LEASE_LOSSES.labels(lease, reason or "error").inc()
-
-
-def lease_observed(lease: str, epoch: int) -> None:
-    LEASE_EPOCH.labels(lease).set(epoch)
 
 
 class Health:

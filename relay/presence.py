@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import psycopg
 
 from relay import db, metrics
-from relay.lease import Lease
 from relay.logging import OutageLog, get_logger
 from relay.queries import QUERIES
 from relay.settings import Settings
@@ -94,16 +93,18 @@ class Presence(threading.Thread):
     def __init__(
         self,
         settings: Settings,
-        lease: Lease,
+        leading: Callable[[], bool],
         sink: Sink,
-        progress: Progress,
+        stalled_for: Callable[[], float],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="relay-presence", daemon=True)
         self._settings = settings
-        self._lease = lease
+        # Does this replica hold a lease (any shard's), and for how long has it had
+        # rows to deliver and no answer (the worst of its shards).
+        self._leading = leading
         self._sink = sink
-        self._progress = progress
+        self._stalled_for = stalled_for
         self._clock = clock
         self._stop_event = threading.Event()
         self._session = db.Session(lambda: db.connect(settings, purpose="presence"))
@@ -133,6 +134,14 @@ class Presence(threading.Thread):
         if self._clock() - peers.at > self._settings.replica_live_seconds:
             return 0
         return peers.able
+
+    def live_peers(self) -> int:
+        """Other live replicas, by a heartbeat recent enough to trust (the fair share of
+        shards counts them)."""
+        peers = self._peers
+        if self._clock() - peers.at > self._settings.replica_live_seconds:
+            return 0
+        return peers.live
 
     def defer(self) -> bool:
         """Leave the lease to a peer: we cannot reach the sink (or just gave way for
@@ -207,12 +216,12 @@ class Presence(threading.Thread):
         metrics.PEERS.labels(self._settings.lease_name, "able").set(self._peers.able)
 
     def _sink_state(self) -> tuple[bool, str | None]:
-        if self._lease.token() is not None:
+        if self._leading():
             # The leader's traffic is its probe. Past half the give-way window without
             # progress it reports itself unable, so a peer deciding whether to defer
             # sees the truth before the leader gives way.
             limit = max(self._settings.give_way_seconds / 2, 2 * self._settings.heartbeat_seconds)
-            stalled = self._progress.stalled_for()
+            stalled = self._stalled_for()
             if stalled < limit:
                 return True, None
             return False, f"leader delivered nothing for {stalled:.0f} s"

@@ -125,6 +125,13 @@ class CommonSettings(BaseSettings):
     log_format: Literal["json", "console"] | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @field_validator("lease_name")
+    @classmethod
+    def _lease_name_shape(cls, value: str) -> str:
+        if "#" in value:
+            raise ValueError("must not contain '#' (it names a shard's lease: default#3/8)")
+        return value
+
     @field_validator("database_url")
     @classmethod
     def _database_url_shape(cls, value: SecretStr) -> SecretStr:
@@ -172,6 +179,14 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
     lease_renew_interval_seconds: float | None = Field(default=None, gt=0)
     lease_safety_margin_seconds: float | None = Field(default=None, ge=0)
     standby_poll_seconds: float = Field(default=0.5, gt=0, le=60)
+    shards: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Split the outbox into this many shards by a hash of the key, each "
+        "with a lease of its own, so several replicas drain at once with per-key order "
+        "kept. More than 1 needs `relay migrate --shards N` first (its indexes).",
+    )
     replica_id: str = Field(default_factory=default_replica_id, min_length=1, max_length=200)
     heartbeat_seconds: float = Field(
         default=2.0,

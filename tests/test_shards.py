@@ -5,11 +5,17 @@ shard count drain at a time, fencing the old count when it changes."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
@@ -20,7 +26,16 @@ from relay.migrate import create_shard_indexes, shard_index_names
 from relay.queries import QUERIES
 from relay.repository import BatchLimits
 from relay.settings import CommonSettings
-from tests.support import insert_rows, keyed_rows, scalar
+from tests.conftest import relay_command, relay_env, start_relay
+from tests.harness.kafka import TansuBroker, consume
+from tests.support import (
+    assert_per_key_order,
+    dedup_by_message_id,
+    insert_rows,
+    keyed_rows,
+    scalar,
+    wait_until,
+)
 
 Conn = psycopg.Connection[dict[str, Any]]
 SHARDS = 4
@@ -189,3 +204,122 @@ def _race(
 ) -> None:
     barrier.wait()
     results.append(protocol.try_acquire(conn, shard.name, holder, 60.0, shard))
+
+
+# --- several replicas draining at once ---------------------------------------------
+
+
+def shard_leases(dsn: str) -> dict[int, str | None]:
+    """shard -> live holder, for the 8-shard lease group `default`."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT shard, CASE WHEN expires_at > now() THEN holder END FROM leases"
+            " WHERE lease_group = 'default' AND shards = %s",
+            (EIGHT,),
+        ).fetchall()
+    return {int(r[0]): r[1] for r in rows}
+
+
+def shares(dsn: str) -> Counter[str | None]:
+    return Counter(shard_leases(dsn).values())
+
+
+def balanced(dsn: str, replicas: set[str]) -> Counter[str | None] | None:
+    """Every shard held, by exactly these replicas, each within its fair share."""
+    held = shares(dsn)
+    cap = -(-EIGHT // len(replicas))
+    fair = (
+        sum(held.values()) == EIGHT
+        and set(held) == replicas
+        and all(n <= cap for n in held.values())
+    )
+    return held if fair else None
+
+
+EIGHT = 8
+
+
+@pytest.fixture
+def sharded(
+    relay_dsn: str, database: str, kafka: TansuBroker, tmp_path: Path
+) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    create_shard_indexes(CommonSettings(database_url=database), EIGHT)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        env = relay_env(
+            relay_dsn,
+            kafka.bootstrap_servers,
+            RELAY_SHARDS=str(EIGHT),
+            RELAY_REPLICA_ID=name,
+            RELAY_LEASE_TTL_SECONDS="3",
+            RELAY_STANDBY_POLL_SECONDS="0.2",
+            RELAY_HEARTBEAT_SECONDS="0.5",
+            RELAY_BATCH_SIZE="50",
+        )
+        proc = start_relay(env, tmp_path / f"relay-{name}.log")
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_replicas_share_the_shards_fairly_and_keep_per_key_order(
+    sharded: Callable[[str], subprocess.Popen[bytes]], database: str, topic: str, kafka: TansuBroker
+) -> None:
+    """Two replicas split 8 shards 4 and 4 and both drain; a third joins and each ends
+    with at most 3; one is SIGKILLed and its shards are taken within ttl + 2 s; every
+    row arrives, each key in order."""
+    sharded("r0")
+    sharded("r1")
+    wait_until(lambda: balanced(database, {"r0", "r1"}), timeout=20, message="2 x 4 shards")
+    insert_rows(database, topic, keyed_rows(keys=40, per_key=10))
+    r2 = sharded("r2")
+    held = wait_until(
+        lambda: balanced(database, {"r0", "r1", "r2"}), timeout=30, message="3 replicas sharing"
+    )
+    assert held["r2"] >= 2, held
+    print(f"shares with three: {dict(held)}")
+    insert_rows(database, topic, keyed_rows(keys=40, per_key=10, start=10))
+    r2.kill()
+    killed = time.monotonic()
+    wait_until(lambda: balanced(database, {"r0", "r1"}), timeout=15, message="r2's shards taken")
+    took = time.monotonic() - killed
+    assert took < 3 + 2 + 3, f"takeover of the killed replica's shards took {took:.1f}s"
+    print(f"r2 killed: shards taken in {took:.2f}s")
+    insert_rows(database, topic, keyed_rows(keys=40, per_key=10, start=20))
+    wait_until(
+        lambda: scalar(database, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == 0,
+        timeout=30,
+        message="everything sent",
+    )
+    records = consume(kafka.bootstrap_servers, topic, min_count=1200, timeout=30)
+    assert len(dedup_by_message_id(records)) == 1200
+    assert_per_key_order(records)
+    drained_by = scalar(
+        database,
+        "SELECT count(DISTINCT holder) FROM leases WHERE lease_group = 'default' AND epoch > 0",
+    )
+    assert drained_by >= 2
+
+
+def test_a_replica_refuses_to_start_without_the_shard_indexes(
+    relay_dsn: str, kafka: TansuBroker
+) -> None:
+    env = relay_env(relay_dsn, kafka.bootstrap_servers, RELAY_SHARDS="4")
+    done = subprocess.run(
+        relay_command("run"), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done
+    err = done.stderr.decode()
+    assert "RELAY_SHARDS" in err and "relay migrate --shards 4" in err, err
