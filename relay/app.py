@@ -49,7 +49,9 @@ class RelayApp:
         )
         self.fair: FairShare | None = None
         if settings.shards > 1:
-            self.fair = FairShare(settings.shards, self.presence.live_peers)
+            # Peers that reach the sink: one that cannot defers and takes no shard, so
+            # counting it would leave a shard it gave way on without a taker.
+            self.fair = FairShare(settings.shards, self.presence.able_peers)
             self.fair.watch(self.held_shards)
         self._crashed: BaseException | None = None
         for shard, sink in zip(shards, sinks, strict=True):

@@ -6,8 +6,10 @@ its own sink (producer, client: giving way, a deadline cut or a rebalance resets
 this shard's), its deadline guard, and a drain loop on a thread of its own. With one
 shard there is one lane, on the lease row of today.
 
-The fair share: a replica holds at most ceil(shards / live replicas) shards, live
-replicas counted from the heartbeats (relay/presence.py). At its share, its electors
+The fair share: a replica holds at most ceil(shards / replicas) shards, counting itself
+and the live peers whose heartbeat says they reach the sink (relay/presence.py): a peer
+that cannot reach it defers and takes nothing, and counting it would leave a shard that
+was given way without a taker (found by the sharded chaos run). At its share, its electors
 stop campaigning; above it (a replica joined), the lanes holding its highest-numbered
 shards hand them over, released at once so a replica with fewer takes them at its next
 poll.
@@ -38,16 +40,16 @@ log = get_logger("relay.lanes")
 class FairShare:
     """How many shards this replica may hold, and which of its shards are surplus."""
 
-    def __init__(self, shards: int, live_peers: Callable[[], int]) -> None:
+    def __init__(self, shards: int, able_peers: Callable[[], int]) -> None:
         self.shards = shards
-        self._live_peers = live_peers
+        self._able_peers = able_peers
         self._held: Callable[[], Sequence[int]] = list
 
     def watch(self, held: Callable[[], Sequence[int]]) -> None:
         self._held = held
 
     def cap(self) -> int:
-        return math.ceil(self.shards / (1 + max(0, self._live_peers())))
+        return math.ceil(self.shards / (1 + max(0, self._able_peers())))
 
     def at_cap(self) -> bool:
         return len(self._held()) >= self.cap()

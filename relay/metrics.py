@@ -27,7 +27,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 SHARDS_HELD = Gauge(
     "relay_shards_held",
     "Shards whose lease this replica holds, and the most it may hold (fair share: "
-    "ceil(shards / live replicas)).",
+    "ceil(shards / replicas that reach the sink)).",
     ["lease", "kind"],
 )
 MESSAGES = Counter(

@@ -135,14 +135,6 @@ class Presence(threading.Thread):
             return 0
         return peers.able
 
-    def live_peers(self) -> int:
-        """Other live replicas, by a heartbeat recent enough to trust (the fair share of
-        shards counts them)."""
-        peers = self._peers
-        if self._clock() - peers.at > self._settings.replica_live_seconds:
-            return 0
-        return peers.live
-
     def defer(self) -> bool:
         """Leave the lease to a peer: we cannot reach the sink (or just gave way for
         want of it), and a live peer can."""

@@ -1,4 +1,4 @@
-"""`python -m tests.chaos [--long | --medium] [--sink S] [--seed N]`: one chaos run, by hand."""
+"""`python -m tests.chaos [--long | --medium | --sharded] [--sink S] [--seed N]`: one chaos run, by hand."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--long", action="store_true", help="≥100k messages, ≥50 faults")
     group.add_argument("--medium", action="store_true", help="20k messages, 25 faults")
+    group.add_argument(
+        "--sharded", action="store_true", help="the short profile with RELAY_SHARDS=8"
+    )
     parser.add_argument(
         "--sink", choices=("kafka", "nats", "rabbitmq"), default="kafka", help="the sink under test"
     )
     parser.add_argument("--seed", type=int, default=None, help="replay a run")
     parser.add_argument("--keep", action="store_true", help="keep the logs even if it passed")
     args = parser.parse_args()
-    profile = PROFILES["long" if args.long else "medium" if args.medium else "short"]
+    name = "long" if args.long else "medium" if args.medium else "short"
+    profile = PROFILES["sharded" if args.sharded else name]
     seed = args.seed if args.seed is not None else random.randrange(1, 1_000_000)
     outcome = run(profile, seed, args.sink)
     print(outcome.summary())

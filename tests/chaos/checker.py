@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import pairwise
 
-from tests.chaos.history import Delivered, History
+from tests.chaos.history import Acquired, Delivered, History, Settled
 
 SHOW = 5  # examples quoted per finding
 
@@ -127,14 +127,31 @@ def check_order(history: History) -> list[Finding]:
 
 
 def check_epochs(history: History) -> list[Finding]:
-    """(3) one holder per epoch; every settle's epoch was still the newest at its time."""
+    """(3) one holder per epoch; every settle's epoch was still the newest at its time.
+    Epochs belong to a lease row: with shards, each shard's lease is checked alone."""
+    findings: list[Finding] = []
+    for lease in sorted(
+        {a.lease for a in history.acquisitions} | {s.lease for s in history.settles}
+    ):
+        findings += _check_lease_epochs(
+            lease,
+            [a for a in history.acquisitions if a.lease == lease],
+            [s for s in history.settles if s.lease == lease],
+        )
+    return findings
+
+
+def _check_lease_epochs(
+    lease: str, acquisitions: Sequence[Acquired], settles: Sequence[Settled]
+) -> list[Finding]:
     findings = []
+    where = "" if lease == "default" else f"{lease} "
     holders: dict[int, set[str]] = defaultdict(set)
     first_at: dict[int, datetime] = {}
-    for a in history.acquisitions:
+    for a in acquisitions:
         holders[a.epoch].add(a.holder)
         first_at[a.epoch] = min(a.db_time, first_at.get(a.epoch, a.db_time))
-    shared = [f"epoch {e}: {sorted(h)}" for e, h in sorted(holders.items()) if len(h) > 1]
+    shared = [f"{where}epoch {e}: {sorted(h)}" for e, h in sorted(holders.items()) if len(h) > 1]
     if shared:
         findings.append(Finding("epoch_shared", _examples(shared)))
 
@@ -145,10 +162,10 @@ def check_epochs(history: History) -> list[Finding]:
         superseded_at[epoch] = newer
         newer = first_at[epoch] if newer is None else min(newer, first_at[epoch])
     stale, foreign = [], []
-    for s in history.settles:
+    for s in settles:
         owners = holders.get(s.epoch)
         if owners and s.holder not in owners:
-            foreign.append(f"{s.holder} settled under epoch {s.epoch} of {sorted(owners)}")
+            foreign.append(f"{s.holder} settled under {where}epoch {s.epoch} of {sorted(owners)}")
         # A settle under an epoch nobody logged acquiring: superseded once any newer
         # epoch exists.
         limit = superseded_at.get(s.epoch) or min(
@@ -156,7 +173,7 @@ def check_epochs(history: History) -> list[Finding]:
         )
         if limit is not None and s.db_time >= limit:
             stale.append(
-                f"{s.holder} epoch {s.epoch} settled ids {s.first_id}..{s.last_id}"
+                f"{s.holder} {where}epoch {s.epoch} settled ids {s.first_id}..{s.last_id}"
                 f" at {s.db_time.isoformat()}, after epoch >{s.epoch} began at"
                 f" {limit.isoformat()}"
             )
@@ -233,7 +250,7 @@ def check(history: History) -> Report:
         unique=len({d.message_id for d in history.delivered}),
         duplicates=duplicate_count(history.delivered),
         duplicate_bound=duplicate_bound(history),
-        epochs=len({a.epoch for a in history.acquisitions}),
+        epochs=len({(a.lease, a.epoch) for a in history.acquisitions}),
         settles=len(history.settles),
     )
     for run in CHECKS:

@@ -26,7 +26,8 @@ from typing import Any
 
 import psycopg
 
-from relay.migrate import migrate, migrations_dir
+from relay.lease import shard_lease_name
+from relay.migrate import create_shard_indexes, migrate, migrations_dir
 from relay.settings import CommonSettings
 from tests.chaos.producer import LEDGER_DDL
 from tests.chaos.sinks import TOPIC, ChaosSink
@@ -72,9 +73,16 @@ class Replica:
 
 class Cluster:
     def __init__(
-        self, workdir: Path, sink: ChaosSink, *, replicas: int, settings: dict[str, str]
+        self,
+        workdir: Path,
+        sink: ChaosSink,
+        *,
+        replicas: int,
+        settings: dict[str, str],
+        shards: int = 1,
     ) -> None:
         self.workdir = workdir
+        self.shards = shards
         self.pg = PostgresServer(workdir / "pg")
         self.sink = sink
         self.topic = TOPIC
@@ -102,6 +110,7 @@ class Cluster:
         self.pg.start()
         admin_dsn = self.pg.create_database(DATABASE)
         migrate(CommonSettings(database_url=admin_dsn))
+        create_shard_indexes(CommonSettings(database_url=admin_dsn), self.shards)
         self.pg.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{self.password}'")
         self.pg.execute((migrations_dir() / "grants.sql").read_text(), dbname=DATABASE)
         self.pg.execute(LEDGER_DDL, dbname=DATABASE)
@@ -132,6 +141,7 @@ class Cluster:
             "RELAY_FAILPOINTS": str(replica.failpoints),
             "RELAY_METRICS_ENABLED": "true",
             "RELAY_METRICS_PORT": str(replica.metrics_port),
+            "RELAY_SHARDS": str(self.shards),
         }
         command = self.sink.replica_command(replica, self.workdir)
         env = relay_env(self.relay_dsn, **extra, **self.sink.replica_env(replica))
@@ -219,13 +229,16 @@ class Cluster:
 
     # --- reading state ---
 
-    def lease(self) -> dict[str, Any] | None:
-        """The lease row as the database sees it; None while the database is down."""
+    def lease_names(self) -> list[str]:
+        return [shard_lease_name("default", n, self.shards) for n in range(self.shards)]
+
+    def lease(self, name: str = "default") -> dict[str, Any] | None:
+        """A lease row as the database sees it; None while the database is down."""
         try:
             with psycopg.connect(self.admin_dsn, autocommit=True, connect_timeout=2) as conn:
                 row = conn.execute(
-                    "SELECT holder, epoch, expires_at > now() AS live FROM leases"
-                    " WHERE name = 'default'"
+                    "SELECT holder, epoch, expires_at > now() AS live FROM leases WHERE name = %s",
+                    (name,),
                 ).fetchone()
         except psycopg.Error:
             return None

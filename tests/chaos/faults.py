@@ -49,14 +49,16 @@ class Timing:
     publish_timeout: float  # the sink's: a paused broker may swallow a batch per this
     started: float  # monotonic start of the run
     give_way: float = 0.0  # RELAY_GIVE_WAY_SECONDS: a leader stalled this long hands over
+    shards_per_replica: int = 1  # the most shards a replica can hold: each its own pipeline
 
     @property
     def in_flight(self) -> int:
         """Rows published but maybe not settled: the batch being published, the
         previous one, still being settled (the drain's pipeline), and up to a batch of
         Kafka stragglers (rows a partition held while the rest of their batch was
-        answered: they stay in flight, unsettled, until their report comes)."""
-        return 3 * self.batch
+        answered: they stay in flight, unsettled, until their report comes); with
+        shards, that for every shard the faulted replica can hold."""
+        return 3 * self.batch * self.shards_per_replica
 
 
 class Injector:
@@ -64,6 +66,7 @@ class Injector:
         self.cluster = cluster
         self.timing = timing
         self.rng = rng
+        self.watched = "default"  # the lease row the current fault watches
 
     def _now(self) -> float:
         return round(time.monotonic() - self.timing.started, 2)
@@ -71,8 +74,12 @@ class Injector:
     # --- helpers ---
 
     def leader(self, timeout: float = 30.0) -> tuple[Replica, int]:
+        """A live holder and its epoch, of the lease the fault watches: with shards, a
+        shard drawn from the run's RNG (its holder holds others too: all of them move)."""
+        self.watched = self.rng.choice(self.cluster.lease_names())
+
         def find() -> tuple[Replica, int] | None:
-            lease = self.cluster.lease()
+            lease = self.cluster.lease(self.watched)
             if not lease or not lease["live"]:
                 return None
             replica = self.cluster.by_holder(lease["holder"])
@@ -86,7 +93,7 @@ class Injector:
         # Not ttl-bound: a leader paused inside its settle transaction holds the lease
         # row's lock until idle_in_transaction_session_timeout (30 s) ends its session.
         def newer() -> bool:
-            lease = self.cluster.lease()
+            lease = self.cluster.lease(self.watched)
             return bool(lease and lease["live"] and lease["epoch"] > old_epoch)
 
         wait_until(newer, timeout=timeout, interval=0.02, message=f"an epoch after {old_epoch}")
@@ -195,7 +202,7 @@ class Injector:
         waited_from: float | None = None
         while True:
             now = time.monotonic()
-            lease = self.cluster.lease()
+            lease = self.cluster.lease(self.watched)
             if (
                 lease
                 and lease["live"]

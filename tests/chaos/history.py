@@ -43,6 +43,7 @@ class Acquired:
     holder: str
     epoch: int
     db_time: datetime
+    lease: str = "default"  # the lease row (a shard's: default#3/8); epochs are per row
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class Settled:
     sent: int = 0
     first_id: int = 0
     last_id: int = 0
+    lease: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,10 @@ def lease_history(lines: Iterable[str]) -> tuple[list[Acquired], list[Settled]]:
         if name == "lease.acquired" and event.get("db_time"):
             acquisitions.append(
                 Acquired(
-                    event["holder"], int(event["epoch"]), datetime.fromisoformat(event["db_time"])
+                    event["holder"],
+                    int(event["epoch"]),
+                    datetime.fromisoformat(event["db_time"]),
+                    str(event.get("lease", "default")),
                 )
             )
         elif name == "batch.settled":
@@ -120,6 +125,7 @@ def lease_history(lines: Iterable[str]) -> tuple[list[Acquired], list[Settled]]:
                     int(event.get("sent", 0)),
                     int(event.get("first_id", 0)),
                     int(event.get("last_id", 0)),
+                    str(event.get("lease", "default")),
                 )
             )
     return acquisitions, settles

@@ -34,13 +34,16 @@ class Profile:
     gap: tuple[float, float] = (1.5, 3.5)  # seconds between a healed fault and the next
     late_hold: tuple[float, float] = (0.5, 3.0)
     recovery_bound: float = 60.0
+    shards: int = 1  # RELAY_SHARDS: >1, every replica drains its fair share at once
 
 
 PROFILES = {
     "short": Profile("short", messages=3_000, faults=10, rate=45.0),
     "medium": Profile("medium", messages=20_000, faults=25, rate=150.0),
     "long": Profile("long", messages=100_000, faults=50, rate=300.0, batch=200),
+    "sharded": Profile("sharded", messages=3_000, faults=10, rate=45.0, shards=8),
 }
+REPLICAS = 3
 
 
 @dataclass(slots=True)
@@ -95,7 +98,8 @@ def run(
     cluster = Cluster(
         workdir,
         sink,
-        replicas=3,
+        replicas=REPLICAS,
+        shards=profile.shards,
         settings={
             "RELAY_LEASE_TTL_SECONDS": str(profile.ttl),
             "RELAY_STANDBY_POLL_SECONDS": "0.2",
@@ -140,7 +144,11 @@ def run(
             rate=profile.rate,
             late_hold=profile.late_hold,
         )
-        timing = Timing(profile.ttl, profile.batch, sink.publish_timeout, started, give_way)
+        # With shards, a faulted replica can hold the share of all but one replica.
+        per_replica = -(-profile.shards // (REPLICAS - 1)) if profile.shards > 1 else 1
+        timing = Timing(
+            profile.ttl, profile.batch, sink.publish_timeout, started, give_way, per_replica
+        )
         injector = Injector(cluster, timing, rng)
         injector.leader(timeout=60)
         producer.start()

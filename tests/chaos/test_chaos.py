@@ -29,3 +29,18 @@ def test_short_chaos_run_keeps_every_guarantee(sink: str) -> None:
     assert len(outcome.history.faults) == PROFILES["short"].faults
     assert outcome.report.committed > 1_000
     cleanup(outcome)
+
+
+def test_sharded_chaos_run_keeps_every_guarantee_per_shard() -> None:
+    """RELAY_SHARDS=8 over three replicas: every replica drains its share at once, and
+    the same faults hit a replica holding several shards; order per key, no loss, one
+    holder per shard epoch."""
+    seed = int(os.environ.get("RELAY_CHAOS_SEED") or random.randrange(1, 1_000_000))
+    outcome = run(PROFILES["sharded"], seed)
+    print(outcome.summary())
+    assert outcome.report.ok, outcome.summary()
+    assert len(outcome.history.faults) == PROFILES["sharded"].faults
+    assert outcome.report.committed > 1_000
+    holders = {a.holder.split(".")[0] for a in outcome.history.acquisitions}
+    assert len(holders) == 3, f"every replica should have drained some shard: {holders}"
+    cleanup(outcome)

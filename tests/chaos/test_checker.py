@@ -97,6 +97,23 @@ def cursor_poller(commit_order: list[Produced], ids: dict[str, int]) -> list[Pro
     return out
 
 
+def test_epochs_are_per_shard_lease_and_a_zombie_of_one_shard_is_found() -> None:
+    # Shards: each lease row counts its own epochs, so r1 and r2 both holding epoch 1 of
+    # two different shards is right; a settle of shard 1 under an epoch that shard has
+    # superseded is still a stale mark.
+    history = good_history()
+    history.acquisitions += [
+        Acquired("r2", 1, at(0), "default#1/2"),
+        Acquired("r1", 2, at(20), "default#1/2"),
+    ]
+    history.settles.append(Settled("r2", 1, at(2), 1, 9, 9, "default#1/2"))
+    assert check(history).ok, check(history).summary()
+    history.settles.append(Settled("r2", 1, at(21), 1, 10, 10, "default#1/2"))
+    report = check(history)
+    assert report.checks_failed() == {"stale_mark"}, report.summary()
+    assert "r2 default#1/2 epoch 1" in report.summary()
+
+
 def test_a_last_id_cursor_that_skips_a_late_commit_loses_a_message() -> None:
     history = good_history()
     late = produced("c", 0)  # inserted first (id 1), committed last
