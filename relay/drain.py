@@ -409,25 +409,17 @@ class Drainer:
         )
 
     def _give_way(self, token: LeaseToken) -> None:
-        """Hand the lease over: the last settle lands first (it is fenced on our epoch),
-        then we stop publishing and the elector expires the row so the peer takes it at
-        its next poll. What the sink still holds is dropped by the deadline guard."""
+        """Hand the lease over for want of the sink: the peer that reaches it takes it at
+        its next poll. Nothing the sink still holds, queued or in flight, may be sent
+        after the peer starts: librdkafka would retry a request stuck on a silent
+        connection later (bytes already written to the socket can still land: a
+        possible duplicate)."""
         assert self._presence is not None
         stalled = self._progress.stalled_for()
         peers = self._presence.able_peers()
-        self._settle_in_flight_quietly()
-        self._prefetched = None
-        self._stragglers.clear()
-        # Nothing it still holds, queued or in flight, may be sent after the peer
-        # starts: librdkafka would retry a request stuck on a silent connection later.
-        # Bytes already written to the socket can still land (a possible duplicate).
-        self._sink.reset()
         self._give_way_streak += 1
         self._presence.gave_way()  # and so we do not campaign while a peer can deliver
-        if self._lease.give_up(token):
-            lease_metrics.lease_transition(
-                self._lease.shard, held=False, epoch=token.epoch, reason="gave_way"
-            )
+        if self._let_go(token, "gave_way", reset_sink=True):
             log.warning(
                 "lease.gave_way",
                 lease=token.name,
@@ -437,22 +429,12 @@ class Drainer:
                 able_peers=peers,
                 sink=self._sink.name,
             )
-        self._progress.reset()
 
     def _hand_over(self, token: LeaseToken) -> None:
         """Rebalancing: this replica holds more shards than its fair share, and this one
-        goes to a replica with fewer. As in giving way, the last settle lands, nothing
-        the sink still holds is sent, and the elector expires the row so the taker
-        starts at its next poll; unlike it, nothing says the sink is out of reach."""
-        self._settle_in_flight_quietly()
-        self._prefetched = None
-        if len(self._stragglers):
-            self._sink.reset()
-        self._stragglers.clear()
-        if self._lease.give_up(token):
-            lease_metrics.lease_transition(
-                self._lease.shard, held=False, epoch=token.epoch, reason="rebalanced"
-            )
+        goes to a replica with fewer; nothing says the sink is out of reach, so only
+        stragglers (which could land after the taker's rows of their keys) are dropped."""
+        if self._let_go(token, "rebalanced", reset_sink=False):
             log.info(
                 "lease.handed_over",
                 lease=token.name,
@@ -460,7 +442,25 @@ class Drainer:
                 epoch=token.epoch,
                 reason="this replica holds more shards than its fair share",
             )
+
+    def _let_go(
+        self, token: LeaseToken, reason: lease_metrics.LossReason, *, reset_sink: bool
+    ) -> bool:
+        """Stop publishing under `token` and have the elector expire its row: the last
+        settle lands first (it is fenced on our epoch), then what the sink holds is
+        dropped (`reset_sink`, or stragglers left). False if the token was gone."""
+        self._settle_in_flight_quietly()
+        self._prefetched = None
+        if reset_sink or len(self._stragglers):
+            self._sink.reset()
+        self._stragglers.clear()
+        given = self._lease.give_up(token)
+        if given:
+            lease_metrics.lease_transition(
+                self._lease.shard, held=False, epoch=token.epoch, reason=reason
+            )
         self._progress.reset()
+        return given
 
     # --- what each outcome means for its row (relay/outcomes.py decides) ---
 
