@@ -9,7 +9,9 @@ Per key, the next publish starts only after the previous one was confirmed
 Outcomes:
 - Basic.Ack: acknowledged.
 - Basic.Return (no queue bound for the routing key), a routing key or header the AMQP
-  encoding cannot carry, a message over the broker's size limit: `DEAD`.
+  encoding cannot carry, a message over the broker's size limit: `DEAD`. Through the
+  default exchange a return for a queue that exists (a node still recovering it after a
+  restart) is `UNAVAILABLE` instead: a passive declare tells the two apart.
 - Basic.Nack (the broker could not take it): `RETRY`.
 - No connection, the channel or connection lost, no confirm in time, the exchange
   missing or access refused (a configuration the operator fixes; never the message's
@@ -218,12 +220,45 @@ class RabbitmqSink(KeyedSink):
             await exchange.publish(
                 amqp_message, routing_key=routing_key, mandatory=True, timeout=self._timeout
             )
+        except aiormq.exceptions.PublishError as exc:
+            return await self._returned(exc, routing_key)
         except Exception as exc:
             result = classify(exc, self._exchange_name)
             if not result.reached:  # the connection is suspect: the next send opens anew
                 await self._drop(connection)
             return result
         return ACKED
+
+    async def _returned(self, exc: Exception, routing_key: str) -> Result:
+        """A mandatory publish came back. Through the default exchange that means no
+        queue of that name (the message's fault: dead-letter it), or a queue that exists
+        but is not running: a node still recovering its queues after a restart returns
+        messages for them too (seen under load: a whole backlog dead-lettered). Ask the
+        broker which, with a passive declare on a channel of its own. A named exchange's
+        bindings cannot be asked about over AMQP: a return there is dead-lettered."""
+        if self._exchange_name or self._connection is None:
+            return classify(exc, self._exchange_name)
+        try:
+            channel = await asyncio.wait_for(self._connection.channel(), self._timeout)
+        except Exception as probe:
+            PUBLISH_ERRORS.labels("unavailable").inc()
+            return Result(Outcome.UNAVAILABLE, f"returned, and no channel to ask: {probe!r}")
+        try:
+            await asyncio.wait_for(channel.declare_queue(routing_key, passive=True), self._timeout)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return classify(exc, self._exchange_name)  # the broker says: no such queue
+        except Exception as probe:
+            PUBLISH_ERRORS.labels("unavailable").inc()
+            return Result(Outcome.UNAVAILABLE, f"returned, and the queue check failed: {probe!r}")
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(channel.close(), 1.0)
+        PUBLISH_ERRORS.labels("unavailable").inc()
+        return Result(
+            Outcome.UNAVAILABLE,
+            f"queue {routing_key!r} exists but did not take the message (recovering?)",
+            reached=True,
+        )
 
     async def _drop(self, connection: AbstractRobustConnection | None) -> None:
         """Forget `connection` if it is still the current one. aio-pika does not always
