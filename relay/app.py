@@ -9,13 +9,13 @@ from types import FrameType
 
 import psycopg
 
-from relay import __version__, db, metrics, repository
+from relay import __version__, db, metrics
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
 from relay.lease import Lease, Shard
 from relay.logging import get_logger
 from relay.metrics import Health, MetricsServer
-from relay.migrate import shard_index_names
+from relay.migrate import shard_index_state
 from relay.presence import Presence
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
@@ -51,8 +51,7 @@ class RelayApp:
         if settings.shards > 1:
             # Peers that reach the sink: one that cannot defers and takes no shard, so
             # counting it would leave a shard it gave way on without a taker.
-            self.fair = FairShare(settings.shards, self.presence.able_peers)
-            self.fair.watch(self.held_shards)
+            self.fair = FairShare(settings.shards, self.presence.able_peers, self.held_shards)
         self._crashed: BaseException | None = None
         for shard, sink in zip(shards, sinks, strict=True):
             lane = Lane(
@@ -129,13 +128,13 @@ class RelayApp:
         """With shards, their indexes must exist: without them every shard's fetch would
         read the whole backlog. Checked when the database answers at start-up (a
         database down now is the elector's to wait out, not a reason not to start)."""
-        names = shard_index_names(self.settings.shards)
         try:
             with db.connect(self.settings, purpose="check") as conn:
-                missing = repository.shard_indexes_missing(conn, names)
+                valid = shard_index_state(conn, self.settings.shards)
         except psycopg.Error as exc:
             log.warning("shards.index_check_skipped", error=db.describe_error(exc))
             return
+        missing = [name for name, ok in valid.items() if not ok]
         if missing:
             raise SettingsError(
                 "RELAY_SHARDS",

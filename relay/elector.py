@@ -53,10 +53,7 @@ class Elector(threading.Thread):
         at_fair_share: Callable[[], bool] | None = None,
         loop: str = "elector",
     ) -> None:
-        name = "relay-elector"
-        if lease.shard.shards > 1:
-            name += f"-{lease.shard.shard}"
-        super().__init__(name=name, daemon=True)
+        super().__init__(name=f"relay-{loop}", daemon=True)
         self._settings = settings
         self._lease = lease
         self._clock = clock

@@ -40,13 +40,12 @@ log = get_logger("relay.lanes")
 class FairShare:
     """How many shards this replica may hold, and which of its shards are surplus."""
 
-    def __init__(self, shards: int, able_peers: Callable[[], int]) -> None:
+    def __init__(
+        self, shards: int, able_peers: Callable[[], int], held: Callable[[], Sequence[int]]
+    ) -> None:
         self.shards = shards
         self._able_peers = able_peers
-        self._held: Callable[[], Sequence[int]] = list
-
-    def watch(self, held: Callable[[], Sequence[int]]) -> None:
-        self._held = held
+        self._held = held  # the shards this replica holds now
 
     def cap(self) -> int:
         return math.ceil(self.shards / (1 + max(0, self._able_peers())))

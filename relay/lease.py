@@ -11,15 +11,15 @@ The protocol (docs/DESIGN.md, "The lease"):
 5. Every transaction that settles rows re-checks holder and epoch first (`lease_renew`
    in queries.sql, used by the repository); no match means roll back and stand by.
 6. On shutdown the holder expires its lease at once so a standby takes over quickly.
+7. A leader that cannot deliver (cut off from the sink, not from the database) gives
+   the lease up the same way, once a live replica reports it can reach the sink
+   (relay/presence.py); the drain loop decides, the elector's thread writes it.
 
 Shards (migration 0007): with N > 1 shards each shard has a lease row of its own
 (`shard_lease_name`), and every guarantee above holds per row. Every acquisition first
 passes through its group's row (`lease_group_claim`): acquisitions of one group are
 serialized, and the group's shard count changes only while no lease of the old count is
 live, fencing them all, so two shard counts never drain one outbox at once.
-7. A leader that cannot deliver (cut off from the sink, not from the database) gives
-   the lease up the same way, once a live replica reports it can reach the sink
-   (relay/presence.py); the drain loop decides, the elector's thread writes it.
 
 `Lease` is this replica's belief; `Elector` (relay/elector.py) is the thread that keeps it true.
 """

@@ -98,6 +98,17 @@ def shard_index_names(shards: int) -> tuple[str, str]:
     return f"outbox_shards_{shards}_idx", f"outbox_shards_{shards}_key_idx"
 
 
+def shard_index_state(conn: db.Conn, shards: int) -> dict[str, bool]:
+    """Each index `shards` needs: built and valid (False: absent, or an invalid leftover
+    of a CONCURRENTLY build that failed)."""
+    names = shard_index_names(shards)
+    found = {
+        r["name"]: bool(r["valid"])
+        for r in conn.execute(QUERIES.shard_index_state, {"names": list(names)})
+    }
+    return {name: found.get(name, False) for name in names}
+
+
 def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
     """`relay migrate --shards N`: build (CONCURRENTLY, so the app's inserts go on) the
     indexes that let each of N shards fetch only its own rows. Idempotent; an invalid
@@ -110,18 +121,15 @@ def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
         conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside a transaction
         conn.execute(QUERIES.migrations_no_timeout)
         try:
-            state = {
-                r["name"]: r["valid"]
-                for r in conn.execute(QUERIES.shard_index_state, {"names": list(names)})
-            }
+            state = shard_index_state(conn, shards)
             for name, query in zip(
                 names, (QUERIES.shard_index_unsent, QUERIES.shard_index_keys), strict=True
             ):
-                if state.get(name):
+                if state[name]:
                     continue
                 index = sql.Identifier(name)
-                if name in state:  # invalid: a build that failed half-way
-                    conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+                # An invalid leftover of a build that failed half-way goes first.
+                conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
                 conn.execute(sql.SQL(query).format(index=index, shards=sql.Literal(shards)))
                 built.append(name)
                 log.info("migration.shard_index", name=name, shards=shards)

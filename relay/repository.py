@@ -242,13 +242,3 @@ def replica_status(conn: Conn) -> list[ReplicaRow]:
 def schema_version(conn: Conn) -> str | None:
     row = conn.execute(QUERIES.schema_version).fetchone()
     return None if row is None else row["version"]
-
-
-def shard_indexes_missing(conn: Conn, names: Sequence[str]) -> list[str]:
-    """Of the indexes a shard count fetches through, those absent or invalid."""
-    valid = {
-        r["name"]
-        for r in conn.execute(QUERIES.shard_index_state, {"names": list(names)})
-        if r["valid"]
-    }
-    return [name for name in names if name not in valid]
