@@ -61,6 +61,24 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
     assert_all_in_key_order(rabbitmq_server.read_queue(queue), total=300)
 
 
+def test_a_routing_key_no_queue_could_have_is_dead_lettered_and_its_key_goes_on(
+    make_settings: SettingsFactory, database: str, rabbitmq_server: RabbitmqServer
+) -> None:
+    """Returned, and not even a valid queue name (the client refuses to ask about it):
+    dead-lettered, not retried as "unavailable" forever with its key stuck behind it
+    (what the first version of the recovering-queue check did; the chaos run found it)."""
+    queue = f"orders-{uuid.uuid4().hex[:8]}"
+    rabbitmq_server.declare_queue(queue)
+    settings = make_settings(sink="rabbitmq", rabbitmq_url=rabbitmq_server.url)
+    insert_rows(database, "bad topic!", [("k0", b"k0:0")])
+    insert_rows(database, queue, [("k0", b"k0:1")])
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, timeout=30, interval=0.1)
+    reason = scalar(database, "SELECT dead_letter_reason FROM outbox WHERE topic = 'bad topic!'")
+    assert reason is not None and "unroutable" in reason, reason
+    assert [m.body for m in rabbitmq_server.read_queue(queue)] == [b"k0:1"]
+
+
 def test_the_amqp_message_of_a_row() -> None:
     row = OutboxMessage(
         1,

@@ -245,8 +245,10 @@ class RabbitmqSink(KeyedSink):
             return Result(Outcome.UNAVAILABLE, f"returned, and no channel to ask: {probe!r}")
         try:
             await asyncio.wait_for(channel.declare_queue(routing_key, passive=True), self._timeout)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return classify(exc, self._exchange_name)  # the broker says: no such queue
+        except (aiormq.exceptions.ChannelNotFoundEntity, ValueError):
+            # The broker says no such queue, or the client refuses the name as a queue
+            # name at all (pamqp: "Invalid value for queue"): no queue can take it.
+            return classify(exc, self._exchange_name)
         except Exception as probe:
             PUBLISH_ERRORS.labels("unavailable").inc()
             return Result(Outcome.UNAVAILABLE, f"returned, and the queue check failed: {probe!r}")
