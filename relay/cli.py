@@ -141,14 +141,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         leases = repository.lease_status(conn)
         replicas = repository.replica_status(conn)
         sample = lag.measure(conn, args.count_cap)
+        shard_lag = _shard_lag(conn, args.count_cap)
         version = repository.schema_version(conn)
     if args.json:
+        outbox: dict[str, Any] = sample.as_dict()
+        if shard_lag:
+            outbox["shards"] = [
+                {"lease_group": group, **s.as_dict()} for (group, _), s in shard_lag.items()
+            ]
         _print_json(
             {
                 "schema_version": version,
                 "leases": [asdict(lease) for lease in leases],
                 "replicas": [asdict(replica) for replica in replicas],
-                "outbox": sample.as_dict(),
+                "outbox": outbox,
             }
         )
         return EXIT_OK
@@ -157,6 +163,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows = []
         for lease in leases:
             shard = (f"{lease.shard}/{lease.shards}",) if sharded else ()
+            backlog: tuple[str, ...] = ()
+            if shard_lag:
+                s = shard_lag.get((lease.lease_group, lease.shard))
+                backlog = (
+                    ("-", "-")
+                    if s is None or s.shards != lease.shards
+                    else (_count(s.unsent, s.count_cap), f"{s.oldest_unsent_age_seconds:.1f}s")
+                )
             rows.append(
                 (
                     lease.lease_group,
@@ -166,10 +180,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                     lease.epoch,
                     f"{lease.expires_at:%Y-%m-%d %H:%M:%S%z}",
                     f"{lease.seconds_to_expiry:.1f}s" if lease.live else "expired",
+                    *backlog,
                 )
             )
         headers = ("LEASE", *(("SHARD",) if sharded else ()), "STATE", "HOLDER", "EPOCH")
-        print(_table((*headers, "EXPIRES AT", "EXPIRES IN"), rows))
+        lag_headers = ("UNSENT", "OLDEST UNSENT") if shard_lag else ()
+        print(_table((*headers, "EXPIRES AT", "EXPIRES IN", *lag_headers), rows))
     else:
         print("no lease rows yet (no relay has run)")
     if replicas:
@@ -204,6 +220,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     )
     return EXIT_OK
+
+
+def _shard_lag(conn: db.Conn, cap: int) -> dict[tuple[str, int], lag.ShardLag]:
+    """Each shard's backlog, for every lease group whose shard count in force has its
+    indexes (without them the per-shard count would read the whole outbox)."""
+    from relay.migrate import shard_index_state
+
+    found: dict[tuple[str, int], lag.ShardLag] = {}
+    for group, shards in repository.lease_group_shards(conn).items():
+        if shards > 1 and all(shard_index_state(conn, shards).values()):
+            conn.execute(QUERIES.force_custom_plans)
+            for s in lag.measure_shards(conn, shards, cap):
+                found[group, s.shard] = s
+    return found
 
 
 def cmd_check(_args: argparse.Namespace) -> int:

@@ -4,16 +4,22 @@ Every replica samples, leader or standby, on its own connection, so a scrape of 
 replica tells the truth about the outbox. The query (`lag_sample` in queries.sql) walks
 only the partial indexes and stops counting at a cap: its cost follows the cap, not the
 table (README, "Lag metrics: cost"). A scrape reads the last sample and never touches
-the database.
+the database. With shards (RELAY_SHARDS > 1) each shard's backlog and oldest age are
+sampled too, through the shard index, and exported with a `shard` label beside the
+unlabelled totals.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from relay import db, metrics
 from relay.db import Conn
@@ -47,6 +53,78 @@ def measure(conn: Conn, cap: int) -> LagSample:
         dead_lettered=int(row["dead_lettered"]),
         count_cap=cap,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLag:
+    shard: int
+    shards: int
+    unsent: int
+    oldest_unsent_age_seconds: float
+    count_cap: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shard_count_cap(cap: int, shards: int) -> int:
+    """Each shard's count stops at its part of the cap: a sample of all the shards walks
+    no more index entries than the unsharded count does."""
+    return max(1, cap // shards)
+
+
+def measure_shards(conn: Conn, shards: int, cap: int) -> list[ShardLag]:
+    """Per-shard lag; `conn` must plan with custom plans (QUERIES.force_custom_plans),
+    or the shard count is no constant and no shard index matches."""
+    part = shard_count_cap(cap, shards)
+    return [
+        ShardLag(
+            shard=int(row["shard"]),
+            shards=shards,
+            unsent=int(row["unsent"]),
+            oldest_unsent_age_seconds=float(row["oldest_unsent_age_seconds"]),
+            count_cap=part,
+        )
+        for row in conn.execute(QUERIES.lag_sample_shards, {"shards": shards, "cap": part})
+    ]
+
+
+class ShardLagCollector(Collector):
+    """`relay_outbox_shard_*{lease,shard}`: absent without shards, so an unsharded
+    relay's metrics are exactly what they were before shards existed."""
+
+    def __init__(self) -> None:
+        self._lease = ""
+        self._shards: list[ShardLag] = []
+
+    def set(self, lease: str, shards: list[ShardLag]) -> None:
+        self._lease, self._shards = lease, shards  # one reference swap: scrapes see a whole sample
+
+    def collect(self) -> Iterator[Metric]:
+        lease, shards = self._lease, self._shards
+        if not shards:
+            return
+        unsent = Metric(
+            "relay_outbox_shard_unsent_rows",
+            "Unsent, not dead-lettered rows of one shard (counted up to the cap / shards).",
+            "gauge",
+        )
+        oldest = Metric(
+            "relay_outbox_shard_oldest_unsent_age_seconds",
+            "Age of one shard's oldest unsent row, by the database clock; 0 when none.",
+            "gauge",
+        )
+        for s in shards:
+            labels = {"lease": lease, "shard": str(s.shard)}
+            unsent.add_sample("relay_outbox_shard_unsent_rows", labels, s.unsent)
+            oldest.add_sample(
+                "relay_outbox_shard_oldest_unsent_age_seconds", labels, s.oldest_unsent_age_seconds
+            )
+        yield from (unsent, oldest)
+
+
+SHARD_LAG = ShardLagCollector()
+REGISTRY.register(SHARD_LAG)
 
 
 def publish(sample: LagSample) -> None:
@@ -92,8 +170,15 @@ class LagSampler(threading.Thread):
 
     def sample_once(self) -> LagSample | None:
         started = self._clock()
+        settings = self._settings
         try:
-            sample = measure(self._session.get(), self._settings.lag_count_cap)
+            conn = self._session.get()
+            sample = measure(conn, settings.lag_count_cap)
+            shards = (
+                measure_shards(conn, settings.shards, settings.lag_count_cap)
+                if settings.shards > 1
+                else []
+            )
         except Exception as exc:
             # Any failure, not only the database's: this thread only feeds metrics, and
             # its death would fail /healthz and restart a healthy leader.
@@ -103,6 +188,7 @@ class LagSampler(threading.Thread):
             return None
         self._outage.success()
         publish(sample)
+        SHARD_LAG.set(settings.lease_name, shards)
         self._sampled_at = self._clock()
         metrics.LAG_SAMPLE_SECONDS.set(self._sampled_at - started)
         return sample
@@ -110,7 +196,8 @@ class LagSampler(threading.Thread):
     def _open(self) -> Conn:
         conn = db.connect(self._settings, purpose="lag")
         try:
-            conn.execute(QUERIES.disable_jit)
+            # No JIT for millisecond queries; custom plans match the shard indexes.
+            conn.execute(QUERIES.force_custom_plans)
         except BaseException:
             conn.close()
             raise

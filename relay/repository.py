@@ -230,6 +230,16 @@ def lease_status(conn: Conn) -> list[LeaseRow]:
         return cur.execute(QUERIES.lease_status).fetchall()
 
 
+def lease_group_shards(conn: Conn) -> dict[str, int]:
+    """Each lease group's shard count in force; none before migration 0007."""
+    try:
+        with conn.transaction():
+            rows = conn.execute(QUERIES.lease_group_shards).fetchall()
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege):
+        return {}
+    return {str(r["name"]): int(r["shards"]) for r in rows}
+
+
 def replica_status(conn: Conn) -> list[ReplicaRow]:
     """Every replica's last heartbeat; none before migration 0006 (no table yet)."""
     try:

@@ -648,6 +648,9 @@ def test_dashboard_parses_and_shows_what_an_operator_needs() -> None:
         "relay_messages_total",
         "relay_dead_lettered_total",
         "histogram_quantile",
+        "relay_shards_held",
+        "relay_outbox_shard_oldest_unsent_age_seconds",
+        "relay_outbox_shard_unsent_rows",
     ):
         assert needed in text, needed
 
@@ -811,6 +814,21 @@ def sink_metric_names() -> set[str]:
     return {name for name in names if name.startswith("relay_")}
 
 
+def shard_metric_names() -> set[str]:
+    """The per-shard lag series, which only a sharded relay exports (the scraped relay
+    runs one shard): one in-process sample's worth, then reset."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from relay import lag
+
+    lag.SHARD_LAG.set("x", [lag.ShardLag(0, 2, 0, 0.0, 1)])
+    try:
+        names = exported_series_names(generate_latest(REGISTRY).decode())
+    finally:
+        lag.SHARD_LAG.set("", [])
+    return {name for name in names if name.startswith("relay_outbox_shard_")}
+
+
 @pytest.mark.parametrize("source", ["alert rules", "dashboard"])
 def test_every_queried_metric_is_one_the_relay_exports(
     source: str, scraped_metric_names: set[str]
@@ -822,5 +840,6 @@ def test_every_queried_metric_is_one_the_relay_exports(
     queried = set().union(*(promql_metric_names(e) for e in exprs))
     assert queried, source
     known = scraped_metric_names | PROMETHEUS_SERIES | sink_metric_names()
+    known |= shard_metric_names()
     unknown = sorted(queried - known)
     assert not unknown, f"{source} query metrics the relay does not export: {unknown}"

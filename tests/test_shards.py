@@ -16,17 +16,19 @@ from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
+from relay import lag, repository
 from relay import lease as protocol
-from relay import repository
 from relay.lease import Acquired, LostRace, OtherShardCount, Shard
+from relay.metrics import Health
 from relay.migrate import create_shard_indexes, shard_index_names
 from relay.queries import QUERIES
 from relay.repository import BatchLimits
 from relay.settings import CommonSettings
-from tests.conftest import relay_command, relay_env, start_relay
+from tests.conftest import SettingsFactory, relay_command, relay_env, start_relay
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
     assert_per_key_order,
@@ -118,6 +120,110 @@ def test_a_shard_fetch_reads_its_own_index_not_the_others_rows(database: str) ->
     walk(plan[0]["Plan"])
     unsent, _ = shard_index_names(SHARDS)
     assert (unsent, 100) in scans, scans
+
+
+def test_lag_per_shard_reads_each_shard_index_and_adds_up_to_the_total(database: str) -> None:
+    """Each shard's backlog and oldest age, through its own index (no sequential scan of
+    the outbox), agree with a plain count; the parts add up to the unsharded total."""
+    create_shard_indexes(CommonSettings(database_url=database), SHARDS)
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, created_at)"
+            " SELECT 't', 'k' || (g % 97), 'x', now() - make_interval(secs => 10000 - g)"
+            " FROM generate_series(1, 20000) AS g"
+        )
+        conn.execute("UPDATE outbox SET sent_at = now() WHERE id % 3 = 0")
+        conn.execute("ANALYZE outbox")
+        conn.execute(QUERIES.force_custom_plans)
+        explain = conn.execute(
+            "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample_shards, {"shards": SHARDS, "cap": 100}
+        ).fetchone()
+        parts = lag.measure_shards(conn, SHARDS, 1_000_000)
+        capped = lag.measure_shards(conn, SHARDS, 100)
+        expected = conn.execute(
+            "SELECT outbox_shard(key, id, %(n)s) AS shard, count(*) AS unsent,"
+            " extract(epoch FROM now() - min(created_at))::float8 AS oldest"
+            " FROM outbox WHERE sent_at IS NULL GROUP BY 1 ORDER BY 1",
+            {"n": SHARDS},
+        ).fetchall()
+        total = lag.measure(conn, 1_000_000)
+    assert explain is not None
+    plan = json.dumps(explain["QUERY PLAN"])
+    assert '"Seq Scan"' not in plan, plan
+    assert shard_index_names(SHARDS)[0] in plan, plan
+    assert [p.shard for p in parts] == list(range(SHARDS))
+    assert [p.unsent for p in parts] == [int(e["unsent"]) for e in expected]
+    for part, row in zip(parts, expected, strict=True):
+        assert abs(part.oldest_unsent_age_seconds - row["oldest"]) < 5, (part, row)
+    assert sum(p.unsent for p in parts) == total.unsent
+    assert max(p.oldest_unsent_age_seconds for p in parts) == pytest.approx(
+        total.oldest_unsent_age_seconds, abs=5
+    )
+    # The cap is shared among the shards: a sample reads what an unsharded one would.
+    assert all(p.unsent == p.count_cap == 25 for p in capped), capped
+
+
+def test_the_lag_sampler_exports_each_shard_beside_the_total(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    create_shard_indexes(CommonSettings(database_url=database), SHARDS)
+    insert_rows(database, "t", keyed_rows(keys=20, per_key=3))
+    sampler = lag.LagSampler(make_settings(shards=SHARDS), Health())
+    try:
+        assert sampler.sample_once() is not None
+        text = generate_latest(REGISTRY).decode()
+    finally:
+        sampler.stop()
+        lag.SHARD_LAG.set("", [])
+    per_shard = {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("relay_outbox_shard_unsent_rows{")
+    }
+    assert set(per_shard) == {f'lease="default",shard="{n}"' for n in range(SHARDS)}, text
+    assert sum(per_shard.values()) == 60
+    assert "relay_outbox_unsent_rows 60.0" in text
+    assert 'relay_outbox_shard_oldest_unsent_age_seconds{lease="default",shard="0"}' in text
+
+
+def test_without_shards_no_shard_lag_series_exist(make_settings: SettingsFactory) -> None:
+    sampler = lag.LagSampler(make_settings(), Health())
+    try:
+        assert sampler.sample_once() is not None
+        text = generate_latest(REGISTRY).decode()
+    finally:
+        sampler.stop()
+    assert "relay_outbox_shard_" not in text
+
+
+def test_status_shows_each_shard_with_its_holder_and_backlog(
+    relay_dsn: str, database: str, kafka: TansuBroker
+) -> None:
+    create_shard_indexes(CommonSettings(database_url=database), SHARDS)
+    with rr_conn(relay_dsn) as conn:
+        for n in range(SHARDS):
+            shard = Shard("default", n, SHARDS)
+            protocol.ensure_row(conn, shard.name, shard)
+        first = Shard("default", 1, SHARDS)
+        assert isinstance(protocol.try_acquire(conn, first.name, "r9", 30, first), Acquired)
+    insert_rows(database, "t", keyed_rows(keys=30, per_key=2))
+    env = relay_env(relay_dsn, kafka.bootstrap_servers)
+    done = subprocess.run(
+        relay_command("status", "--json"), env=env, capture_output=True, timeout=60, check=True
+    )
+    status = json.loads(done.stdout)
+    shards = status["outbox"]["shards"]
+    assert [s["shard"] for s in shards] == list(range(SHARDS))
+    assert {s["lease_group"] for s in shards} == {"default"}
+    assert sum(s["unsent"] for s in shards) == status["outbox"]["unsent"] == 60
+    held = [lease for lease in status["leases"] if lease["live"]]
+    assert [(lease["shard"], lease["holder"]) for lease in held] == [(1, "r9")]
+    table = subprocess.run(
+        relay_command("status"), env=env, capture_output=True, timeout=60, check=True
+    ).stdout.decode()
+    assert "UNSENT" in table and "OLDEST UNSENT" in table, table
+    line = next(row for row in table.splitlines() if row.startswith("default") and "r9" in row)
+    assert line.split()[1] == f"1/{SHARDS}", line
 
 
 def test_shard_indexes_are_built_once_and_rebuilt_if_invalid(database: str) -> None:

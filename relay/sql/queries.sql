@@ -1,10 +1,6 @@
 -- Every statement the relay runs, by name. Python asks for them as QUERIES.<name>.
 -- Parameters are named: %(name)s. Nothing here is built by string concatenation.
 
--- name: disable_jit
--- For the lag sampler's session: JIT compiling a millisecond query costs more than it saves.
-SELECT set_config('jit', 'off', false);
-
 -- name: set_session_timeouts
 -- Bound every statement, lock wait and idle transaction of a relay session, so a stuck
 -- relay can never hold a lock on the lease row or the outbox for long.
@@ -174,9 +170,10 @@ ORDER BY lease_name, replica_id;
 ------------------------------------------------------------------------------------
 
 -- name: force_custom_plans
--- For the drain session: plan fetch_batch with its actual parameters, so the in-flight
--- exclusion is a hashed lookup and the key cursor a constant; and no JIT: compiling a
--- millisecond query would cost more than it saves, on every execution.
+-- For the drain and lag sessions: plan with the actual parameters, so the in-flight
+-- exclusion is a hashed lookup, the key cursor and the shard count constants (the
+-- shard indexes match); and no JIT: compiling a millisecond query would cost more
+-- than it saves, on every execution.
 SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
        set_config('jit', 'off', false);
 
@@ -586,6 +583,33 @@ SELECT
               WHERE dead_lettered_at IS NOT NULL
               LIMIT %(cap)s) AS dead_rows)
         AS dead_lettered;
+
+-- name: lag_sample_shards
+-- The backlog and oldest unsent age of each of %(shards)s shards (RELAY_SHARDS > 1):
+-- one walk of that count's outbox_shards_N_idx per shard, each count stopping at
+-- %(cap)s (the cap divided among the shards, so a sample costs what it did without
+-- shards). Needs a custom plan (shard count a constant) to match the index expression.
+SELECT s.shard,
+    (SELECT count(*)
+       FROM (SELECT 1 FROM outbox AS o
+              WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+              LIMIT %(cap)s) AS unsent_rows)
+        AS unsent,
+    coalesce(
+        (SELECT greatest(0, extract(epoch FROM now() - o.created_at))::float8
+           FROM outbox AS o
+          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+          ORDER BY o.id
+          LIMIT 1),
+        0) AS oldest_unsent_age_seconds
+FROM generate_series(0, %(shards)s::integer - 1) AS s(shard)
+ORDER BY s.shard;
+
+-- name: lease_group_shards
+-- The shard count in force for each lease group (migration 0007's table), for status.
+SELECT name, shards FROM lease_groups ORDER BY name;
 
 -- name: dead_letter_list
 -- Dead-lettered rows, oldest first, optionally for one topic or key.
