@@ -57,6 +57,7 @@ class Replica:
     proc: subprocess.Popen[bytes] | None = None
     expected_exit: bool = False
     stopped: bool = False
+    retired: bool = False  # left the cluster for good (scaled in): heal leaves it down
     unexpected_exits: list[str] = field(default_factory=list)
 
     @property
@@ -88,16 +89,21 @@ class Cluster:
         self.topic = TOPIC
         self.password = f"chaos-{secrets.token_hex(12)}"
         self.settings = settings
-        self.replicas = [
-            Replica(
-                f"r{n}",
-                workdir / f"relay-r{n}.log",
-                workdir / f"failpoints-r{n}",
-                free_port(),
-            )
-            for n in range(replicas)
-        ]
-        sink.attach(self.replicas)
+        self.replicas: list[Replica] = []
+        for _ in range(replicas):
+            self._new_replica()
+
+    def _new_replica(self) -> Replica:
+        n = len(self.replicas)
+        replica = Replica(
+            f"r{n}",
+            self.workdir / f"relay-r{n}.log",
+            self.workdir / f"failpoints-r{n}",
+            free_port(),
+        )
+        self.sink.attach(replica, n)
+        self.replicas.append(replica)
+        return replica
 
     @property
     def netcut(self) -> bool:
@@ -161,6 +167,46 @@ class Cluster:
     def start_replicas(self) -> None:
         for replica in self.replicas:
             self.start_replica(replica)
+
+    def active(self) -> list[Replica]:
+        """The replicas that are part of the cluster (running, or down for a fault)."""
+        return [r for r in self.replicas if not r.retired]
+
+    def add_replica(self) -> Replica:
+        """Scale out: a replica of a new name joins the running cluster."""
+        replica = self._new_replica()
+        if replica.proxy is not None:
+            replica.proxy.start()
+        self.start_replica(replica)
+        return replica
+
+    def retire(self, replica: Replica) -> None:
+        """Scale in: SIGTERM, as Kubernetes does; it releases what it holds and leaves."""
+        replica.retired = True
+        replica.expected_exit = True
+        replica.signal(signal.SIGTERM)
+        if replica.proc is not None:
+            replica.proc.wait(timeout=60)
+
+    def shares(self) -> dict[str, int] | None:
+        """Live lease rows held per holder, if every shard is live and held by an active
+        replica; None while one is not (or the database is down)."""
+        try:
+            with psycopg.connect(self.admin_dsn, autocommit=True, connect_timeout=2) as conn:
+                rows = conn.execute(
+                    "SELECT name, holder FROM leases WHERE name = ANY(%s)"
+                    " AND holder IS NOT NULL AND released_at IS NULL AND expires_at > now()",
+                    (self.lease_names(),),
+                ).fetchall()
+        except psycopg.Error:
+            return None
+        holders = {r.holder for r in self.active() if r.alive()}
+        if len(rows) != self.shards or any(row[1] not in holders for row in rows):
+            return None
+        counts: dict[str, int] = dict.fromkeys(holders, 0)
+        for _, holder in rows:
+            counts[holder] += 1
+        return counts
 
     def by_holder(self, holder: str | None) -> Replica | None:
         return next((r for r in self.replicas if r.holder == holder), None)

@@ -7,6 +7,9 @@ batches for a crash or a pause (the drain publishes one batch while the previous
 being settled, and up to a batch of Kafka stragglers may be waiting for their reports),
 one batch per publish timeout that a paused broker can swallow and later persist.
 
+`join_and_leave` scales the cluster out by one replica and back in (SIGTERM to one
+drawn at random), as a rollout or an autoscaler does: retired replicas stay down.
+
 "Broker" is the sink's server, whichever it is (tests/chaos/sinks.py says how each is
 killed, paused and cut). `cut_leader_from_broker` needs every replica behind a proxy of
 its own; where the sink cannot have that (Kafka without root) it is left out.
@@ -35,6 +38,7 @@ LEADER_FAULTS = (
 )
 ALL_FAULTS = (
     *LEADER_FAULTS,
+    "join_and_leave",
     "restart_postgres",
     "crash_postgres",
     "kill_broker",
@@ -101,7 +105,7 @@ class Injector:
 
     def heal(self) -> None:
         """Every replica running again and someone leading."""
-        for replica in self.cluster.replicas:
+        for replica in self.cluster.active():
             if not replica.alive():
                 self.cluster.start_replica(replica)
         self.leader(timeout=60.0)
@@ -220,6 +224,55 @@ class Injector:
                     f" waiting, and no replica took over (lease now {lease})"
                 )
             time.sleep(0.05)
+
+    def join_and_leave(self) -> Fault:
+        """Scale out, then in: a replica of a new name joins (with shards, the others
+        hand it their surplus), then one drawn at random (the newcomer or not) leaves
+        with SIGTERM, releasing what it holds for the others to take at once. Each
+        change must settle into a fair split, every shard held by a running replica,
+        within a couple of ttl (the join also waits out the newcomer's start-up); the
+        worse of the two is the fault's takeover."""
+        at = self._now()
+        began = time.monotonic()
+        joined = self.cluster.add_replica()
+        join_took = self._wait_fair(began, bound=2 * self.timing.ttl + 30.0, what="join")
+        time.sleep(self.rng.uniform(0.5, 2.0))  # part of the schedule: four replicas drain
+        leaver = self.rng.choice([r for r in self.cluster.active() if r.alive()])
+        left = time.monotonic()
+        self.cluster.retire(leaver)
+        leave_took = self._wait_fair(left, bound=2 * self.timing.ttl + 2.0, what="leave")
+        note = (
+            f"{joined.holder} joined ({join_took:.2f}s), {leaver.holder} left ({leave_took:.2f}s)"
+        )
+        return Fault(
+            "join_and_leave",
+            at,
+            round(time.monotonic() - began, 2),
+            self.timing.in_flight,
+            max(join_took, leave_took),
+            note,
+        )
+
+    def _wait_fair(self, since: float, bound: float, what: str) -> float:
+        """Seconds until every shard is held by a running replica and none holds more
+        than ceil(shards / running replicas): the rebalance the issue bounds."""
+        shards = self.cluster.shards
+
+        def fair() -> bool:
+            counts = self.cluster.shares()
+            if counts is None:
+                return False
+            cap = -(-shards // len(counts))
+            return shards == 1 or all(n <= cap for n in counts.values())
+
+        try:
+            wait_until(fair, timeout=bound, interval=0.05)
+        except AssertionError:
+            raise AssertionError(
+                f"no fair split of {shards} shards {bound:.0f}s after a replica's {what}:"
+                f" {self.cluster.shares()}"
+            ) from None
+        return round(time.monotonic() - since, 3)
 
     def _postgres_down(self, crash: bool) -> Fault:
         down = self.rng.uniform(0.5, 3.0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import aio_pika
@@ -70,8 +69,8 @@ class ChaosSink(Protocol):
 
     def stop(self) -> None: ...
 
-    def attach(self, replicas: Sequence[Replica]) -> None:
-        """Give each replica a proxy of its own, where the sink can cut one off."""
+    def attach(self, replica: Replica, n: int) -> None:
+        """Give replica number `n` a proxy of its own, where the sink can cut one off."""
         ...
 
     def replica_env(self, replica: Replica) -> dict[str, str]: ...
@@ -106,11 +105,10 @@ class KafkaChaosSink:
     def stop(self) -> None:
         self.broker.stop()
 
-    def attach(self, replicas: Sequence[Replica]) -> None:
+    def attach(self, replica: Replica, n: int) -> None:
         if self.netcut:
             upstream = ("127.0.0.1", self.broker.port)
-            for n, replica in enumerate(replicas):
-                replica.proxy = TcpProxy(loopback(n), self.broker.port, upstream)
+            replica.proxy = TcpProxy(loopback(n), self.broker.port, upstream)
 
     def replica_env(self, replica: Replica) -> dict[str, str]:
         # A namespaced replica dials its own `localhost`: its proxy.
@@ -171,9 +169,8 @@ class _ProxiedSink:
 
     port: int
 
-    def attach(self, replicas: Sequence[Replica]) -> None:
-        for n, replica in enumerate(replicas):
-            replica.proxy = TcpProxy(loopback(n), self.port, ("127.0.0.1", self.port))
+    def attach(self, replica: Replica, n: int) -> None:
+        replica.proxy = TcpProxy(loopback(n), self.port, ("127.0.0.1", self.port))
 
     def replica_command(self, replica: Replica, workdir: Path) -> list[str] | None:
         return None
