@@ -290,11 +290,13 @@ class Drainer:
         self._progress.published(reached=reached)
         if reached:
             self._give_way_streak = 0
-        unacked = self._stragglers.keys() | frozenset(
-            message.key
-            for message, result in zip(rows, results, strict=True)
-            if message.key is not None and result.outcome is not Outcome.ACKED
-        )
+        unacked = self._stragglers.keys()
+        if len(settlement.sent) != len(rows):  # not every row acknowledged
+            unacked |= frozenset(
+                message.key
+                for message, result in zip(rows, results, strict=True)
+                if message.key is not None and result.outcome is not Outcome.ACKED
+            )
         if self._prefetched is not None:
             # The prefetched rows were read before these failures are written (and
             # before these stragglers straggled): hold those keys back from them too.
@@ -474,9 +476,9 @@ class Drainer:
             retry_delay=self._retry_delay,
         )
         now = time.time()
-        e2e = metrics.END_TO_END_SECONDS.labels(self._sink.name)
-        for message in decision.acked:
-            e2e.observe(now - message.created_epoch)
+        metrics.END_TO_END_SECONDS.observe_many(
+            self._sink.name, [now - message.created_epoch for message in decision.acked]
+        )
         for message, reason in decision.dead:
             self._dead_lettered(message, reason)
         for (topic, outcome_name), count in decision.counts.items():

@@ -106,3 +106,25 @@ def test_stragglers_leave_as_their_outcomes_come_and_hold_their_keys_meanwhile()
     assert (stragglers.ids(), stragglers.keys()) == ([1, 3], frozenset({"a"}))
     stragglers.clear()
     assert len(stragglers) == 0
+
+
+def test_a_wholly_acknowledged_batch_takes_the_short_way_to_the_same_decision() -> None:
+    """The all-acked shortcut must decide exactly what the per-row walk decides."""
+    batch = [row(1), row(2, key=None), row(3)]
+    batch[2].topic = "u"
+    fast = decide(batch, [ACKED] * 3, max_attempts=5, retry_delay=delay)
+    # An equal but not identical ACKED (another sink's instance) takes the same way.
+    walked = decide(
+        batch,
+        [ACKED, Result(Outcome.ACKED, reached=True), ACKED],
+        max_attempts=5,
+        retry_delay=delay,
+    )
+    slow = decide([*batch, row(4)], [ACKED] * 3 + [SKIPPED], max_attempts=5, retry_delay=delay)
+    for decision in (fast, walked):
+        assert decision.settlement.sent == [1, 2, 3]
+        assert decision.acked == batch
+        assert decision.reached is True and decision.unavailable is None
+        assert dict(decision.counts) == {("t", "acked"): 2, ("u", "acked"): 1}
+    assert slow.settlement.sent == [1, 2, 3] and slow.counts[("t", "skipped")] == 1
+    assert decide([], [], max_attempts=5, retry_delay=delay).reached is None

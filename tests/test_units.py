@@ -123,3 +123,29 @@ def test_a_module_over_300_lines_says_why_at_its_top() -> None:
         if text.count("\n") > 330:
             docstring = text.split('"""', 2)[1]
             assert "Long:" in docstring, f"{path}: over 300 lines without a reason at its top"
+
+
+def test_the_batch_histogram_exports_what_a_prometheus_histogram_does() -> None:
+    """The end-to-end latency histogram is observed a batch at a time; its exposition
+    must be the standard one, bucket for bucket (bounds are inclusive: le)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from relay.metrics import LATENCY_BUCKETS, BatchHistogram
+
+    values = [0.0, 0.0005, 0.001, 0.0011, 0.3, 2.0, 10.0, 50.0, 0.01]
+    registry = CollectorRegistry()
+    standard = Histogram("h", "d", ["sink"], buckets=LATENCY_BUCKETS, registry=registry)
+    for value in values:
+        standard.labels("kafka").observe(value)
+    ours = BatchHistogram("h", "d", "sink", LATENCY_BUCKETS, registry=CollectorRegistry())
+    ours.observe_many("kafka", values[:4])
+    ours.observe_many("kafka", values[4:])
+
+    def samples(text: str) -> list[str]:
+        return [
+            line for line in text.splitlines() if line.startswith("h_") and "created" not in line
+        ]
+
+    assert samples(generate_latest(ours.registry).decode()) == samples(
+        generate_latest(registry).decode()
+    )
