@@ -241,8 +241,9 @@ class Drainer:
         self._progress.publishing()
         publishing = self._sink.start_publish(batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
+        batch_text = repository.id_text([message.id for message in batch])
         if not self._abandon(token):
-            self._prefetch(conn, batch)
+            self._prefetch(conn, batch_text)
         prefetching = self._clock() - prefetch_started
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
         room = len(self._stragglers) + len(batch) <= self._limits.rows
@@ -261,7 +262,10 @@ class Drainer:
                 rows.append(message)
                 outcomes.append(result)
         answered, answers = self._stragglers.answered()
-        unavailable = self._settle(token, rows + answered, outcomes + answers)
+        whole = len(rows) == len(batch) and not answered  # the batch's ids, as fetched
+        unavailable = self._settle(
+            token, rows + answered, outcomes + answers, batch_text if whole else None
+        )
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
             delay = max(
@@ -280,11 +284,18 @@ class Drainer:
             self._sink_retry.reset()
 
     def _settle(
-        self, token: LeaseToken, rows: list[OutboxMessage], results: list[Result]
+        self,
+        token: LeaseToken,
+        rows: list[OutboxMessage],
+        results: list[Result],
+        ids_text: str | None = None,
     ) -> Result | None:
         """Hand the outcomes of `rows` to the settler (after the previous settle landed);
-        the sink's "unavailable" verdict, if any, for the loop to back off on."""
+        the sink's "unavailable" verdict, if any, for the loop to back off on.
+        `ids_text`: the rows' ids as `repository.id_text`, if made already."""
         settlement, unavailable, reached = self._plan(rows, results)
+        if ids_text is not None and len(settlement.sent) == len(rows):
+            settlement.sent_text = ids_text
         if reached is None and len(self._stragglers):
             reached = False  # asked, and still no answer
         self._progress.published(reached=reached)
@@ -304,16 +315,16 @@ class Drainer:
         if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
             return None  # fenced out: these rows stay unsent (published: duplicates later)
         if settlement:
-            self._in_flight = self._settler.submit(token, rows, settlement, unacked)
+            self._in_flight = self._settler.submit(token, rows, settlement, unacked, ids_text)
         return unavailable
 
-    def _unsettled(self) -> tuple[list[int], frozenset[str]]:
-        """Ids every fetch leaves out and keys held back from it: the batch being
-        settled, and the stragglers."""
-        ids = self._stragglers.ids()
+    def _unsettled(self) -> tuple[list[str], frozenset[str]]:
+        """Ids every fetch leaves out (as `repository.id_text` parts) and keys held back
+        from it: the batch being settled, and the stragglers."""
+        ids = [repository.id_text(self._stragglers.ids())]
         held = self._stragglers.keys()
         if self._in_flight is not None:
-            ids += self._in_flight.ids
+            ids.append(self._in_flight.ids_text)
             held |= self._in_flight.held_keys
         return ids, held
 
@@ -325,10 +336,11 @@ class Drainer:
             batch = _without(prefetched.rows, held | prefetched.held)
             if batch:
                 return batch
-        return _without(self._fetch(conn, repository.array_literal(ids), held), held)
+        return _without(self._fetch(conn, repository.join_literal(ids), held), held)
 
-    def _prefetch(self, conn: db.Conn, publishing: list[OutboxMessage]) -> None:
-        """Read the batch after `publishing` while its acknowledgements come back.
+    def _prefetch(self, conn: db.Conn, publishing: str) -> None:
+        """Read the batch after `publishing` (its ids, as `repository.id_text`) while
+        its acknowledgements come back.
 
         It leaves out every row not yet settled (this batch, the one the settler has,
         the stragglers), and remembers the keys held back: when the prefetched rows are
@@ -336,9 +348,8 @@ class Drainer:
         """
         failpoints.stall("read_ahead")
         ids, held = self._unsettled()
-        ids += [m.id for m in publishing]
         try:
-            rows = self._fetch(conn, repository.array_literal(ids), held)
+            rows = self._fetch(conn, repository.join_literal([*ids, publishing]), held)
         except psycopg.Error:
             # The next step's own fetch will meet (and report) the same trouble.
             self._session.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -30,6 +30,7 @@ class Settlement:
     dead_ids: list[int] = field(default_factory=list)
     dead_attempted: list[int] = field(default_factory=list)
     dead_reasons: list[str] = field(default_factory=list)
+    sent_text: str | None = None  # `sent` as id_text, when the caller has it already
 
     def retry(self, row_id: int, delay: float, error: str) -> None:
         self.retry_ids.append(row_id)
@@ -45,13 +46,24 @@ class Settlement:
         return bool(self.sent or self.retry_ids or self.dead_ids)
 
 
-def array_literal(ids: Sequence[int]) -> str:
+def array_literal(ids: Iterable[int]) -> str:
     """`{1,2,3}`: PostgreSQL parses it as the `::bigint[]` the statement casts to.
 
     One C-level join instead of psycopg adapting a list element by element in Python,
     which was a tenth of the drain thread's time at batch 2000.
     """
-    return "{" + ",".join(map(str, ids)) + "}"
+    return "{" + id_text(ids) + "}"
+
+
+def id_text(ids: Iterable[int]) -> str:
+    """`1,2,3`: a batch's ids as text, made once and reused by every statement that
+    names the batch (each fetch's exclusion while it is in flight, its settle)."""
+    return ",".join(map(str, ids))
+
+
+def join_literal(parts: Iterable[str]) -> str:
+    """An array literal of several `id_text`s."""
+    return "{" + ",".join(part for part in parts if part) + "}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +125,9 @@ def fetch_batch(
     }
     # Tuples and positional construction: a tenth of the cost of keyword rows, and
     # this runs for every row the relay ever moves. Column order = field order.
-    with conn.cursor(row_factory=tuple_row) as cur:
+    # Binary results: numbers, booleans and the payload's bytes arrive as they are,
+    # with no text to parse (bytea as text would be hex, twice the bytes).
+    with conn.cursor(row_factory=tuple_row, binary=True) as cur:
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
             return Fetched(_within_bytes(head))
@@ -172,7 +186,9 @@ def settle(
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
             query = QUERIES.delete_sent if delete_sent else QUERIES.mark_sent
-            conn.execute(query, {"ids": array_literal(settlement.sent)})
+            text = settlement.sent_text
+            ids = array_literal(settlement.sent) if text is None else "{" + text + "}"
+            conn.execute(query, {"ids": ids})
         if settlement.retry_ids:
             conn.execute(
                 QUERIES.record_failures,

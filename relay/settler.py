@@ -27,6 +27,7 @@ class InFlight:
     # Ids only: the rows' payloads are let go once published, so a batch of large rows
     # is held in two stages at most (read ahead, publishing), not three.
     ids: list[int]
+    ids_text: str  # repository.id_text(ids), for the fetches that leave them out
     settlement: Settlement
     # Keys with a row not acknowledged in this batch: until the settle lands (and the
     # fetch query sees the retry), later rows of these keys must not be published.
@@ -57,9 +58,13 @@ class Settler:
         batch: list[OutboxMessage],
         settlement: Settlement,
         held_keys: frozenset[str],
+        ids_text: str | None = None,
     ) -> InFlight:
+        """`ids_text`: the batch's ids as text, if the caller made it already."""
         future = self._pool.submit(self._settle, token, settlement)
-        return InFlight(token, [m.id for m in batch], settlement, held_keys, future)
+        ids = [m.id for m in batch]
+        text = repository.id_text(ids) if ids_text is None else ids_text
+        return InFlight(token, ids, text, settlement, held_keys, future)
 
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:
         started = self._clock()
