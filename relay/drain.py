@@ -86,6 +86,17 @@ class Prefetched:
     held: frozenset[str]
 
 
+def drain_session_setup(shards: int) -> list[str]:
+    """How the drain session plans: with its actual parameters (custom plans); with
+    shards, also never by bitmap scan, which would read every unsent row of the shard
+    to return one batch (the shard index leads with the hash, so the planner prices
+    its ordered walk as random reads)."""
+    setup = [QUERIES.force_custom_plans]
+    if shards > 1:
+        setup.append(QUERIES.walk_shard_indexes_in_order)
+    return setup
+
+
 class Drainer:
     def __init__(
         self,
@@ -139,7 +150,8 @@ class Drainer:
     def _open_drain_session(self) -> db.Conn:
         conn = db.connect(self._settings, purpose="drain")
         try:
-            conn.execute(QUERIES.force_custom_plans)
+            for statement in drain_session_setup(self._lease.shard.shards):
+                conn.execute(statement)
         except BaseException:
             conn.close()  # never leak a session whose set-up failed
             raise

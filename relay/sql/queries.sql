@@ -177,6 +177,16 @@ ORDER BY lease_name, replica_id;
 SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
        set_config('jit', 'off', false);
 
+-- name: walk_shard_indexes_in_order
+-- For a shard's drain session (RELAY_SHARDS > 1): no bitmap scans. outbox_shards_N_idx
+-- leads with the shard hash, which has no correlation with the table's order, so the
+-- planner prices the ordered walk of one shard's rows as random reads and, once a
+-- batch is a percent or so of the shard's backlog, would rather read ALL of the
+-- shard's unsent rows through a bitmap and sort them: a fetch whose cost grows with
+-- the backlog. Every statement of this session is meant as an ordered, LIMITed index
+-- walk; the ordered walk stops at the batch.
+SELECT set_config('enable_bitmapscan', 'off', false);
+
 -- name: fetch_head
 -- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
 -- order through outbox_unsent_idx, whatever they are, each with its size and whether
