@@ -17,6 +17,8 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
   7. RSS with a backlog (start, peak, after draining); drain rate over a kept history
   8-10. fairness: a key in backoff with a deep backlog, a hot key in front, big rows'
      peak RSS with and without RELAY_BATCH_MAX_BYTES (see bench/fairness.py)
+  11. sharded leases: drain rate and CPU per message for 1/2/4 shards x 1/2/3 replicas
+     (see bench/shards.py; `--only shards` runs it alone)
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -48,7 +50,9 @@ def main() -> int:
     parser.add_argument(
         "--in-flight", type=int, default=None, help="RELAY_<SINK>_MAX_IN_FLIGHT (16 / 64)"
     )
-    parser.add_argument("--only", choices=["fairness"], default=None, help="run one section alone")
+    parser.add_argument(
+        "--only", choices=["fairness", "shards"], default=None, help="run one section alone"
+    )
     args = parser.parse_args()
 
     from relay.logging import configure
@@ -61,6 +65,8 @@ def main() -> int:
         return bench_broker(args.sink, rows, batches, args.in_flight or 64)
     if args.only == "fairness":
         return bench_fairness(args.quick)
+    if args.only == "shards":
+        return bench_shards(args.quick, args.rows)
     return bench_kafka(args)
 
 
@@ -87,8 +93,17 @@ def bench_fairness(quick: bool) -> int:
     return 0
 
 
+def bench_shards(quick: bool, rows: int | None) -> int:
+    from bench import shards
+
+    with servers() as (dsn, bootstrap):
+        report = shards.run(dsn, bootstrap, quick, rows)
+    save({"sink": "kafka", "quick": quick, "shards": report})
+    return 0
+
+
 def bench_kafka(args: argparse.Namespace) -> int:
-    from bench import drain, fairness, latency, processes
+    from bench import drain, fairness, latency, processes, shards
 
     quick = args.quick
     rows = args.rows or (20_000 if quick else 50_000)
@@ -145,6 +160,7 @@ def bench_kafka(args: argparse.Namespace) -> int:
             flush=True,
         )
         report["fairness"] = fairness.run(dsn, bootstrap, quick)
+        report["shards"] = shards.run(dsn, bootstrap, quick)
         if args.full:
             hist = drain.history_effect(dsn, bootstrap, rows, history=10_000_000)
             report["history"] = hist

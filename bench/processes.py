@@ -21,6 +21,14 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def start_relay(dsn: str, bootstrap: str, **extra: str) -> subprocess.Popen[bytes]:
+    return launch(dsn, bootstrap, extra)
+
+
+def launch(
+    dsn: str, bootstrap: str, extra: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`relay run` as a process; `cwd`: a checkout to run it from (`-m` imports from
+    the working directory first)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env.update(
         {
@@ -35,7 +43,11 @@ def start_relay(dsn: str, bootstrap: str, **extra: str) -> subprocess.Popen[byte
     env.update(extra)
     log = tempfile.NamedTemporaryFile(prefix="relay-bench-", suffix=".log", delete=False)  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "relay", "run"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "relay", "run"],
+        env=env,
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 

@@ -1,0 +1,114 @@
+"""A relay process draining a pre-loaded backlog: rows/s and CPU time per message.
+
+CPU per message is user + system time of the `relay run` process, read from /proc
+between the first settled batch and the empty outbox, divided by the rows drained in
+that window: far steadier than wall time on a shared machine. The same function runs
+another commit's relay (`--compare`): a `git worktree` of it is started with its own
+directory first on the import path, against the same database and broker.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.common import first_unsent_id, preload
+from bench.processes import REPO, cpu_seconds, launch, stop, wait_for
+
+
+def drain(
+    dsn: str,
+    bootstrap: str,
+    rows: int,
+    *,
+    source: Path = REPO,
+    profile: Path | None = None,
+    **env: str,
+) -> dict[str, float]:
+    """Drain `rows` pre-loaded rows with one relay process run from `source`.
+
+    `profile`: also record the process with py-spy (on PATH): a flame graph for `.svg`,
+    collapsed stacks (one line per stack, with its sample count) otherwise.
+    """
+    preload(dsn, rows)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        first = first_unsent_id(conn)
+        row = conn.execute("SELECT max(id) FROM outbox").fetchone()
+        assert first is not None and row is not None
+        last = int(row[0])
+        proc = launch(dsn, bootstrap, {**env, "PYTHONPATH": str(source)}, cwd=source)
+        spy: subprocess.Popen[bytes] | None = None
+        try:
+            if profile is not None:
+                spy = subprocess.Popen(
+                    [
+                        *("py-spy", "record", "-p", str(proc.pid), "-o", str(profile)),
+                        "--format",
+                        "flamegraph" if profile.suffix == ".svg" else "raw",
+                        *("--gil", "--rate", "500"),  # where the GIL is: Python's own CPU
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            current = wait_for(lambda: _moved(conn, first), 120, "the first settled batch")
+            cpu_before, started = cpu_seconds(proc.pid), time.perf_counter()
+            left = 0 if current == -1 else last - current + 1
+            while first_unsent_id(conn) is not None:
+                time.sleep(0.02)
+            elapsed = time.perf_counter() - started
+            cpu = cpu_seconds(proc.pid) - cpu_before
+        finally:
+            stop([proc])
+            if spy is not None:
+                spy.wait(60)
+    return {
+        "rows": left,
+        "rows_per_s": left / elapsed,
+        "cpu_us_per_msg": 1e6 * cpu / left,
+        "cpu_cores": cpu / elapsed,
+    }
+
+
+def _moved(conn: psycopg.Connection[Any], first: int) -> int | None:
+    """The new lowest unsent id once the first batch is settled (-1: all of it)."""
+    current = first_unsent_id(conn)
+    if current == first:
+        return None
+    return -1 if current is None else current
+
+
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A checkout of `rev` beside the repository, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="relay-bench-rev-"))
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+            check=False,
+            capture_output=True,
+        )
+
+
+def revision(rev: str, source: Path = REPO) -> str:
+    """`abc1234 subject` of a commit, for the table's header."""
+    done = subprocess.run(
+        ["git", "-C", str(source), "log", "-1", "--format=%h %s", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()[:72]
