@@ -5,6 +5,10 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
+    ./dev bench --only shards|fairness [--quick]  one section alone
+    ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
+        this checkout's relay against REV's (default HEAD~1): CPU per message and
+        rows/s in alternating runs, and the bare select-and-mark loop (bench/compare.py)
 
 Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and prints:
   1. the raw limit: a bare select + mark (or delete) loop through the same partial index
@@ -53,6 +57,15 @@ def main() -> int:
     parser.add_argument(
         "--only", choices=["fairness", "shards"], default=None, help="run one section alone"
     )
+    parser.add_argument(
+        "--compare",
+        nargs="?",
+        const="HEAD~1",
+        default=None,
+        metavar="REV",
+        help="this checkout's relay against REV's (default: the previous commit)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (--compare)")
     args = parser.parse_args()
 
     from relay.logging import configure
@@ -63,6 +76,10 @@ def main() -> int:
     if args.sink in ("nats", "rabbitmq"):
         rows, batches = args.rows or 20_000, args.batch or [500]
         return bench_broker(args.sink, rows, batches, args.in_flight or 64)
+    if args.compare is not None:
+        return bench_compare(
+            args.compare, args.rows or 100_000, args.batch or [500, 2000], args.rounds
+        )
     if args.only == "fairness":
         return bench_fairness(args.quick)
     if args.only == "shards":
@@ -82,6 +99,15 @@ def servers() -> Iterator[tuple[str, str]]:
         migrate(CommonSettings(database_url=dsn))
         broker.create_topic("bench", partitions=3)
         yield dsn, broker.bootstrap_servers
+
+
+def bench_compare(rev: str, rows: int, batches: list[int], rounds: int) -> int:
+    from bench import compare
+
+    with servers() as (dsn, bootstrap):
+        report = compare.run(dsn, bootstrap, rev, rows, batches, rounds)
+    save({"sink": "kafka", "compare": report})
+    return 0
 
 
 def bench_fairness(quick: bool) -> int:

@@ -1,0 +1,68 @@
+"""`./dev bench --compare [REV]`: this checkout's relay against another commit's, in one run.
+
+Both drain the same pre-loaded backlog as a `relay run` process (bench/cpu.py), runs
+alternating old, new, old, new so drift on a shared machine hits both alike; medians
+are printed with the ratio new / old, and each side's ratio to the bare select-and-mark
+loop at the same batch size, measured in the same run. "This checkout" is the working
+tree as it is, uncommitted changes included.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench import cpu, drain
+from bench.common import preload
+from bench.processes import REPO
+
+
+def run(
+    dsn: str, bootstrap: str, rev: str, rows: int, batches: list[int], rounds: int
+) -> dict[str, Any]:
+    report: dict[str, Any] = {"old": cpu.revision(rev), "new": "working tree", "batches": []}
+    print(f"\ncompare: {report['old']}  vs  {report['new']}")
+    print(
+        f"{rows:,} rows of 200 B over 100 keys, the relay at its defaults but the batch"
+        f" (rows deleted once sent), {rounds} alternating rounds; raw = a bare"
+        " select-and-mark loop"
+    )
+    with cpu.worktree(rev) as old:
+        cpu.drain(dsn, bootstrap, min(rows, 20_000), source=old)  # warm both up
+        cpu.drain(dsn, bootstrap, min(rows, 20_000))
+        print(
+            f"{'batch':>6} {'raw rows/s':>11} {'old rows/s':>11} {'new rows/s':>11}"
+            f" {'old µs/msg':>11} {'new µs/msg':>11} {'new/old':>8} {'old/raw':>8}"
+            f" {'new/raw':>8}"
+        )
+        for batch in batches:
+            preload(dsn, rows)
+            raw = drain.raw_drain(dsn, batch, delete=False)
+            runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+            for _ in range(rounds):
+                for side, source in (("old", old), ("new", REPO)):
+                    result = cpu.drain(
+                        dsn, bootstrap, rows, source=source, RELAY_BATCH_SIZE=str(batch)
+                    )
+                    runs[side].append(result)
+            row = {"batch": batch, "raw": raw, **_medians(runs)}
+            report["batches"].append(row)
+            print(
+                f"{batch:>6} {raw:>11,.0f} {row['old_rows_per_s']:>11,.0f}"
+                f" {row['new_rows_per_s']:>11,.0f} {row['old_cpu_us_per_msg']:>11.2f}"
+                f" {row['new_cpu_us_per_msg']:>11.2f}"
+                f" {row['new_cpu_us_per_msg'] / row['old_cpu_us_per_msg']:>8.2f}"
+                f" {row['old_rows_per_s'] / raw:>8.2f} {row['new_rows_per_s'] / raw:>8.2f}",
+                flush=True,
+            )
+    print("new/old: CPU per message, lower is better; x/raw: throughput against the bare loop")
+    return report
+
+
+def _medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for side, results in runs.items():
+        for figure in ("rows_per_s", "cpu_us_per_msg"):
+            out[f"{side}_{figure}"] = statistics.median(r[figure] for r in results)
+        out[f"{side}_runs"] = results
+    return out
