@@ -97,28 +97,7 @@ def test_a_shard_fetch_reads_its_own_index_not_the_others_rows(database: str) ->
         )
         conn.execute("ANALYZE outbox")
         conn.execute(QUERIES.force_custom_plans)
-        params = {
-            "limit": 100,
-            "max_bytes": 1 << 30,
-            "in_flight": "{}",
-            "held": [],
-            "shards": SHARDS,
-            "shard": 0,
-        }
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
-        ).fetchone()
-    assert row is not None
-    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
-    scans: list[tuple[str, int]] = []
-
-    def walk(node: dict[str, Any]) -> None:
-        if "Scan" in node["Node Type"]:
-            scans.append((node.get("Index Name", node["Node Type"]), node["Actual Rows"]))
-        for child in node.get("Plans", []):
-            walk(child)
-
-    walk(plan[0]["Plan"])
+        scans = explain_fetch_head(conn, limit=100, shards=SHARDS)
     unsent, _ = shard_index_names(SHARDS)
     assert (unsent, 100) in scans, scans
 
@@ -140,22 +119,27 @@ def test_a_big_shard_batch_still_walks_the_index_in_id_order(database: str) -> N
         conn.execute("VACUUM ANALYZE outbox")
         for statement in drain_session_setup(shards):
             conn.execute(statement)
-        params = {
-            "limit": 500,
-            "max_bytes": 1 << 30,
-            "in_flight": "{}",
-            "held": [],
-            "shards": shards,
-            "shard": 0,
-        }
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
-        ).fetchone()
-    assert row is not None
-    plan = json.dumps(row[0])
-    assert "Bitmap" not in plan, plan
-    scans = index_scans(row[0][0]["Plan"])
+        scans = explain_fetch_head(conn, limit=500, shards=shards)
+    assert not any("Bitmap" in name for name, _ in scans), scans
     assert (shard_index_names(shards)[0], 500) in scans, scans
+
+
+def explain_fetch_head(
+    conn: psycopg.Connection[Any], *, limit: int, shards: int
+) -> list[tuple[str, int]]:
+    """Shard 0's fetch_head, run under EXPLAIN ANALYZE: each scan and the rows it read."""
+    params = {
+        "limit": limit,
+        "max_bytes": 1 << 30,
+        "in_flight": "{}",
+        "held": [],
+        "shards": shards,
+        "shard": 0,
+    }
+    row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    return index_scans(plan[0]["Plan"])
 
 
 def index_scans(node: dict[str, Any]) -> list[tuple[str, int]]:
