@@ -42,5 +42,7 @@ def test_sharded_chaos_run_keeps_every_guarantee_per_shard() -> None:
     assert len(outcome.history.faults) == PROFILES["sharded"].faults
     assert outcome.report.committed > 1_000
     holders = {a.holder.split(".")[0] for a in outcome.history.acquisitions}
-    assert len(holders) == 3, f"every replica should have drained some shard: {holders}"
+    # The three it started with; a replica that joins mid-run (join_and_leave) is
+    # held to its fair share by the fault itself.
+    assert {"r0", "r1", "r2"} <= holders, f"every replica should have drained some shard: {holders}"
     cleanup(outcome)
