@@ -11,6 +11,7 @@ import aio_pika
 import pytest
 
 from relay.message import MalformedRow, OutboxMessage
+from relay.sinks import create_sink
 from relay.sinks.rabbitmq import message_for
 from tests.conftest import SettingsFactory
 from tests.harness.rabbitmq import Queued, RabbitmqServer
@@ -104,3 +105,27 @@ def test_the_amqp_message_of_a_row() -> None:
     long_name = OutboxMessage(1, "i", "t", None, b"", ["h" * 200, "v"], None, "x", 0.0, 0)
     with pytest.raises(MalformedRow):
         message_for(long_name)
+
+
+def test_a_standby_probe_reaches_a_restarted_node_again(
+    make_settings: SettingsFactory, rabbitmq_server: RabbitmqServer
+) -> None:
+    """A standby's heartbeat probe (`check`) after the node was killed and came back:
+    aio-pika may leave the dead connection not marked closed, and a probe that kept
+    using it said "unreachable" forever, so a leader cut off from the broker later never
+    saw an able peer to give way to (found by the RabbitMQ chaos run, seed 76364)."""
+    sink = create_sink(make_settings(sink="rabbitmq", rabbitmq_url=rabbitmq_server.url))
+    try:
+        assert "connected" in sink.check(timeout=5.0)
+        rabbitmq_server.restart()
+
+        def reachable() -> bool:
+            try:
+                sink.check(timeout=2.0)
+            except Exception:
+                return False
+            return True
+
+        wait_until(reachable, timeout=60, interval=0.5, message="the probe to reconnect")
+    finally:
+        sink.close()

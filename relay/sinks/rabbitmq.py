@@ -278,10 +278,19 @@ class RabbitmqSink(KeyedSink):
         return self.run(self._check(), timeout)
 
     async def _check(self) -> str:
-        exchange = await self._ready_exchange()
-        if self._exchange_name and self._channel is not None:
-            # Passive declare: fails (and closes the channel) if it does not exist.
-            await self._channel.declare_exchange(self._exchange_name, passive=True)
+        connection = self._connection
+        try:
+            exchange = await self._ready_exchange()
+            connection = self._connection
+            if self._exchange_name and self._channel is not None:
+                # Passive declare: fails (and closes the channel) if it does not exist.
+                await self._channel.declare_exchange(self._exchange_name, passive=True)
+        except Exception:
+            # As after a failed send: a connection whose socket died is not always
+            # marked closed, and a probe that kept it would fail for ever after the
+            # node came back (a standby never able, a cut-off leader never replaced).
+            await self._drop(connection)
+            raise
         where = f"exchange {exchange.name!r}" if exchange.name else "the default exchange"
         return f"rabbitmq: connected to {self._where}, {where}"
 
