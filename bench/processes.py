@@ -81,12 +81,14 @@ def holder(conn: psycopg.Connection[Any]) -> str | None:
     return None if row is None else row[0]
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> Any:
+def wait_for(condition: Any, timeout: float, what: str, interval: float = 0.005) -> Any:
+    """Poll `condition` until it is truthy; a longer `interval` polls gently where the
+    processes under measurement share the cores with the poller."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"bench: timed out waiting for {what}")
-        time.sleep(0.005)
+        time.sleep(interval)
     return value
 
 

@@ -30,7 +30,7 @@ import psycopg
 from psycopg import sql
 
 from bench.common import PAYLOAD, TOPIC
-from bench.processes import cpu_seconds, start_relay, stop
+from bench.processes import cpu_seconds, start_relay, stop, wait_for
 from relay.migrate import create_shard_indexes, shard_index_names
 from relay.settings import CommonSettings
 
@@ -49,12 +49,7 @@ Row = dict[str, Any]
 
 def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     """Poll every 20 ms: gently, the relays under measurement share the two cores."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench: timed out waiting for {what}")
-        time.sleep(0.02)
-    return value
+    return wait_for(condition, timeout, what, interval=0.02)
 
 
 def _start(dsn: str, bootstrap: str, shards: int, replica_id: str) -> subprocess.Popen[bytes]:

@@ -373,7 +373,7 @@ class Drainer:
         it out (raises what the database raised)."""
         self._in_flight = None
         settled_at = in_flight.future.result()
-        token, settlement, ids = in_flight.token, in_flight.settlement, in_flight.ids
+        token, settlement = in_flight.token, in_flight.settlement
         if settled_at is None:
             self._prefetched = None
             self._lease.fenced(token)
@@ -388,8 +388,8 @@ class Drainer:
             sent=len(settlement.sent),
             retried=len(settlement.retry_ids),
             dead=len(settlement.dead_ids),
-            first_id=ids[0],
-            last_id=ids[-1],
+            first_id=in_flight.first_id,
+            last_id=in_flight.last_id,
         )
         return True
 

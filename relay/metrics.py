@@ -111,11 +111,6 @@ class BatchHistogram(Collector):
         self.registry = registry
         registry.register(self)
 
-    def declare(self, value: str) -> None:
-        """A zero series from the first scrape, as `Histogram.labels()` gives."""
-        with self._lock:
-            self._series.setdefault(value, ([0] * (len(self._bounds) + 1), [0.0]))
-
     def observe_many(self, value: str, amounts: Iterable[float]) -> None:
         counts = [0] * (len(self._bounds) + 1)
         total = 0.0

@@ -24,10 +24,12 @@ class InFlight:
     """A batch that was published and whose outcomes are being written."""
 
     token: LeaseToken
-    # Ids only: the rows' payloads are let go once published, so a batch of large rows
-    # is held in two stages at most (read ahead, publishing), not three.
-    ids: list[int]
-    ids_text: str  # repository.id_text(ids), for the fetches that leave them out
+    # Ids only, as text for the fetches that leave them out (repository.id_text): the
+    # rows' payloads are let go once published, so a batch of large rows is held in two
+    # stages at most (read ahead, publishing), not three.
+    ids_text: str
+    first_id: int  # for the `batch.settled` event
+    last_id: int
     settlement: Settlement
     # Keys with a row not acknowledged in this batch: until the settle lands (and the
     # fetch query sees the retry), later rows of these keys must not be published.
@@ -62,9 +64,8 @@ class Settler:
     ) -> InFlight:
         """`ids_text`: the batch's ids as text, if the caller made it already."""
         future = self._pool.submit(self._settle, token, settlement)
-        ids = [m.id for m in batch]
-        text = repository.id_text(ids) if ids_text is None else ids_text
-        return InFlight(token, ids, text, settlement, held_keys, future)
+        text = repository.id_text(m.id for m in batch) if ids_text is None else ids_text
+        return InFlight(token, text, batch[0].id, batch[-1].id, settlement, held_keys, future)
 
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:
         started = self._clock()
