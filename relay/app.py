@@ -9,7 +9,7 @@ from types import FrameType
 
 import psycopg
 
-from relay import __version__, db, metrics
+from relay import __version__, db, metrics, runtime
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
 from relay.lease import Lease, Shard
@@ -216,6 +216,7 @@ class RelayApp:
 
 def run(settings: Settings) -> int:
     app = RelayApp(settings)
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():  # the process is ours
         app.install_signal_handlers()
+        runtime.tune_garbage_collector()
     return app.run()
