@@ -44,9 +44,10 @@ class OutboxMessage:
         """Row headers plus `message-id` and `created-at`, for confluent-kafka (which
         encodes text values as UTF-8). The relay's own headers always win over the row's.
         """
+        if self.headers is None and self.header_error is None:  # the usual row
+            return [("message-id", self.message_id), ("created-at", self.created_at)]
         pairs: list[tuple[str, str | bytes | None]] = []
-        if self.headers or self.header_error is not None:
-            pairs.extend(self.row_headers())
+        pairs.extend(self.row_headers())
         pairs.append(("message-id", self.message_id))
         pairs.append(("created-at", self.created_at))
         return pairs

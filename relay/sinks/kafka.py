@@ -14,6 +14,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -184,6 +185,7 @@ class KafkaSink:
         # leaves its stragglers (a sick partition's) in flight and lets the loop go on.
         self._straggler_wait = settings.kafka_straggler_ms / 1000
         self.last_ack = float("-inf")  # monotonic time of the latest acknowledgement
+        self._acks = [0]  # acknowledgements so far, counted by every batch's reports
         self._producer = Producer(self._config)
         self._needs_new_producer = False
 
@@ -214,42 +216,60 @@ class KafkaSink:
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> Publishing:
         """Hand the batch to librdkafka and return at once; `wait()` collects the
-        reports. The drain loop fetches its next batch in between."""
+        reports. The drain loop fetches its next batch in between.
+
+        The loop runs once per row the relay ever moves: the usual row (a known topic,
+        no headers of its own) takes the shortest way through it.
+        """
         if self._needs_new_producer:
             self._replace_producer()
         publishing = Publishing(self, self._producer, len(messages), abandon)
         results = publishing.results
+        produce, report, topics = self._producer.produce, publishing.report, self._topics
         blocked: set[str] = set()
         # Kafka orders a key only within one partition of one topic. A later row of a
         # key bound for another topic waits for the next batch, after the earlier one
         # is settled, so a failure of the first cannot be overtaken by the second.
         key_topic: dict[str, str] = {}
         for index, message in enumerate(messages):
-            if message.key is not None and message.key in blocked:
+            key = message.key
+            if key is not None and key in blocked:
                 results[index] = SKIPPED
                 continue
             try:
-                topic = self.topic_for(message)
+                topic = topics.get(message.topic) or self.topic_for(message)
                 headers = message.header_pairs()
             except MalformedRow as exc:
                 results[index] = Result(Outcome.DEAD, str(exc))
-                if message.key is not None:
-                    blocked.add(message.key)
+                if key is not None:
+                    blocked.add(key)
                 continue
-            if message.key is not None and key_topic.setdefault(message.key, topic) != topic:
+            if key is not None and key_topic.setdefault(key, topic) != topic:
                 results[index] = SKIPPED
-                blocked.add(message.key)
+                blocked.add(key)
                 continue
             if index % 64 == 0 and abandon():
                 publishing.never_sent(index)  # lease gone or shutdown grace over
                 break
             publishing.pending += 1
-            if not self._produce(publishing, topic, message, headers, index):
-                publishing.pending -= 1
-                publishing.never_sent(index)  # gave up waiting for queue room
-                break
-            if results[index] is not None and message.key is not None:
-                blocked.add(message.key)  # produce() refused it (too large, bad argument)
+            try:
+                produce(
+                    topic,
+                    value=message.payload,
+                    key=key,
+                    headers=headers,
+                    on_delivery=partial(report, index),
+                )
+            except BufferError:
+                # Local queue full: serve delivery reports to make room, then again.
+                if not self._produce_when_room(publishing, topic, message, headers, index):
+                    publishing.pending -= 1
+                    publishing.never_sent(index)  # gave up waiting for queue room
+                    break
+            except KafkaException as exc:
+                report(index, exc.args[0])
+            if results[index] is not None and key is not None:
+                blocked.add(key)  # produce() refused it (too large, bad argument)
         # flush(0): ask librdkafka to send the batch's tail now rather than after
         # linger.ms, so its acknowledgements come back while the loop reads ahead.
         failure = self._serve(self._producer, 0, flush=True)
@@ -267,6 +287,7 @@ class KafkaSink:
         for all of it, so `linger.ms` would only add its full length to every batch
         (measured, batch 500, linger 5 ms: 42k rows/s waiting with poll(), 86k with flush()).
         """
+        acks = self._acks[0]
         try:
             if flush:
                 producer.flush(timeout)
@@ -277,9 +298,12 @@ class KafkaSink:
             self._needs_new_producer = True
             log.warning("kafka.producer_failed", code=error.name(), error=error.str())
             return error
+        finally:
+            if self._acks[0] != acks:  # timed here, once, not in every report
+                self.last_ack = time.monotonic()
         return None
 
-    def _produce(
+    def _produce_when_room(
         self,
         publishing: Publishing,
         topic: str,
@@ -287,25 +311,26 @@ class KafkaSink:
         headers: list[tuple[str, str | bytes | None]],
         index: int,
     ) -> bool:
-        """Hand one message to librdkafka; False if we gave up waiting for queue room."""
+        """librdkafka's queue is full: serve reports until `produce()` takes the
+        message; False if we gave up waiting for room."""
         producer = publishing.producer
         while True:
+            if self._serve(producer, 0.05) is not None or publishing.abandon():
+                return False
+            if time.monotonic() > publishing.deadline:
+                publishing.expire()  # the broker has taken nothing for too long
+                return False
             try:
                 producer.produce(
                     topic,
                     value=message.payload,
                     key=message.key,
                     headers=headers,
-                    on_delivery=lambda err, msg: publishing.report(index, err),
+                    on_delivery=partial(publishing.report, index),
                 )
                 return True
             except BufferError:
-                # Local queue full: serve delivery reports to make room.
-                if self._serve(producer, 0.05) is not None or publishing.abandon():
-                    return False
-                if time.monotonic() > publishing.deadline:
-                    publishing.expire()  # the broker has taken nothing for too long
-                    return False
+                continue
             except KafkaException as exc:
                 publishing.report(index, exc.args[0])
                 return True
@@ -383,6 +408,8 @@ class Publishing:
         self.abandon = abandon
         self.results: list[Result | None] = [None] * size
         self.pending = 0
+        self._acks = sink._acks
+        self._pending_seen = 0  # `pending` when we last looked (see `_heard`)
         self.failure: KafkaError | None = None
         self.deadline = time.monotonic() + sink._max_wait
         self.expired = False
@@ -408,11 +435,13 @@ class Publishing:
             self.sink._needs_new_producer = True
         self.failure = KafkaError(KafkaError._MSG_TIMED_OUT, _EXPIRED)
 
-    def report(self, index: int, error: KafkaError | None) -> None:
-        self.last_report = time.monotonic()
+    def report(self, index: int, error: KafkaError | None, _message: object = None) -> None:
+        """librdkafka's delivery report for the message at `index` (its callback, or
+        `produce()` refusing it). An acknowledgement only counts: its time is taken
+        where reports are served (`KafkaSink._serve`, `_heard`), once per batch."""
         if error is None:
             self.results[index] = ACKED
-            self.sink.last_ack = self.last_report
+            self._acks[0] += 1
         elif self.expired and error.code() in _PURGED:
             # Purged by our own deadline: no report in time, like a timeout. Not
             # collateral: a sick partition's rows must back off (and eventually be
@@ -423,6 +452,13 @@ class Publishing:
             if needs_new_producer(error) and self._current():
                 self.sink._needs_new_producer = True
         self.pending -= 1
+
+    def _heard(self) -> None:
+        """After serving reports: if any of this batch's came (whoever served them),
+        this is the latest time we heard of it."""
+        if self.pending != self._pending_seen:
+            self._pending_seen = self.pending
+            self.last_report = time.monotonic()
 
     def _straggling(self) -> bool:
         """No report for a while, yet the broker acknowledged messages lately (this
@@ -442,6 +478,7 @@ class Publishing:
         # The quiet time counts from now: reports may be waiting unserved after a slow
         # read-ahead, and must not make the whole batch look stuck.
         self.last_report = max(self.last_report, time.monotonic())
+        self._pending_seen = self.pending
         while failure is None and self.pending > 0:
             if self.abandon():
                 abandoned = True
@@ -460,6 +497,7 @@ class Publishing:
                 failure = self.failure
                 break
             failure = sink._serve(producer, 0.05, flush=True)
+            self._heard()
         if abandoned and self.pending > 0:
             # Stop publishing at once (lease lost or shutdown overdue): drop what has
             # not left the client yet. What is already in flight may still land.
