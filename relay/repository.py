@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import class_row, tuple_row
+from psycopg.rows import RowMaker, class_row, tuple_row
 
 from relay import failpoints
 from relay.db import Conn
@@ -123,48 +123,48 @@ def fetch_batch(
         "held": list(held),
         "max_bytes": limits.bytes,
     }
-    # Tuples and positional construction: a tenth of the cost of keyword rows, and
-    # this runs for every row the relay ever moves. Column order = field order.
+    # Messages made by psycopg from each row, in C (OutboxMessage is a named tuple
+    # whose fields are the columns): this runs for every row the relay ever moves.
     # Binary results: numbers, booleans and the payload's bytes arrive as they are,
     # with no text to parse (bytea as text would be hex, twice the bytes).
-    with conn.cursor(row_factory=tuple_row, binary=True) as cur:
+    with conn.cursor(row_factory=_messages, binary=True) as cur:
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
             return Fetched(_within_bytes(head))
-        params.update(key_cap=limits.per_key, fill=limits.fill, after_key=after_key)
+    params.update(key_cap=limits.per_key, fill=limits.fill, after_key=after_key)
+    with conn.cursor(row_factory=tuple_row, binary=True) as cur:  # rows, then walked_to
         *rows, last = cur.execute(QUERIES.fetch_batch, params).fetchall()
     walked_to = last[-1]
     ids = [row[0] for row in rows]
     # Not when the round stopped partway (say, at a run of keys in backoff): keys
     # beyond it may be waiting.
-    alone = walked_to is None and ids == [row[0] for row in head[: len(ids)] if row[_READY]]
-    return Fetched([OutboxMessage(*row[:-1]) for row in rows], walked_to, True, alone)
+    alone = walked_to is None and ids == [m.id for m in head[: len(ids)] if m.ready]
+    return Fetched([OutboxMessage._make(row[:-1]) for row in rows], walked_to, True, alone)
 
 
-# fetch_head's columns: OutboxMessage's fields, then these three.
-_SIZE, _READY, _WITHIN = -3, -2, -1
-_KEY = 3
+def _messages(_cursor: Any) -> RowMaker[OutboxMessage]:
+    return OutboxMessage._make
 
 
-def _needs_sharing(head: list[tuple[Any, ...]], limits: BatchLimits, busy_keys: bool) -> bool:
+def _needs_sharing(head: list[OutboxMessage], limits: BatchLimits, busy_keys: bool) -> bool:
     """fetch_batch's "crowded" (a full head holding rows it may not send), or a key
     with more ready rows than the cap (then the cap or the others' share applies)."""
-    if len(head) == limits.rows and not all(row[_READY] for row in head):
+    if len(head) == limits.rows and not all(m.ready for m in head):
         return True
     if not busy_keys:
         return False
-    counts = Counter(row[_KEY] for row in head if row[_READY] and row[_KEY] is not None)
+    counts = Counter(m.key for m in head if m.ready and m.key is not None)
     return bool(counts) and max(counts.values()) > limits.per_key
 
 
-def _within_bytes(head: list[tuple[Any, ...]]) -> list[OutboxMessage]:
+def _within_bytes(head: list[OutboxMessage]) -> list[OutboxMessage]:
     """The ready rows up to the byte bound (fetch_head's `within`), in id order."""
     batch: list[OutboxMessage] = []
-    for row in head:
-        if row[_READY]:
-            if not row[_WITHIN]:
+    for message in head:
+        if message.ready:
+            if not message.within:
                 break
-            batch.append(OutboxMessage(*row[:_SIZE]))
+            batch.append(message)
     return batch
 
 

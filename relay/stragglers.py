@@ -7,7 +7,7 @@ every step and settles those that came.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from relay import metrics
 from relay.message import OutboxMessage
@@ -29,7 +29,7 @@ class Stragglers:
         return len(self._items)
 
     def add(self, message: OutboxMessage, pending: Pending, index: int) -> None:
-        self._items.append(Straggler(replace(message, payload=None, headers=None), pending, index))
+        self._items.append(Straggler(message._replace(payload=None, headers=None), pending, index))
         metrics.STRAGGLERS.set(len(self._items))
 
     def answered(self) -> tuple[list[OutboxMessage], list[Result]]:

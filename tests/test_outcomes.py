@@ -111,7 +111,7 @@ def test_stragglers_leave_as_their_outcomes_come_and_hold_their_keys_meanwhile()
 def test_a_wholly_acknowledged_batch_takes_the_short_way_to_the_same_decision() -> None:
     """The all-acked shortcut must decide exactly what the per-row walk decides."""
     batch = [row(1), row(2, key=None), row(3)]
-    batch[2].topic = "u"
+    batch[2] = batch[2]._replace(topic="u")
     fast = decide(batch, [ACKED] * 3, max_attempts=5, retry_delay=delay)
     # An equal but not identical ACKED (another sink's instance) takes the same way.
     walked = decide(

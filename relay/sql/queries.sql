@@ -230,7 +230,6 @@ SELECT h.id,
        to_char(h.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
        extract(epoch FROM h.created_at)::float8 AS created_epoch,
        h.attempts,
-       h.size,
        h.ready,
        h.within
 FROM (SELECT head.*,
@@ -478,6 +477,8 @@ SELECT c.id,
        to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
        extract(epoch FROM c.created_at)::float8 AS created_epoch,
        c.attempts,
+       true AS ready,
+       true AS within,
        NULL::text AS walked_to
 FROM kept AS c
 UNION ALL
@@ -485,7 +486,7 @@ UNION ALL
 -- after the last key of this round that got rows, so keys it reached but had no room
 -- for come first next time; after the whole round if none got rows (all held back); or
 -- NULL, from the start, when this round went all the way round.
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
             THEN coalesce((SELECT k.key
                            FROM keys AS k
