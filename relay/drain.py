@@ -3,7 +3,8 @@
     fetch the next unsent rows in id order (never a last-seen-id cursor)
     publish them; while their acknowledgements come back, fetch the batch after them
     wait for every acknowledgement
-    settle: in ONE transaction fenced on our lease epoch, mark the acknowledged rows
+    settle: atomically, fenced on our lease epoch (one transaction; one statement when
+            every row was acknowledged), mark the acknowledged rows
             sent (or delete them), back off the failed ones, dead-letter the hopeless;
             this runs on the settler's own session while the loop publishes the next
             batch, so at most two batches are ever published and not yet settled,

@@ -6,7 +6,8 @@ With it set to a directory, `hit(name)` looks for a file called `name` there; if
 exists, it is removed and this process SIGKILLs itself on the spot, as a crash at that
 line would. The test arms a point by creating the file, so it chooses when and which
 replica dies. Points: `after_publish` (acked by the sink, not yet marked) and
-`in_settle` (inside the fenced mark transaction, before its commit). `stall()` holds a
+`in_settle` (in the fenced settle, before it commits: before its one statement
+for a wholly acknowledged batch, inside its transaction otherwise). `stall()` holds a
 thread instead, while a `stall_<name>` file exists.
 
 This module reads its environment variable directly, unlike the rest of the relay

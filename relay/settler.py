@@ -2,7 +2,7 @@
 fetch and publish the next batch meanwhile (docs/DESIGN.md, "Draining": pipelining).
 
 At most one batch is being settled while the next is published: two batches in flight,
-never more. The settle itself is unchanged: ONE transaction, fenced on the lease epoch.
+never more. The settle itself is unchanged: atomic, fenced on the lease epoch.
 """
 
 from __future__ import annotations

@@ -143,19 +143,29 @@ def test_released_lease_is_free_at_once(relay_dsn: str) -> None:
         assert second.token.epoch == 2
 
 
-def test_a_stale_holder_cannot_mark_rows(relay_dsn: str, database: str) -> None:
-    """Fencing: A's lease is taken by B; A's settle (mark sent) rolls back entirely."""
+@pytest.mark.parametrize(
+    ("failures", "delete_sent"),
+    [(False, True), (False, False), (True, True)],
+    ids=["acknowledged-delete", "acknowledged-keep", "with-failures"],
+)
+def test_a_stale_holder_cannot_mark_rows(
+    relay_dsn: str, database: str, failures: bool, delete_sent: bool
+) -> None:
+    """Fencing: A's lease is taken by B; A's settle writes nothing: the one statement of
+    a wholly acknowledged batch (either mode) and the transaction of one with failures."""
     ids = insert_rows(database, "t", [("k", b"1"), ("k", b"2")])
+    name = f"fence-{failures}-{delete_sent}"
     with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
-        protocol.ensure_row(a, "fence")
-        old = protocol.try_acquire(a, "fence", "A", 1.0)
+        protocol.ensure_row(a, name)
+        old = protocol.try_acquire(a, name, "A", 1.0)
         assert isinstance(old, Acquired)
         wait_until(
-            lambda: isinstance(protocol.try_acquire(b, "fence", "B", 30.0), Acquired), timeout=5
+            lambda: isinstance(protocol.try_acquire(b, name, "B", 30.0), Acquired), timeout=5
         )
         stale = Settlement(sent=list(ids))
-        stale.dead(ids[0], "zombie says so")
-        assert settle(a, old.token, 1.0, stale, delete_sent=True) is None
+        if failures:
+            stale.dead(ids[0], "zombie says so")
+        assert settle(a, old.token, 1.0, stale, delete_sent=delete_sent) is None
         assert (
             scalar(
                 database,
@@ -164,9 +174,11 @@ def test_a_stale_holder_cannot_mark_rows(relay_dsn: str, database: str) -> None:
             == 2
         )
         # The rightful holder can.
-        token = LeaseToken("fence", "B", old.token.epoch + 1)
-        assert settle(b, token, 30.0, Settlement(sent=list(ids)), delete_sent=True) is not None
-        assert scalar(database, "SELECT count(*) FROM outbox") == 0
+        token = LeaseToken(name, "B", old.token.epoch + 1)
+        settled = Settlement(sent=list(ids))
+        assert settle(b, token, 30.0, settled, delete_sent=delete_sent) is not None
+        left = "SELECT count(*) FROM outbox WHERE sent_at IS NULL"
+        assert scalar(database, left if not delete_sent else "SELECT count(*) FROM outbox") == 0
 
 
 def test_a_holder_frozen_inside_a_lease_transaction_blocks_takeover_for_a_ttl_at_most(

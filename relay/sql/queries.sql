@@ -497,6 +497,54 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        END
 ORDER BY id NULLS LAST;
 
+-- name: settle_delete_sent
+-- The usual settle, every row of the batch acknowledged: lease_renew then delete_sent,
+-- as ONE statement: one round trip, no transaction left open between them. The rows
+-- are touched only if the fence held (the EXISTS runs the fence first, once); no row
+-- back means a newer holder exists and nothing was written. The fence is lease_renew's
+-- UPDATE, word for word. (Two statements, not one with a switch: a DELETE anywhere in
+-- it would need the DELETE privilege in retention mode too.)
+WITH fence AS (
+    UPDATE leases
+    SET expires_at = now() + make_interval(secs => %(ttl)s),
+        renewed_at = now(),
+        updated_at = now()
+    WHERE name = %(name)s
+      AND holder = %(holder)s
+      AND epoch = %(epoch)s
+      AND released_at IS NULL
+    RETURNING epoch, clock_timestamp() AS at
+),
+settled AS (
+    DELETE FROM outbox
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND EXISTS (SELECT FROM fence)
+)
+SELECT epoch, at FROM fence;
+
+-- name: settle_mark_sent
+-- settle_delete_sent for retention mode: lease_renew then mark_sent, as one statement.
+WITH fence AS (
+    UPDATE leases
+    SET expires_at = now() + make_interval(secs => %(ttl)s),
+        renewed_at = now(),
+        updated_at = now()
+    WHERE name = %(name)s
+      AND holder = %(holder)s
+      AND epoch = %(epoch)s
+      AND released_at IS NULL
+    RETURNING epoch, clock_timestamp() AS at
+),
+settled AS (
+    UPDATE outbox
+    SET sent_at = now(),
+        next_attempt_at = NULL
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND sent_at IS NULL
+      AND EXISTS (SELECT FROM fence)
+)
+SELECT epoch, at FROM fence;
+
 -- name: mark_sent
 -- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).
 UPDATE outbox
