@@ -27,10 +27,12 @@ settle, stragglers' bookkeeping, backing off, giving way) sit together; the poli
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import psycopg
 
@@ -38,7 +40,7 @@ from relay import db, failpoints, lease_metrics, metrics, repository
 from relay.backoff import Backoff, Retrying
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
-from relay.message import OutboxMessage
+from relay.message import CREATED_EPOCH, ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
 from relay.presence import Presence, Progress
@@ -255,7 +257,7 @@ class Drainer:
         self._progress.publishing()
         publishing = self._sink.start_publish(batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
-        batch_text = repository.id_text([message.id for message in batch])
+        batch_text = repository.id_text(map(ID, batch))
         if not self._abandon(token):
             self._prefetch(conn, batch_text)
         prefetching = self._clock() - prefetch_started
@@ -502,10 +504,8 @@ class Drainer:
             max_attempts=self._settings.max_attempts,
             retry_delay=self._retry_delay,
         )
-        now = time.time()
-        metrics.END_TO_END_SECONDS.observe_many(
-            self._sink.name, [now - message.created_epoch for message in decision.acked]
-        )
+        ages = map(partial(operator.sub, time.time()), map(CREATED_EPOCH, decision.acked))
+        metrics.END_TO_END_SECONDS.observe_many(self._sink.name, ages)
         for message, reason in decision.dead:
             self._dead_lettered(message, reason)
         for (topic, outcome_name), count in decision.counts.items():

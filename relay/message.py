@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import NamedTuple
 
 from relay.errors import MalformedRow
 
-__all__ = ["RESERVED_HEADERS", "MalformedRow", "OutboxMessage"]
+__all__ = ["CREATED_EPOCH", "ID", "RESERVED_HEADERS", "TOPIC", "MalformedRow", "OutboxMessage"]
 
 RESERVED_HEADERS = ("message-id", "created-at")
 
@@ -58,3 +59,9 @@ class OutboxMessage(NamedTuple):
         pairs.append(("message-id", self.message_id))
         pairs.append(("created-at", self.created_at))
         return pairs
+
+
+# Field getters for `map()` over a batch: the loop over its rows stays in C.
+ID = attrgetter("id")
+TOPIC = attrgetter("topic")
+CREATED_EPOCH = attrgetter("created_epoch")

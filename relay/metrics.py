@@ -91,9 +91,9 @@ SETTLE_SECONDS = Histogram(
 
 
 class BatchHistogram(Collector):
-    """A histogram observed a batch at a time: one lock and a bisect per value, where
-    prometheus_client's Histogram walks its buckets and takes a lock per value. The
-    relay observes every message it delivers, so this is on the hot path."""
+    """A histogram observed a batch at a time: one sort, one lock and a bisect per
+    bucket, where prometheus_client's Histogram walks its buckets and takes a lock per
+    value. The relay observes every message it delivers, so this is on the hot path."""
 
     def __init__(
         self,
@@ -112,16 +112,17 @@ class BatchHistogram(Collector):
         registry.register(self)
 
     def observe_many(self, value: str, amounts: Iterable[float]) -> None:
-        counts = [0] * (len(self._bounds) + 1)
-        total = 0.0
-        bounds, slot = self._bounds, bisect.bisect_left  # le: first bound >= amount
-        for amount in amounts:
-            counts[slot(bounds, amount)] += 1
-            total += amount
+        # Sorted once (in C), then one bisect per bucket bound, not one per amount.
+        ordered = sorted(amounts)
+        cumulative = [bisect.bisect_right(ordered, bound) for bound in self._bounds]
+        total = math.fsum(ordered)
         with self._lock:
             kept, kept_sum = self._series.setdefault(value, ([0] * (len(self._bounds) + 1), [0.0]))
-            for index, count in enumerate(counts):
-                kept[index] += count
+            below = 0
+            for index, upto in enumerate(cumulative):
+                kept[index] += upto - below  # amounts <= this bound, > the one before
+                below = upto
+            kept[-1] += len(ordered) - below
             kept_sum[0] += total
 
     def collect(self) -> Iterator[Metric]:

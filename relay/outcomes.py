@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from relay.message import OutboxMessage
+from relay.message import ID, TOPIC, OutboxMessage
 from relay.repository import Settlement
 from relay.sinks.base import ACKED, Outcome, Result
 
@@ -58,8 +58,8 @@ def decide(
         # count compares by identity first: C speed for the shared ACKED).
         decision.reached = True
         decision.acked = list(batch)
-        settlement.sent = [message.id for message in batch]
-        for topic, count in Counter(message.topic for message in batch).items():
+        settlement.sent = list(map(ID, batch))
+        for topic, count in Counter(map(TOPIC, batch)).items():
             decision.counts[(topic, Outcome.ACKED.value)] = count
         return decision
     # A sink that acknowledged part of the batch is up: its "unavailable" rows are a
