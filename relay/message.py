@@ -7,7 +7,16 @@ from typing import NamedTuple
 
 from relay.errors import MalformedRow
 
-__all__ = ["CREATED_EPOCH", "ID", "RESERVED_HEADERS", "TOPIC", "MalformedRow", "OutboxMessage"]
+__all__ = [
+    "CREATED_EPOCH",
+    "ID",
+    "KEY",
+    "READY",
+    "RESERVED_HEADERS",
+    "TOPIC",
+    "MalformedRow",
+    "OutboxMessage",
+]
 
 RESERVED_HEADERS = ("message-id", "created-at")
 
@@ -64,4 +73,6 @@ class OutboxMessage(NamedTuple):
 # Field getters for `map()` over a batch: the loop over its rows stays in C.
 ID = attrgetter("id")
 TOPIC = attrgetter("topic")
+KEY = attrgetter("key")
 CREATED_EPOCH = attrgetter("created_epoch")
+READY = attrgetter("ready")

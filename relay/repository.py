@@ -14,7 +14,7 @@ from psycopg.rows import RowMaker, class_row, tuple_row
 from relay import failpoints
 from relay.db import Conn
 from relay.lease import LeaseToken
-from relay.message import OutboxMessage
+from relay.message import KEY, READY, OutboxMessage
 from relay.queries import QUERIES
 from relay.rows import DeadLetterRow, LeaseRow, ReplicaRow
 
@@ -148,17 +148,25 @@ def _messages(_cursor: Any) -> RowMaker[OutboxMessage]:
 
 def _needs_sharing(head: list[OutboxMessage], limits: BatchLimits, busy_keys: bool) -> bool:
     """fetch_batch's "crowded" (a full head holding rows it may not send), or a key
-    with more ready rows than the cap (then the cap or the others' share applies)."""
-    if len(head) == limits.rows and not all(m.ready for m in head):
+    with more ready rows than the cap (then the cap or the others' share applies).
+    The usual head is all ready: then both walks over it stay in C (map, Counter)."""
+    all_ready = all(map(READY, head))
+    if len(head) == limits.rows and not all_ready:
         return True
     if not busy_keys:
         return False
-    counts = Counter(m.key for m in head if m.ready and m.key is not None)
+    if all_ready:
+        counts = Counter(map(KEY, head))
+        counts.pop(None, None)
+    else:
+        counts = Counter(m.key for m in head if m.ready and m.key is not None)
     return bool(counts) and max(counts.values()) > limits.per_key
 
 
 def _within_bytes(head: list[OutboxMessage]) -> list[OutboxMessage]:
     """The ready rows up to the byte bound (fetch_head's `within`), in id order."""
+    if head and head[-1].within and all(map(READY, head)):
+        return head  # `within` only turns false past the bound: all of it fits
     batch: list[OutboxMessage] = []
     for message in head:
         if message.ready:

@@ -20,7 +20,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from relay.logging import get_logger, library_logger
-from relay.message import MalformedRow, OutboxMessage
+from relay.message import TOPIC, MalformedRow, OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
 from relay.sinks.kafka_settings import KafkaSettings
@@ -229,8 +229,10 @@ class KafkaSink:
         blocked: set[str] = set()
         # Kafka orders a key only within one partition of one topic. A later row of a
         # key bound for another topic waits for the next batch, after the earlier one
-        # is settled, so a failure of the first cannot be overtaken by the second.
-        key_topic: dict[str, str] = {}
+        # is settled, so a failure of the first cannot be overtaken by the second. (A
+        # batch of one topic, the usual one, needs no check.)
+        key_topic: dict[str, str] | None = {} if len(set(map(TOPIC, messages))) > 1 else None
+        produced = 0  # added to `pending` at the end: reports only ever subtract
         for index, message in enumerate(messages):
             key = message.key
             if key is not None and key in blocked:
@@ -244,14 +246,18 @@ class KafkaSink:
                 if key is not None:
                     blocked.add(key)
                 continue
-            if key is not None and key_topic.setdefault(key, topic) != topic:
+            if (
+                key_topic is not None
+                and key is not None
+                and key_topic.setdefault(key, topic) != topic
+            ):
                 results[index] = SKIPPED
                 blocked.add(key)
                 continue
             if index % 64 == 0 and abandon():
                 publishing.never_sent(index)  # lease gone or shutdown grace over
                 break
-            publishing.pending += 1
+            produced += 1
             try:
                 produce(
                     topic,
@@ -260,16 +266,18 @@ class KafkaSink:
                     headers=headers,
                     on_delivery=partial(report, index),
                 )
+                continue
             except BufferError:
                 # Local queue full: serve delivery reports to make room, then again.
                 if not self._produce_when_room(publishing, topic, message, headers, index):
-                    publishing.pending -= 1
+                    produced -= 1
                     publishing.never_sent(index)  # gave up waiting for queue room
                     break
             except KafkaException as exc:
                 report(index, exc.args[0])
             if results[index] is not None and key is not None:
                 blocked.add(key)  # produce() refused it (too large, bad argument)
+        publishing.pending += produced
         # flush(0): ask librdkafka to send the batch's tail now rather than after
         # linger.ms, so its acknowledgements come back while the loop reads ahead.
         failure = self._serve(self._producer, 0, flush=True)
