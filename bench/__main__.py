@@ -13,8 +13,8 @@
 Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and prints:
   1. the raw limit: a bare select + mark (or delete) loop through the same partial index
   2. the bare producer rate to the broker (idempotent, acks=all, lz4)
-  3. the relay end to end, rows pre-loaded then drained, per batch size and retention
-     mode, with its ratio to 1.
+  3. the relay end to end, rows pre-loaded then drained by a relay process, per batch
+     size and retention mode, with its ratio to 1. and its CPU time per message
   4. latency at a steady insert rate: commit -> delivery report, p50/p95/p99
   5. idle CPU of a leader and a standby on an empty outbox
   6. SIGTERM handover and SIGKILL takeover: signal -> the other replica publishing
@@ -141,14 +141,18 @@ def bench_kafka(args: argparse.Namespace) -> int:
         report["drain"] = drains
         print(f"\n2. bare producer to the broker: {bare:,.0f} msg/s")
         print(f"\n1+3. drain, {rows:,} rows of 200 B, 100 keys, one replica")
-        print(f"{'mode':>7} {'batch':>6} {'raw rows/s':>11} {'relay rows/s':>13} {'ratio':>6}")
+        print(
+            f"{'mode':>7} {'batch':>6} {'raw rows/s':>11} {'relay rows/s':>13} {'ratio':>6}"
+            f" {'relay µs/msg':>13}"
+        )
         for r in drains:
             ratio = float(r["relay"]) / float(r["raw"])
             print(
                 f"{r['mode']:>7} {r['batch']:>6} {r['raw']:>11,.0f} {r['relay']:>13,.0f}"
-                f" {ratio:>6.2f}",
+                f" {ratio:>6.2f} {r['cpu_us_per_msg']:>13.2f}",
                 flush=True,
             )
+        print("   relay µs/msg: user + system CPU of the relay process per message")
 
         lat = latency.run(dsn, bootstrap, rate=1000, seconds=10 if quick else 30)
         report["latency"] = lat

@@ -1,14 +1,12 @@
-"""What every benchmark section shares: the outbox loaders and a relay run to empty."""
+"""What every benchmark section shares: the outbox loaders and in-process settings."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psycopg
 
 from relay.settings import Settings
-from tests.support import running_relay
 
 PAYLOAD = b"x" * 200
 KEYS = 100
@@ -45,27 +43,3 @@ def relay_settings(dsn: str, bootstrap: str | None, **overrides: Any) -> Setting
     }
     values.update(overrides)
     return Settings(**values)
-
-
-def drain_rate(settings: Settings, rows: int) -> float:
-    """rows/s of an in-process relay draining pre-loaded rows (ids contiguous).
-
-    The clock starts when the first batch is settled, so start-up (lease, producer
-    connect) is not counted; the rows are those left at that moment.
-    """
-    dsn = settings.database_url.get_secret_value()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        first = first_unsent_id(conn)
-        row = conn.execute("SELECT max(id) FROM outbox").fetchone()
-        assert first is not None and row is not None
-        last = int(row[0])
-        with running_relay(settings):
-            while (current := first_unsent_id(conn)) == first:
-                time.sleep(0.002)
-            started = time.perf_counter()
-            left = 0 if current is None else last - current + 1
-            # Every poll takes the GIL from the in-process relay: poll gently.
-            while first_unsent_id(conn) is not None:
-                time.sleep(0.02)
-            elapsed = time.perf_counter() - started
-    return left / elapsed

@@ -30,14 +30,19 @@ def drain(
     *,
     source: Path = REPO,
     profile: Path | None = None,
+    preloaded: bool = False,
     **env: str,
 ) -> dict[str, float]:
     """Drain `rows` pre-loaded rows with one relay process run from `source`.
 
+    The outbox is loaded with `rows` fresh rows first, unless `preloaded` (the caller
+    loaded it: say, over a history of sent rows).
+
     `profile`: also record the process with py-spy (on PATH): a flame graph for `.svg`,
     collapsed stacks (one line per stack, with its sample count) otherwise.
     """
-    preload(dsn, rows)
+    if not preloaded:
+        preload(dsn, rows)
     with psycopg.connect(dsn, autocommit=True) as conn:
         first = first_unsent_id(conn)
         row = conn.execute("SELECT max(id) FROM outbox").fetchone()

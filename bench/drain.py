@@ -7,7 +7,8 @@ import time
 import psycopg
 from confluent_kafka import Producer
 
-from bench.common import PAYLOAD, TOPIC, drain_rate, preload, relay_settings
+from bench import cpu
+from bench.common import PAYLOAD, TOPIC, preload
 from relay.queries import QUERIES
 
 # The bare loop's select: the next unsent rows through the partial index, nothing else
@@ -68,28 +69,43 @@ def producer_rate(bootstrap: str, count: int) -> float:
 def run(
     dsn: str, bootstrap: str, rows: int, batches: list[int]
 ) -> tuple[float, list[dict[str, float | int | str]]]:
+    """Per retention mode and batch size: the bare loop, then a relay process draining
+    the same backlog (rows/s, and its CPU time per message: bench/cpu.py)."""
     bare_producer = producer_rate(bootstrap, rows)
     results: list[dict[str, float | int | str]] = []
     for mode in ("delete", "keep"):
+        retention = "0" if mode == "delete" else "86400"
         for batch in batches:
             preload(dsn, rows)
             raw = raw_drain(dsn, batch, delete=mode == "delete")
-            preload(dsn, rows)
-            retention = 0.0 if mode == "delete" else 86_400.0
-            relay = drain_rate(
-                relay_settings(dsn, bootstrap, batch_size=batch, retention_seconds=retention),
-                rows,
+            relay = cpu.drain(
+                dsn, bootstrap, rows, RELAY_BATCH_SIZE=str(batch), RELAY_RETENTION_SECONDS=retention
             )
-            results.append({"mode": mode, "batch": batch, "rows": rows, "raw": raw, "relay": relay})
+            results.append(
+                {
+                    "mode": mode,
+                    "batch": batch,
+                    "rows": rows,
+                    "raw": raw,
+                    "relay": relay["rows_per_s"],
+                    "cpu_us_per_msg": relay["cpu_us_per_msg"],
+                }
+            )
     return bare_producer, results
 
 
 def history_effect(dsn: str, bootstrap: str, rows: int, history: int) -> dict[str, float | int]:
     """Retention mode: drain rate over an empty history vs `history` kept sent rows."""
-    settings = relay_settings(dsn, bootstrap, batch_size=500, retention_seconds=86_400.0)
-    preload(dsn, rows)
-    empty = drain_rate(settings, rows)
+    keep = "86400"
+    empty = cpu.drain(dsn, bootstrap, rows, RELAY_BATCH_SIZE="500", RELAY_RETENTION_SECONDS=keep)
     preload(dsn, history, sent=True)
     preload(dsn, rows, truncate=False)
-    kept = drain_rate(settings, rows)
-    return {"rows": rows, "history": history, "empty_history": empty, "with_history": kept}
+    kept = cpu.drain(
+        dsn, bootstrap, rows, preloaded=True, RELAY_BATCH_SIZE="500", RELAY_RETENTION_SECONDS=keep
+    )
+    return {
+        "rows": rows,
+        "history": history,
+        "empty_history": empty["rows_per_s"],
+        "with_history": kept["rows_per_s"],
+    }
