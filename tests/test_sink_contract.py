@@ -13,6 +13,7 @@ Each sink is a `Target` (tests/sink_targets.py).
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -23,6 +24,7 @@ from relay.message import OutboxMessage
 from relay.settings import Settings
 from relay.sinks import Outcome, Sink, create_sink
 from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.harness.kafka import TansuBroker, consume
 from tests.sink_targets import Received, Target
 from tests.support import insert_rows, running_relay, scalar, unsent_count, wait_until
 
@@ -86,6 +88,28 @@ def test_acknowledges_and_carries_id_and_headers(
     assert first.headers["trace"] == "t-1" and first.headers["tenant"] == "acme"
     assert first.headers["created-at"] == CREATED_AT
     assert received[batch[2].message_id].payload == b"keyless"
+
+
+def test_kafka_records_carry_what_the_positional_produce_call_meant(
+    kafka: TansuBroker, open_sink: Callable[[dict[str, object]], Sink]
+) -> None:
+    """The Kafka sink calls produce() by position (the cheapest form of the relay's
+    hottest call): a confluent-kafka whose parameter order differs must fail here, as
+    a key, value, header or timestamp in the wrong place."""
+    topic = f"positional-{uuid.uuid4().hex[:8]}"
+    kafka.create_topic(topic, partitions=1)
+    sink = open_sink({"sink": "kafka", "kafka_bootstrap_servers": kafka.bootstrap_servers})
+    sent = message(topic, "k-1", "v-1", ["trace", "t-1"])
+    before_ms = time.time() * 1000
+    assert sink.start_publish([sent], lambda: False).wait()[0].outcome is Outcome.ACKED
+    [record] = consume(kafka.bootstrap_servers, topic, min_count=1)
+    assert (record.key, record.value) == ("k-1", b"v-1")
+    assert record.headers == {
+        "trace": b"t-1",
+        "message-id": sent.message_id.encode(),
+        "created-at": CREATED_AT.encode(),
+    }
+    assert before_ms - 1000 <= record.timestamp_ms <= time.time() * 1000 + 1000  # now
 
 
 def test_a_refused_message_is_not_overtaken_by_its_key(
