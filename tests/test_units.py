@@ -157,3 +157,20 @@ def test_the_batch_histogram_exports_what_a_prometheus_histogram_does() -> None:
     # standard one adds value by value.
     assert len(sums(ours_lines)) == len(sums(standard_lines)) == 1
     assert sums(ours_lines)[0] == pytest.approx(sums(standard_lines)[0], rel=1e-12)
+
+
+def test_the_collector_is_tuned_once_start_up_is_done() -> None:
+    """`relay run` freezes what start-up made and collects the young generation less
+    often (relay/runtime.py); the test process gets its collector back as it was."""
+    import gc
+
+    from relay import runtime
+
+    before = gc.get_threshold()
+    try:
+        runtime.tune_garbage_collector()
+        assert gc.get_threshold() == (runtime.YOUNG_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
