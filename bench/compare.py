@@ -10,7 +10,11 @@ same run. "This checkout" is the working tree as it is, uncommitted changes incl
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from bench import cpu, drain
@@ -40,20 +44,30 @@ def run(
             f" {'old µs/msg':>11} {'new µs/msg':>11} {'new/old':>8} {'old/raw':>8}"
             f" {'new/raw':>8} {'new/raw2k':>9}"
         )
-        for batch in batches:
-            preload(dsn, rows)
-            raw = drain.raw_drain(dsn, batch, delete=False)
+        # Last, each side at its own defaults (its own RELAY_BATCH_SIZE default), against
+        # the raw loop at batch 2000: "the defaults" as a user meets them.
+        defaults = f"{_default_batch(old)}/{_default_batch(REPO)}"
+        for batch in [*batches, None]:
+            if batch is None:
+                raw = raw_2000
+            else:
+                preload(dsn, rows)
+                raw = drain.raw_drain(dsn, batch, delete=False)
             runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
             for _ in range(rounds):
                 for side, source in (("old", old), ("new", REPO)):
-                    result = cpu.drain(
-                        dsn, bootstrap, rows, source=source, RELAY_BATCH_SIZE=str(batch)
-                    )
+                    if batch is None:
+                        result = cpu.drain(dsn, bootstrap, rows, source=source)
+                    else:
+                        result = cpu.drain(
+                            dsn, bootstrap, rows, source=source, RELAY_BATCH_SIZE=str(batch)
+                        )
                     runs[side].append(result)
-            row = {"batch": batch, "raw": raw, **_medians(runs)}
+            label = defaults if batch is None else str(batch)
+            row = {"batch": label, "raw": raw, **_medians(runs)}
             report["batches"].append(row)
             print(
-                f"{batch:>6} {raw:>11,.0f} {row['old_rows_per_s']:>11,.0f}"
+                f"{label:>6} {raw:>11,.0f} {row['old_rows_per_s']:>11,.0f}"
                 f" {row['new_rows_per_s']:>11,.0f} {row['old_cpu_us_per_msg']:>11.2f}"
                 f" {row['new_cpu_us_per_msg']:>11.2f} {row['cpu_new_over_old']:>8.2f}"
                 f" {row['old_rows_per_s'] / raw:>8.2f} {row['new_rows_per_s'] / raw:>8.2f}"
@@ -62,9 +76,28 @@ def run(
             )
     print(
         "new/old: CPU per message, lower is better (median of the rounds' ratios);"
-        " x/raw: throughput against the bare loop at the same batch, raw2k: at batch 2000"
+        " x/raw: throughput against the bare loop at the same batch, raw2k: at batch 2000;"
+        f" {defaults}: each side at its own default batch size (raw = the loop at 2000)"
     )
     return report
+
+
+def _default_batch(source: Path) -> int:
+    """RELAY_BATCH_SIZE's default in the checkout at `source`."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from relay.settings import Settings;"
+            " print(Settings.model_fields['batch_size'].default)",
+        ],
+        cwd=source,
+        env={**os.environ, "PYTHONPATH": str(source)},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout.strip())
 
 
 def _medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:

@@ -179,7 +179,7 @@ def test_synchronous_commit_reaches_every_daemon_session(make_settings: Settings
 
 
 def test_an_unknown_relay_variable_stops_start_up_naming_the_closest_setting() -> None:
-    """Before: RELAY_BATCHSIZE=5 was dropped without a word and the batch stayed 500."""
+    """Before: RELAY_BATCHSIZE=5 was dropped without a word and the batch kept its default."""
     env = relay_env("postgresql://relay@127.0.0.1:1/db", RELAY_BATCHSIZE="5")
     for command in ("run", "check", "migrate"):
         result = subprocess.run(
