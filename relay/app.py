@@ -21,6 +21,7 @@ from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import Sink, create_sink
+from relay.wakeup import Listener, Wakeup
 
 log = get_logger("relay.app")
 
@@ -53,7 +54,11 @@ class RelayApp:
             # counting it would leave a shard it gave way on without a taker.
             self.fair = FairShare(settings.shards, self.presence.able_peers, self.held_shards)
         self._crashed: BaseException | None = None
-        for shard, sink in zip(shards, sinks, strict=True):
+        wakeups = [Wakeup() for _ in shards] if settings.notify_channel else []
+        self.listener: Listener | None = None
+        if settings.notify_channel:
+            self.listener = Listener(settings, settings.notify_channel, wakeups, self.shutdown)
+        for index, (shard, sink) in enumerate(zip(shards, sinks, strict=True)):
             lane = Lane(
                 settings,
                 shard,
@@ -63,6 +68,7 @@ class RelayApp:
                 self.fair,
                 self.presence,
                 self._lane_crashed,
+                wakeup=wakeups[index] if wakeups else None,
             )
             self.lanes.append(lane)
             self.health.register(
@@ -175,7 +181,7 @@ class RelayApp:
         )
         for lane in self.lanes:
             lane.start()
-        for loop in (self.presence, self.lag_sampler, self.purger):
+        for loop in (self.presence, self.lag_sampler, self.purger, self.listener):
             if loop is not None:
                 loop.start()
         try:
@@ -209,6 +215,8 @@ class RelayApp:
             if loop is not None:
                 loop.stop()
                 loop.join(timeout=5.0)
+        if self.listener is not None:
+            self.listener.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
         log.info("relay.stopped", replica=self.settings.replica_id)

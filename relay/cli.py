@@ -106,7 +106,7 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from relay.migrate import create_shard_indexes, migrate
+    from relay.migrate import create_shard_indexes, migrate, set_notify_trigger
 
     settings = load_settings(CommonSettings)
     configure(settings.log_format, settings.log_level)
@@ -118,7 +118,22 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f"shard indexes for {args.shards} shards: "
             + (f"built {', '.join(built)}" if built else "already there")
         )
+    if args.notify_trigger is not None:
+        set_notify_trigger(settings, args.notify_trigger)
+        print(f"notify trigger: every INSERT into outbox notifies {args.notify_trigger!r}")
+    elif args.drop_notify_trigger:
+        set_notify_trigger(settings, None)
+        print("notify trigger: dropped")
     return EXIT_OK
+
+
+def _channel(text: str) -> str:
+    """A NOTIFY channel as RELAY_NOTIFY_CHANNEL accepts it."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: lower-case letters, digits and _, not starting with a digit"
+        )
+    return text
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -380,6 +395,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="also build the indexes N shards fetch through (CONCURRENTLY; idempotent)",
+    )
+    notify = migrate_cmd.add_mutually_exclusive_group()
+    notify.add_argument(
+        "--notify-trigger",
+        type=_channel,
+        metavar="CHANNEL",
+        help="also create a trigger that NOTIFYs CHANNEL on every INSERT into the outbox"
+        " (for plain-SQL apps; set RELAY_NOTIFY_CHANNEL to the same name)",
+    )
+    notify.add_argument(
+        "--drop-notify-trigger", action="store_true", help="drop that trigger if present"
     )
     status = add("status", cmd_status, "show lease holder, epoch, expiry and backlog")
     status.add_argument("--json", action="store_true", help="machine-readable output")

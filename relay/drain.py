@@ -52,6 +52,7 @@ from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink
 from relay.sinks.base import ACKED
 from relay.stragglers import Stragglers
+from relay.wakeup import Wakeup
 
 log = get_logger("relay.drain")
 
@@ -115,9 +116,11 @@ class Drainer:
         *,
         loop: str = "main",
         surplus: Callable[[], bool] | None = None,
+        wakeup: Wakeup | None = None,
     ) -> None:
         self._settings = settings
         self._loop = loop  # its name in the liveness probe (one per shard with shards)
+        self._wakeup = wakeup  # set by a NOTIFY (RELAY_NOTIFY_CHANNEL, relay/wakeup.py)
         # With shards: True while this replica holds more than its fair share and this
         # shard is one to hand over (relay/lanes.py).
         self._surplus = surplus
@@ -542,7 +545,10 @@ class Drainer:
             self._settings.poll_interval_min_seconds * (2 ** min(self._idle_polls, 16)),
         )
         self._idle_polls += 1
-        self._shutdown.wait(delay)
+        if self._wakeup is not None:
+            self._wakeup.wait(delay)  # a NOTIFY, the poll, or shutdown: whichever first
+        else:
+            self._shutdown.wait(delay)
 
     def close(self) -> None:
         self._settler.close()

@@ -33,6 +33,7 @@ from relay.presence import Presence, Progress
 from relay.settings import Settings
 from relay.shutdown import Shutdown
 from relay.sinks import Sink
+from relay.wakeup import Wakeup
 
 log = get_logger("relay.lanes")
 
@@ -71,6 +72,7 @@ class Lane:
         fair: FairShare | None,
         presence: Presence,
         on_crash: Callable[[BaseException], None],
+        wakeup: Wakeup | None = None,
     ) -> None:
         self.shard = shard
         self.sink = sink
@@ -108,6 +110,7 @@ class Lane:
             progress=self.progress,
             loop=self.main_loop,
             surplus=(lambda: fair.surplus(shard.shard)) if fair is not None else None,
+            wakeup=wakeup,
         )
         self._health = health
         self._thread: threading.Thread | None = None

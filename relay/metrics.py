@@ -56,6 +56,15 @@ PEERS = Gauge(
     "they reach the sink (state=able).",
     ["lease", "state"],
 )
+NOTIFY_LISTENING = Gauge(
+    "relay_notify_listening",
+    "1 while this replica's session LISTENs on RELAY_NOTIFY_CHANNEL (absent without it): "
+    "0 means wake-ups fall back to polling.",
+)
+NOTIFY_WAKEUPS = Counter(
+    "relay_notify_wakeups_total",
+    "Notifications received on RELAY_NOTIFY_CHANNEL, each waking the idle drain loops.",
+)
 STRAGGLERS = Gauge(
     "relay_stragglers",
     "Published rows without an outcome yet while the rest of their batch was answered "

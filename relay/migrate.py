@@ -136,3 +136,19 @@ def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
         except psycopg.Error as exc:
             raise MigrationError(db.describe_error(exc)) from exc
     return built
+
+
+def set_notify_trigger(settings: CommonSettings, channel: str | None) -> None:
+    """`relay migrate --notify-trigger CHANNEL` (or `--drop-notify-trigger`: None): the
+    outbox's optional NOTIFY trigger for plain-SQL apps (README "Instant wake-up")."""
+    with db.connect(settings, purpose="migrate") as conn:
+        try:
+            if channel is None:
+                conn.execute(QUERIES.notify_trigger_drop)
+            else:
+                conn.execute(
+                    sql.SQL(QUERIES.notify_trigger_create).format(channel=sql.Literal(channel))
+                )
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
+    log.info("migration.notify_trigger", channel=channel, present=channel is not None)

@@ -33,6 +33,22 @@ class Enqueued:
     message_id: uuid.UUID
 
 
+def _statement(
+    topic: str,
+    payload: Payload,
+    key: str | None,
+    headers: Mapping[str, str] | None,
+    notify: str | None,
+) -> tuple[str, dict[str, Any]]:
+    """The statement to run and its parameters: `enqueue`, or `enqueue_notify`."""
+    params = _params(topic, payload, key, headers)
+    if notify is None:
+        return QUERIES.enqueue, params
+    if not isinstance(notify, str) or not notify:
+        raise ValueError("notify must be the channel name (RELAY_NOTIFY_CHANNEL)")
+    return QUERIES.enqueue_notify, {**params, "channel": notify}
+
+
 def _params(
     topic: str, payload: Payload, key: str | None, headers: Mapping[str, str] | None
 ) -> dict[str, Any]:
@@ -78,15 +94,19 @@ def enqueue(
     payload: Payload,
     key: str | None = None,
     headers: Mapping[str, str] | None = None,
+    *,
+    notify: str | None = None,
 ) -> Enqueued:
     """Add a message to the outbox in `conn`'s current transaction (no commit).
 
     `payload` is bytes (Avro, Protobuf, ...) or str (sent as UTF-8); rows of the same
-    `key` are delivered in the order they are enqueued.
+    `key` are delivered in the order they are enqueued. `notify`: the relays'
+    RELAY_NOTIFY_CHANNEL, to wake them at commit instead of at their next poll.
     """
     _require_transaction(conn.autocommit, conn.info.transaction_status)
+    statement, params = _statement(topic, payload, key, headers, notify)
     with conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(QUERIES.enqueue, _params(topic, payload, key, headers))
+        cur.execute(statement, params)
         return _enqueued(cur.fetchone())
 
 
@@ -96,9 +116,12 @@ async def enqueue_async(
     payload: Payload,
     key: str | None = None,
     headers: Mapping[str, str] | None = None,
+    *,
+    notify: str | None = None,
 ) -> Enqueued:
     """`enqueue` for an asyncio app's `psycopg.AsyncConnection`."""
     _require_transaction(conn.autocommit, conn.info.transaction_status)
+    statement, params = _statement(topic, payload, key, headers, notify)
     async with conn.cursor(row_factory=tuple_row) as cur:
-        await cur.execute(QUERIES.enqueue, _params(topic, payload, key, headers))
+        await cur.execute(statement, params)
         return _enqueued(await cur.fetchone())

@@ -203,6 +203,13 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
     )
 
     # --- draining ---
+    notify_channel: str | None = Field(
+        default=None,
+        pattern=r"^[a-z_][a-z0-9_]{0,62}$",
+        description="Opt-in instant wake-up: every replica LISTENs on this channel and an "
+        "idle drain loop looks at once when an app NOTIFYs it (relay.enqueue(notify=...) "
+        "or the trigger of `relay migrate --notify-trigger`). Polling stays the safety net.",
+    )
     batch_size: int = Field(
         default=1_000,
         ge=1,

@@ -15,13 +15,20 @@ class Shutdown:
         self._grace = grace
         self._clock = clock
         self._requested_at: float | None = None
+        self._callbacks: list[Callable[[], None]] = []
         self.reason = ""
+
+    def on_request(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when shutdown is requested: for waits not on our event."""
+        self._callbacks.append(callback)
 
     def request(self, reason: str = "requested") -> None:
         if self._requested_at is None:
             self._requested_at = self._clock()
             self.reason = reason
         self._event.set()
+        for callback in self._callbacks:
+            callback()
 
     @property
     def requested(self) -> bool:

@@ -31,6 +31,7 @@ def env_for(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
         ("RELAY_SINK", "carrier-pigeon", "must be one of: "),
         ("RELAY_LOG_FORMAT", "xml", "'json' or 'console'"),
         ("RELAY_METRICS_PORT", "70000", "less than or equal to 65535"),
+        ("RELAY_NOTIFY_CHANNEL", "Outbox; DROP", "should match pattern"),
     ],
 )
 def test_invalid_value_names_the_variable(

@@ -699,6 +699,39 @@ INSERT INTO outbox (topic, key, payload, headers)
 VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s)
 RETURNING id, message_id;
 
+-- name: enqueue_notify
+-- enqueue, plus a NOTIFY on %(channel)s (relay.enqueue(notify=...)): delivered to the
+-- listening relays when the app's transaction commits, never if it rolls back; several
+-- in one transaction arrive as one. NOTIFY serialises committing transactions on a
+-- database-wide lock (README "Instant wake-up" has the measured cost).
+WITH added AS (
+    INSERT INTO outbox (topic, key, payload, headers)
+    VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s)
+    RETURNING id, message_id
+)
+SELECT added.id, added.message_id, pg_notify(%(channel)s, '')
+FROM added;
+
+-- name: notify_trigger_create
+-- `relay migrate --notify-trigger CHANNEL`: one NOTIFY on CHANNEL per INSERT statement
+-- into the outbox, for apps that write it with plain SQL (relay.enqueue can NOTIFY by
+-- itself). Statement-level: a multi-row INSERT notifies once. {channel} is a literal.
+CREATE OR REPLACE FUNCTION relay_outbox_notify() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_ARGV[0], '');
+    RETURN NULL;
+END
+$$;
+CREATE OR REPLACE TRIGGER outbox_notify
+    AFTER INSERT ON outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION relay_outbox_notify({channel});
+
+-- name: notify_trigger_drop
+-- `relay migrate --drop-notify-trigger`.
+DROP TRIGGER IF EXISTS outbox_notify ON outbox;
+DROP FUNCTION IF EXISTS relay_outbox_notify();
+
 -- name: dead_letters_left_behind
 -- Keys of just-requeued rows that still have an earlier dead letter: the requeued rows
 -- will be delivered before it, out of per-key order (relay dead-letter requeue warns).
