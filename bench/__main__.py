@@ -5,7 +5,7 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
-    ./dev bench --only shards|fairness [--quick]  one section alone
+    ./dev bench --only shards|fairness|notify [--quick]  one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
         rows/s in alternating runs, and the bare select-and-mark loop (bench/compare.py)
@@ -23,6 +23,9 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
      peak RSS with and without RELAY_BATCH_MAX_BYTES (see bench/fairness.py)
   11. sharded leases: drain rate and CPU per message for 1/2/4 shards x 1/2/3 replicas
      (see bench/shards.py; `--only shards` runs it alone)
+  12. LISTEN/NOTIFY: the app's commit rate with and without NOTIFY, and the first
+     message's latency on a quiet outbox with and without it (bench/notify.py;
+     `--only notify`)
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -55,7 +58,10 @@ def main() -> int:
         "--in-flight", type=int, default=None, help="RELAY_<SINK>_MAX_IN_FLIGHT (16 / 64)"
     )
     parser.add_argument(
-        "--only", choices=["fairness", "shards"], default=None, help="run one section alone"
+        "--only",
+        choices=["fairness", "shards", "notify"],
+        default=None,
+        help="run one section alone",
     )
     parser.add_argument(
         "--compare",
@@ -84,6 +90,8 @@ def main() -> int:
         return bench_fairness(args.quick)
     if args.only == "shards":
         return bench_shards(args.quick, args.rows)
+    if args.only == "notify":
+        return bench_notify(args.quick)
     return bench_kafka(args)
 
 
@@ -119,6 +127,15 @@ def bench_fairness(quick: bool) -> int:
     return 0
 
 
+def bench_notify(quick: bool) -> int:
+    from bench import notify
+
+    with servers() as (dsn, bootstrap):
+        report = notify.run(dsn, bootstrap, quick)
+    save({"sink": "kafka", "quick": quick, "notify": report})
+    return 0
+
+
 def bench_shards(quick: bool, rows: int | None) -> int:
     from bench import shards
 
@@ -129,7 +146,7 @@ def bench_shards(quick: bool, rows: int | None) -> int:
 
 
 def bench_kafka(args: argparse.Namespace) -> int:
-    from bench import drain, fairness, latency, processes, shards
+    from bench import drain, fairness, latency, notify, processes, shards
 
     quick = args.quick
     rows = args.rows or (20_000 if quick else 50_000)
@@ -191,6 +208,7 @@ def bench_kafka(args: argparse.Namespace) -> int:
         )
         report["fairness"] = fairness.run(dsn, bootstrap, quick)
         report["shards"] = shards.run(dsn, bootstrap, quick)
+        report["notify"] = notify.run(dsn, bootstrap, quick)
         if args.full:
             hist = drain.history_effect(dsn, bootstrap, rows, history=10_000_000)
             report["history"] = hist
