@@ -24,8 +24,9 @@ RESERVED_HEADERS = ("message-id", "created-at")
 class OutboxMessage(NamedTuple):
     """Field order = the columns of `fetch_head` and `fetch_batch`.
 
-    A named tuple so psycopg builds it straight from the fetched row (`_make`, in C):
-    one object per row the relay ever moves, made without a line of Python.
+    A named tuple so the fetch makes it straight from psycopg's row tuple, in C
+    (repository._MAKE_MESSAGE): one object per row the relay ever moves, made without
+    a line of Python.
     """
 
     id: int

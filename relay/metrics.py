@@ -121,8 +121,10 @@ class BatchHistogram(Collector):
         registry.register(self)
 
     def observe_many(self, value: str, amounts: Iterable[float]) -> None:
-        # Sorted once (in C), then one bisect per bucket bound, not one per amount.
-        ordered = sorted(amounts)
+        # Sorted once (in C), then one bisect per bucket bound, not one per amount. Not
+        # a finite number (a row created at 'infinity'): no latency to speak of, and
+        # math.fsum would raise on +inf and -inf together.
+        ordered = sorted(filter(math.isfinite, amounts))
         cumulative = [bisect.bisect_right(ordered, bound) for bound in self._bounds]
         total = math.fsum(ordered)
         with self._lock:

@@ -6,7 +6,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import psycopg
 from psycopg.rows import RowMaker, class_row, tuple_row
@@ -123,8 +124,8 @@ def fetch_batch(
         "held": list(held),
         "max_bytes": limits.bytes,
     }
-    # Messages made by psycopg from each row, in C (OutboxMessage is a named tuple
-    # whose fields are the columns): this runs for every row the relay ever moves.
+    # Messages made from each row in C (OutboxMessage is a named tuple whose fields
+    # are the columns, see _MAKE_MESSAGE): this runs for every row the relay moves.
     # Binary results: numbers, booleans and the payload's bytes arrive as they are,
     # with no text to parse (bytea as text would be hex, twice the bytes).
     with conn.cursor(row_factory=_messages, binary=True) as cur:
@@ -142,8 +143,14 @@ def fetch_batch(
     return Fetched([OutboxMessage._make(row[:-1]) for row in rows], walked_to, True, alone)
 
 
+# tuple.__new__ with the class: the named tuple made in C from psycopg's row tuple
+# (namedtuple's own _make is a Python function around the same call). The columns are
+# the fields, in order: tests/test_fetch.py pins both statements' projections.
+_MAKE_MESSAGE = cast("RowMaker[OutboxMessage]", partial(tuple.__new__, OutboxMessage))
+
+
 def _messages(_cursor: Any) -> RowMaker[OutboxMessage]:
-    return OutboxMessage._make
+    return _MAKE_MESSAGE
 
 
 def _needs_sharing(head: list[OutboxMessage], limits: BatchLimits, busy_keys: bool) -> bool:

@@ -181,6 +181,45 @@ def test_a_stale_holder_cannot_mark_rows(
         assert scalar(database, left if not delete_sent else "SELECT count(*) FROM outbox") == 0
 
 
+def test_a_settle_waiting_on_an_open_takeover_writes_nothing_once_it_commits(
+    relay_dsn: str, database: str
+) -> None:
+    """The one-statement settle against a takeover still in flight: A's fence waits on
+    the lease row B has updated; when B commits, A's statement re-checks the row, finds
+    a newer epoch, and deletes nothing."""
+    ids = insert_rows(database, "t", [("k", b"1"), ("k", b"2")])
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        protocol.ensure_row(a, "open-takeover")
+        held = protocol.try_acquire(a, "open-takeover", "A", 30.0)
+        assert isinstance(held, Acquired)
+        outcome: list[object] = []
+        with b.transaction():
+            b.execute(
+                "UPDATE leases SET holder = 'B', epoch = epoch + 1 WHERE name = 'open-takeover'"
+            )
+            settling = threading.Thread(
+                target=lambda: outcome.append(
+                    settle(a, held.token, 30.0, Settlement(sent=list(ids)), delete_sent=True)
+                )
+            )
+            settling.start()
+            wait_until(
+                lambda: (
+                    scalar(
+                        database,
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND datname = current_database()",
+                    )
+                    == 1
+                ),
+                timeout=10,
+                message="A's settle to wait on the lease row",
+            )
+        settling.join(timeout=10)
+        assert outcome == [None]  # fenced out
+        assert scalar(database, "SELECT count(*) FROM outbox") == 2
+
+
 def test_a_holder_frozen_inside_a_lease_transaction_blocks_takeover_for_a_ttl_at_most(
     relay_dsn: str,
 ) -> None:

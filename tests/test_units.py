@@ -174,3 +174,16 @@ def test_the_collector_is_tuned_once_start_up_is_done() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_the_batch_histogram_skips_ages_that_are_not_finite() -> None:
+    """A row created at '-infinity' next to one at 'infinity' made math.fsum raise after
+    the batch was published and before it was settled: the same batch again, forever."""
+    from prometheus_client import CollectorRegistry
+
+    from relay.metrics import LATENCY_BUCKETS, BatchHistogram
+
+    histogram = BatchHistogram("h", "d", "sink", LATENCY_BUCKETS, registry=CollectorRegistry())
+    histogram.observe_many("kafka", [float("inf"), float("-inf"), float("nan"), 0.1])
+    assert histogram.registry.get_sample_value("h_count", {"sink": "kafka"}) == 1.0
+    assert histogram.registry.get_sample_value("h_sum", {"sink": "kafka"}) == 0.1
