@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from unittest.mock import patch
 
@@ -100,9 +101,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1]
 
 
-def run(dsn: str, bootstrap: str, rate: float, seconds: float) -> dict[str, Any]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE outbox")
+@contextmanager
+def timed_relay(settings: Settings) -> Iterator[list[TimedSink]]:
+    """An in-process relay whose sinks note their acknowledgements (one per shard)."""
     sinks: list[TimedSink] = []
 
     def timed_sink(settings: Settings) -> Sink:
@@ -110,8 +111,15 @@ def run(dsn: str, bootstrap: str, rate: float, seconds: float) -> dict[str, Any]
         sinks.append(sink)
         return sink
 
+    with patch("relay.app.create_sink", timed_sink), running_relay(settings):
+        yield sinks
+
+
+def run(dsn: str, bootstrap: str, rate: float, seconds: float) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox")
     committed: dict[str, float] = {}
-    with patch("relay.app.create_sink", timed_sink), running_relay(relay_settings(dsn, bootstrap)):
+    with timed_relay(relay_settings(dsn, bootstrap)) as sinks:
         time.sleep(1.0)  # lease acquired, producer connected: measure steady state
         inserter = threading.Thread(
             target=lambda: committed.update(insert_steadily(dsn, rate, seconds))

@@ -15,16 +15,12 @@ import statistics
 import threading
 import time
 from typing import Any
-from unittest.mock import patch
 
 import psycopg
 
 import relay
 from bench.common import PAYLOAD, TOPIC, relay_settings
-from bench.latency import TimedSink, percentile
-from relay.settings import Settings
-from relay.sinks import Sink, create_sink
-from tests.support import running_relay
+from bench.latency import percentile, timed_relay
 
 CHANNEL = "relay_bench"
 
@@ -73,18 +69,10 @@ def first_message(dsn: str, bootstrap: str, samples: int, *, notify: bool) -> di
     """Commit -> acknowledgement of a lone row after a quiet spell, `samples` times."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox")
-    sinks: list[TimedSink] = []
-
-    def timed_sink(settings: Settings) -> Sink:
-        sink = TimedSink(create_sink(settings))
-        sinks.append(sink)
-        return sink
-
     extra: dict[str, Any] = {"notify_channel": CHANNEL} if notify else {}
     latencies: list[float] = []
     with (
-        patch("relay.app.create_sink", timed_sink),
-        running_relay(relay_settings(dsn, bootstrap, **extra)),
+        timed_relay(relay_settings(dsn, bootstrap, **extra)) as sinks,
         psycopg.connect(dsn) as conn,
     ):
         time.sleep(1.5)  # lease, producer and listener up

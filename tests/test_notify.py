@@ -25,6 +25,18 @@ QUIET = {"poll_interval_min_seconds": 10.0, "poll_interval_max_seconds": 10.0}
 WOKEN_WITHIN = 3.0  # seconds: far below the 10 s poll
 
 
+def relay_migrate(database: str, *args: str) -> None:
+    done = subprocess.run(
+        relay_command("migrate", *args),
+        env=relay_env(database),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def listening() -> bool:
     return REGISTRY.get_sample_value("relay_notify_listening") == 1.0
 
@@ -61,28 +73,12 @@ def test_the_migration_trigger_wakes_the_relay_on_plain_inserts(
     make_settings: SettingsFactory, database: str, topic: str
 ) -> None:
     channel = f"outbox_{uuid.uuid4().hex[:8]}"
-    migrate = subprocess.run(
-        relay_command("migrate", "--notify-trigger", channel),
-        env=relay_env(database),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert migrate.returncode == 0, migrate.stderr
+    relay_migrate(database, "--notify-trigger", channel)
     with idle_leader(make_settings(notify_channel=channel, **QUIET), database):
         with psycopg.connect(database) as conn:  # an app that knows nothing of the relay
             conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', 'x')", (topic,))
         wait_until(lambda: unsent_count(database) == 0, timeout=WOKEN_WITHIN)
-    dropped = subprocess.run(
-        relay_command("migrate", "--drop-notify-trigger"),
-        env=relay_env(database),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert dropped.returncode == 0, dropped.stderr
+    relay_migrate(database, "--drop-notify-trigger")
     assert scalar(database, "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_notify'") == 0
 
 
