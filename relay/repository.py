@@ -46,6 +46,12 @@ class Settlement:
     def __bool__(self) -> bool:
         return bool(self.sent or self.retry_ids or self.dead_ids)
 
+    def sent_literal(self) -> str:
+        """`sent` as the array literal the settle statements take."""
+        if self.sent_text is not None:
+            return "{" + self.sent_text + "}"
+        return array_literal(self.sent)
+
 
 def array_literal(ids: Iterable[int]) -> str:
     """`{1,2,3}`: PostgreSQL parses it as the `::bigint[]` the statement casts to.
@@ -140,7 +146,7 @@ def fetch_batch(
     # Not when the round stopped partway (say, at a run of keys in backoff): keys
     # beyond it may be waiting.
     alone = walked_to is None and ids == [m.id for m in head[: len(ids)] if m.ready]
-    return Fetched([OutboxMessage._make(row[:-1]) for row in rows], walked_to, True, alone)
+    return Fetched([_MAKE_MESSAGE(row[:-1]) for row in rows], walked_to, True, alone)
 
 
 # tuple.__new__ with the class: the named tuple made in C from psycopg's row tuple
@@ -194,7 +200,6 @@ def settle(
     wholly acknowledged (the usual one) settles in one statement that does the same.
     """
     if not (settlement.retry_ids or settlement.dead_ids):
-        text = settlement.sent_text
         failpoints.hit("in_settle")
         fenced = conn.execute(
             QUERIES.settle_delete_sent if delete_sent else QUERIES.settle_mark_sent,
@@ -203,7 +208,7 @@ def settle(
                 "holder": token.holder,
                 "epoch": token.epoch,
                 "ttl": ttl,
-                "ids": array_literal(settlement.sent) if text is None else "{" + text + "}",
+                "ids": settlement.sent_literal(),
             },
         ).fetchone()
         return None if fenced is None else fenced["at"]
@@ -216,9 +221,7 @@ def settle(
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
             query = QUERIES.delete_sent if delete_sent else QUERIES.mark_sent
-            text = settlement.sent_text
-            ids = array_literal(settlement.sent) if text is None else "{" + text + "}"
-            conn.execute(query, {"ids": ids})
+            conn.execute(query, {"ids": settlement.sent_literal()})
         if settlement.retry_ids:
             conn.execute(
                 QUERIES.record_failures,

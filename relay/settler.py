@@ -15,7 +15,7 @@ from datetime import datetime
 
 from relay import db, metrics, repository
 from relay.lease import Lease, LeaseToken
-from relay.message import OutboxMessage
+from relay.message import ID, OutboxMessage
 from relay.repository import Settlement
 
 
@@ -64,7 +64,7 @@ class Settler:
     ) -> InFlight:
         """`ids_text`: the batch's ids as text, if the caller made it already."""
         future = self._pool.submit(self._settle, token, settlement)
-        text = repository.id_text(m.id for m in batch) if ids_text is None else ids_text
+        text = repository.id_text(map(ID, batch)) if ids_text is None else ids_text
         return InFlight(token, text, batch[0].id, batch[-1].id, settlement, held_keys, future)
 
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:

@@ -249,14 +249,7 @@ class KafkaSink:
                 continue
             try:
                 topic = topics.get(message.topic) or self.topic_for(message)
-                headers: list[tuple[str, str | bytes | None]]
-                if message.headers is None and message.header_error is None:  # (inlined)
-                    headers = [
-                        ("message-id", message.message_id),
-                        ("created-at", message.created_at),
-                    ]
-                else:
-                    headers = message.header_pairs()
+                headers = message.header_pairs()  # a short way for the usual row
             except MalformedRow as exc:
                 results[index] = Result(Outcome.DEAD, str(exc))
                 if key is not None:
