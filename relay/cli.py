@@ -150,6 +150,12 @@ def _count(value: int, cap: int) -> str:
     return f">= {value}" if value >= cap else str(value)
 
 
+def _due_in(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{max(0.0, seconds):.1f}s"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="status") as conn:
@@ -230,6 +236,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 ("oldest unsent age", f"{sample.oldest_unsent_age_seconds:.1f}s"),
                 ("blocked rows", _count(sample.blocked, cap)),
                 ("dead-lettered rows", _count(sample.dead_lettered, cap)),
+                ("scheduled rows", _count(sample.scheduled, cap)),
+                ("next scheduled in", _due_in(sample.next_due_in_seconds)),
                 ("schema version", version),
             ],
         )

@@ -40,7 +40,7 @@ from relay import db, failpoints, lease_metrics, metrics, repository
 from relay.backoff import Backoff, Retrying
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
-from relay.message import CREATED_EPOCH, ID, OutboxMessage
+from relay.message import DUE_EPOCH, ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
 from relay.presence import Presence, Progress
@@ -153,6 +153,7 @@ class Drainer:
         self._limits = batch_limits(settings, sink)
         self._after_key: str | None = None  # where the next round over keys starts
         self._look_for_others_at = 0.0
+        self._promote_at = 0.0  # when to look for scheduled rows that are due
 
     def _open_drain_session(self) -> db.Conn:
         conn = db.connect(self._settings, purpose="drain")
@@ -238,6 +239,7 @@ class Drainer:
             and not self._settle_in_flight(in_flight)
         ):
             return
+        self._promote_due(conn)
         batch = self._next_batch(conn)
         if not batch:
             answered, answers = self._stragglers.answered()
@@ -507,7 +509,7 @@ class Drainer:
             max_attempts=self._settings.max_attempts,
             retry_delay=self._retry_delay,
         )
-        ages = map(partial(operator.sub, time.time()), map(CREATED_EPOCH, decision.acked))
+        ages = map(partial(operator.sub, time.time()), map(DUE_EPOCH, decision.acked))
         metrics.END_TO_END_SECONDS.observe_many(self._sink.name, ages)
         for message, reason in decision.dead:
             self._dead_lettered(message, reason)
@@ -537,12 +539,34 @@ class Drainer:
 
     # --- idle and housekeeping ---
 
+    def _promote_due(self, conn: db.Conn) -> None:
+        """Scheduled delivery: let the rows that are due into the drain, at most a batch
+        a pass, then note when to look again: at once if a batch was due, at the next
+        row's time, and at most a longest idle poll away (the app may schedule an
+        earlier row meanwhile). Before the fetch, so a row due now goes in this batch."""
+        if self._clock() < self._promote_at:
+            return
+        promoted = repository.promote_due(
+            conn, self._limits.rows, shards=self._lease.shard.shards, shard=self._lease.shard.shard
+        )
+        wait = self._settings.poll_interval_max_seconds
+        if promoted.rows >= self._limits.rows:
+            wait = 0.0
+        elif promoted.next_due_in is not None:
+            wait = min(wait, max(0.0, promoted.next_due_in))
+        self._promote_at = self._clock() + wait
+        if promoted.rows:
+            metrics.SCHEDULED_PROMOTED.inc(promoted.rows)
+            self._idle_polls = 0
+
     def _idle_wait(self) -> None:
         # Adaptive polling: right after traffic we look again within milliseconds; a
-        # quiet outbox settles at one cheap index probe per poll_interval_max.
+        # quiet outbox settles at one cheap index probe per poll_interval_max, and
+        # wakes for the next scheduled row's time.
         delay = min(
             self._settings.poll_interval_max_seconds,
             self._settings.poll_interval_min_seconds * (2 ** min(self._idle_polls, 16)),
+            max(0.0, self._promote_at - self._clock()),
         )
         self._idle_polls += 1
         if self._wakeup is not None:

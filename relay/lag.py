@@ -38,6 +38,10 @@ class LagSample:
     blocked: int
     dead_lettered: int
     count_cap: int
+    # Scheduled rows not yet due (not lag), and in how many seconds the next one is
+    # due (None: none is scheduled).
+    scheduled: int = 0
+    next_due_in_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +56,10 @@ def measure(conn: Conn, cap: int) -> LagSample:
         blocked=int(row["blocked"]),
         dead_lettered=int(row["dead_lettered"]),
         count_cap=cap,
+        scheduled=int(row["scheduled"]),
+        next_due_in_seconds=(
+            None if row["next_due_in_seconds"] is None else float(row["next_due_in_seconds"])
+        ),
     )
 
 
@@ -132,6 +140,7 @@ def publish(sample: LagSample) -> None:
     metrics.OUTBOX_OLDEST_AGE.set(sample.oldest_unsent_age_seconds)
     metrics.OUTBOX_BLOCKED.set(sample.blocked)
     metrics.OUTBOX_DEAD.set(sample.dead_lettered)
+    metrics.OUTBOX_SCHEDULED.set(sample.scheduled)
     metrics.OUTBOX_COUNT_CAP.set(sample.count_cap)
 
 

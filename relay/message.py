@@ -8,7 +8,7 @@ from typing import NamedTuple
 from relay.errors import MalformedRow
 
 __all__ = [
-    "CREATED_EPOCH",
+    "DUE_EPOCH",
     "ID",
     "KEY",
     "READY",
@@ -41,7 +41,9 @@ class OutboxMessage(NamedTuple):
     headers: list[str] | None
     header_error: str | None  # why the headers cannot be sent as they are (dead-letter)
     created_at: str  # RFC 3339, UTC, microseconds: the `created-at` header as sent
-    created_epoch: float  # the same instant in Unix seconds, for end-to-end latency
+    # When the row became due, in Unix seconds: created_at, or its available_at if later
+    # (a scheduled row); the end-to-end latency counts from it.
+    due_epoch: float
     attempts: int
     # The fetch's verdict (fetch_head): the row may be sent now (not in backoff, its key
     # not held), and it fits the batch's byte bound. Always true in a batch.
@@ -75,5 +77,5 @@ class OutboxMessage(NamedTuple):
 ID = attrgetter("id")
 TOPIC = attrgetter("topic")
 KEY = attrgetter("key")
-CREATED_EPOCH = attrgetter("created_epoch")
+DUE_EPOCH = attrgetter("due_epoch")
 READY = attrgetter("ready")

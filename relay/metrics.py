@@ -152,7 +152,8 @@ class BatchHistogram(Collector):
 
 END_TO_END_SECONDS = BatchHistogram(
     "relay_end_to_end_latency_seconds",
-    "Row created_at (database clock) to sink acknowledgement (relay clock).",
+    "Row created_at, or available_at if later (database clock), to sink acknowledgement"
+    " (relay clock).",
     "sink",
     LATENCY_BUCKETS,
 )
@@ -173,12 +174,20 @@ OUTBOX_BLOCKED = Gauge(
 OUTBOX_DEAD = Gauge(
     "relay_outbox_dead_letter_rows", "Dead-lettered rows in the outbox (counted up to the cap)."
 )
+OUTBOX_SCHEDULED = Gauge(
+    "relay_outbox_scheduled_rows",
+    "Rows scheduled for later (available_at) and not yet due: not lag (counted up to the cap).",
+)
+SCHEDULED_PROMOTED = Counter(
+    "relay_scheduled_promoted_total",
+    "Scheduled rows found due and let into the drain by this replica.",
+)
 OUTBOX_COUNT_CAP = Gauge(
     "relay_outbox_count_cap", "The row counts above stop at this value (RELAY_LAG_COUNT_CAP)."
 )
 # Unknown until the first sample: NaN, not 0, which would read as "no lag" (and make a
 # dead-letter delta jump from 0 when a new pod's first sample lands).
-for _gauge in (OUTBOX_UNSENT, OUTBOX_OLDEST_AGE, OUTBOX_BLOCKED, OUTBOX_DEAD):
+for _gauge in (OUTBOX_UNSENT, OUTBOX_OLDEST_AGE, OUTBOX_BLOCKED, OUTBOX_DEAD, OUTBOX_SCHEDULED):
     _gauge.set(float("nan"))
 LAG_SAMPLE_SECONDS = Gauge(
     "relay_lag_sample_duration_seconds", "Duration of the last lag sample query."

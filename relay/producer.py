@@ -8,9 +8,11 @@ outbox").
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -33,20 +35,60 @@ class Enqueued:
     message_id: uuid.UUID
 
 
+Delay = float | int | timedelta
+
+
 def _statement(
     topic: str,
     payload: Payload,
     key: str | None,
     headers: Mapping[str, str] | None,
     notify: str | None,
+    available_at: datetime | None = None,
+    delay: Delay | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The statement to run and its parameters: `enqueue`, or `enqueue_notify`."""
+    """The statement to run and its parameters: `enqueue`, `enqueue_notify`, or
+    `enqueue_scheduled`. An unscheduled row is written without naming `available_at`,
+    so an app can take a newer relay package before the database has migration 0008."""
     params = _params(topic, payload, key, headers)
+    if notify is not None and (not isinstance(notify, str) or not notify):
+        raise ValueError("notify must be the channel name (RELAY_NOTIFY_CHANNEL)")
+    seconds = _schedule(available_at, delay)
+    if available_at is not None or seconds:
+        return QUERIES.enqueue_scheduled, {
+            **params,
+            "available_at": available_at,
+            "delay": seconds,
+            "channel": notify,
+        }
     if notify is None:
         return QUERIES.enqueue, params
-    if not isinstance(notify, str) or not notify:
-        raise ValueError("notify must be the channel name (RELAY_NOTIFY_CHANNEL)")
     return QUERIES.enqueue_notify, {**params, "channel": notify}
+
+
+def _schedule(available_at: datetime | None, delay: Delay | None) -> float:
+    """The delay in seconds (0: none), after checking the two ways to say when."""
+    if available_at is not None:
+        if delay is not None:
+            raise ValueError("give available_at or delay, not both")
+        if not isinstance(available_at, datetime):
+            raise TypeError(f"available_at must be a datetime, not {type(available_at).__name__}")
+        if available_at.tzinfo is None or available_at.utcoffset() is None:
+            # A naive time would be read in the session's TimeZone: an hour off in
+            # some deployments, silently.
+            raise ValueError("available_at must be timezone-aware (say, tzinfo=UTC)")
+        return 0.0
+    if delay is None:
+        return 0.0
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise TypeError(f"delay must be seconds or a timedelta, not {type(delay).__name__}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
+    return seconds
 
 
 def _params(
@@ -96,15 +138,20 @@ def enqueue(
     headers: Mapping[str, str] | None = None,
     *,
     notify: str | None = None,
+    available_at: datetime | None = None,
+    delay: Delay | None = None,
 ) -> Enqueued:
     """Add a message to the outbox in `conn`'s current transaction (no commit).
 
     `payload` is bytes (Avro, Protobuf, ...) or str (sent as UTF-8); rows of the same
     `key` are delivered in the order they are enqueued. `notify`: the relays'
     RELAY_NOTIFY_CHANNEL, to wake them at commit instead of at their next poll.
+    `available_at` (timezone-aware) or `delay` (seconds or a timedelta, from the
+    transaction's start): not published before then, by the database clock; later
+    rows of the same key wait for it (README "Scheduled delivery").
     """
     _require_transaction(conn.autocommit, conn.info.transaction_status)
-    statement, params = _statement(topic, payload, key, headers, notify)
+    statement, params = _statement(topic, payload, key, headers, notify, available_at, delay)
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(statement, params)
         return _enqueued(cur.fetchone())
@@ -118,10 +165,12 @@ async def enqueue_async(
     headers: Mapping[str, str] | None = None,
     *,
     notify: str | None = None,
+    available_at: datetime | None = None,
+    delay: Delay | None = None,
 ) -> Enqueued:
     """`enqueue` for an asyncio app's `psycopg.AsyncConnection`."""
     _require_transaction(conn.autocommit, conn.info.transaction_status)
-    statement, params = _statement(topic, payload, key, headers, notify)
+    statement, params = _statement(topic, payload, key, headers, notify, available_at, delay)
     async with conn.cursor(row_factory=tuple_row) as cur:
         await cur.execute(statement, params)
         return _enqueued(await cur.fetchone())

@@ -189,6 +189,24 @@ def _within_bytes(head: list[OutboxMessage]) -> list[OutboxMessage]:
     return batch
 
 
+@dataclass(frozen=True, slots=True)
+class Promoted:
+    """What a pass of `promote_due` did, and when to look again."""
+
+    rows: int
+    next_due_in: float | None  # seconds until the next scheduled row is due; None: none
+
+
+def promote_due(conn: Conn, limit: int, *, shards: int = 1, shard: int = 0) -> Promoted:
+    """Let scheduled rows that are due into the drain (migration 0008)."""
+    row = conn.execute(
+        QUERIES.promote_due, {"limit": limit, "shards": shards, "shard": shard}
+    ).fetchone()
+    assert row is not None  # a SELECT of two scalar subqueries: always one row
+    next_due = row["next_due_in_seconds"]
+    return Promoted(int(row["promoted"]), None if next_due is None else float(next_due))
+
+
 def settle(
     conn: Conn, token: LeaseToken, ttl: float, settlement: Settlement, *, delete_sent: bool
 ) -> datetime | None:

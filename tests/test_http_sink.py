@@ -93,7 +93,7 @@ def message(**fields: Any) -> OutboxMessage:
         "headers": None,
         "header_error": None,
         "created_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        "created_epoch": time.time(),
+        "due_epoch": time.time(),
         "attempts": 0,
     }
     values.update(fields)

@@ -124,6 +124,8 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
             "blocked": 0,
             "dead_lettered": 0,
             "count_cap": 1_000_000,
+            "scheduled": 0,
+            "next_due_in_seconds": None,
         }
         table = run_cli(env, "status").stdout.decode()
         assert table.splitlines()[0].split() == [

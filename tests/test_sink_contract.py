@@ -43,7 +43,7 @@ def message(
         headers=headers,
         header_error=None,
         created_at=CREATED_AT,
-        created_epoch=0.0,
+        due_epoch=0.0,
         attempts=0,
     )
 

@@ -206,6 +206,10 @@ SELECT set_config('enable_bitmapscan', 'off', false);
 -- row's headers cannot be sent (not an object, or a value that is not a scalar).
 -- With %(shards)s > 1 (migration 0007), only rows of shard %(shard)s, read through the
 -- per-count indexes `relay migrate --shards N` creates; fetch_batch likewise.
+-- Scheduled rows (migration 0008) are left out until promote_due lets them in, and hold
+-- back the later rows of their key meanwhile (one probe of the tiny
+-- outbox_scheduled_key_idx); due_epoch is when the row became due, for the latency
+-- histogram: its available_at if it had one, else its created_at.
 SELECT h.id,
        h.message_id::text,
        h.topic,
@@ -228,7 +232,7 @@ SELECT h.id,
                   LIMIT 1)
        END AS header_error,
        to_char(h.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
-       extract(epoch FROM h.created_at)::float8 AS created_epoch,
+       extract(epoch FROM greatest(h.created_at, h.available_at))::float8 AS due_epoch,
        h.attempts,
        h.ready,
        h.within
@@ -252,10 +256,22 @@ FROM (SELECT head.*,
                          AND blocker.dead_lettered_at IS NULL
                          AND blocker.next_attempt_at IS NOT NULL
                          AND blocker.next_attempt_at > now()
+                   )
+                   AND NOT EXISTS (
+                       SELECT 1
+                       FROM outbox AS scheduled
+                       WHERE scheduled.key = o.key
+                         AND scheduled.id < o.id
+                         AND scheduled.sent_at IS NULL
+                         AND scheduled.dead_lettered_at IS NULL
+                         AND scheduled.available_at IS NOT NULL
+                         AND scheduled.promoted_at IS NULL
                    ) AS ready
             FROM outbox AS o
             WHERE o.sent_at IS NULL
               AND o.dead_lettered_at IS NULL
+              -- Not scheduled, or due and promoted (promote_due): outbox_unsent_idx.
+              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
               -- The batches published and not yet settled. The parameter is sent
               -- untyped, so the cast makes it a bigint[] constant of the custom plan:
               -- a hash lookup.
@@ -293,7 +309,8 @@ ORDER BY h.id;
 -- plus walked_to, NULL on every row but a last one that carries where the round over
 -- keys stopped.
 WITH RECURSIVE head AS MATERIALIZED (
-    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at, o.attempts,
+    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+           o.available_at, o.attempts,
            coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
            (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
            AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
@@ -306,10 +323,21 @@ WITH RECURSIVE head AS MATERIALIZED (
                  AND blocker.dead_lettered_at IS NULL
                  AND blocker.next_attempt_at IS NOT NULL
                  AND blocker.next_attempt_at > now()
+           )
+           AND NOT EXISTS (
+               SELECT 1
+               FROM outbox AS scheduled
+               WHERE scheduled.key = o.key
+                 AND scheduled.id < o.id
+                 AND scheduled.sent_at IS NULL
+                 AND scheduled.dead_lettered_at IS NULL
+                 AND scheduled.available_at IS NOT NULL
+                 AND scheduled.promoted_at IS NULL
            ) AS ready
     FROM outbox AS o
     WHERE o.sent_at IS NULL
       AND o.dead_lettered_at IS NULL
+      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)  -- outbox_unsent_idx
       -- The batches published and not yet settled. The parameter is sent untyped, so
       -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
       AND o.id <> ALL(%(in_flight)s::bigint[])
@@ -339,13 +367,16 @@ keys_after (key) AS (
     FROM (SELECT min(o.key) AS key
           FROM outbox AS o
           WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
             AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
             AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
     WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
     UNION ALL
     SELECT (SELECT min(o.key)
             FROM outbox AS o
-            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+              AND o.key > k.key
               AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer))
     FROM keys_after AS k
     WHERE k.key IS NOT NULL
@@ -355,12 +386,15 @@ keys_before (key) AS (
     FROM (SELECT min(o.key) AS key
           FROM outbox AS o
           WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
             AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)) AS s
     WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
     UNION ALL
     SELECT (SELECT min(o.key)
             FROM outbox AS o
-            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL AND o.key > k.key
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+              AND o.key > k.key
               AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer))
     FROM keys_before AS k
     WHERE k.key < %(after_key)s::text
@@ -380,7 +414,7 @@ beyond AS (
     FROM keys AS k
     CROSS JOIN LATERAL (
         SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-               o.attempts,
+               o.available_at, o.attempts,
                coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
                (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
                AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
@@ -393,6 +427,16 @@ beyond AS (
                      AND blocker.dead_lettered_at IS NULL
                      AND blocker.next_attempt_at IS NOT NULL
                      AND blocker.next_attempt_at > now()
+               )
+               AND NOT EXISTS (
+                   SELECT 1
+                   FROM outbox AS scheduled
+                   WHERE scheduled.key = o.key
+                     AND scheduled.id < o.id
+                     AND scheduled.sent_at IS NULL
+                     AND scheduled.dead_lettered_at IS NULL
+                     AND scheduled.available_at IS NOT NULL
+                     AND scheduled.promoted_at IS NULL
                ) AS ready
         FROM outbox AS o
         -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
@@ -406,13 +450,14 @@ beyond AS (
           AND o.id > (SELECT last_id FROM crowded)
           AND o.sent_at IS NULL
           AND o.dead_lettered_at IS NULL
+          AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
           AND o.id <> ALL(%(in_flight)s::bigint[])
         ORDER BY o.key, o.id
         LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
     ) AS p
     UNION ALL
     (SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-            o.attempts,
+            o.available_at, o.attempts,
             coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0),
             o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
      FROM outbox AS o
@@ -421,6 +466,7 @@ beyond AS (
        AND o.id > (SELECT last_id FROM crowded)
        AND o.sent_at IS NULL
        AND o.dead_lettered_at IS NULL
+       AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
        AND o.id <> ALL(%(in_flight)s::bigint[])
        AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
      ORDER BY o.key, o.id  -- the (key, id) order of outbox_key_idx: see above
@@ -475,7 +521,7 @@ SELECT c.id,
                   LIMIT 1)
        END AS header_error,
        to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
-       extract(epoch FROM c.created_at)::float8 AS created_epoch,
+       extract(epoch FROM greatest(c.created_at, c.available_at))::float8 AS due_epoch,
        c.attempts,
        true AS ready,
        true AS within,
@@ -496,6 +542,47 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                           (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
        END
 ORDER BY id NULLS LAST;
+
+-- name: promote_due
+-- Scheduled delivery (migration 0008): let up to %(limit)s scheduled rows whose
+-- available_at has passed (database clock) into the drain, soonest due first, by
+-- setting promoted_at: from then on they are ordinary unsent rows, in their id's place.
+-- One descent of outbox_scheduled_idx finds them, or that there are none. Rows another
+-- session has locked wait for the next pass. Needs no fence: letting a due row in is
+-- right whoever does it, and a deposed leader's promotion only saves the next one the
+-- work. With shards, this shard's rows only. Also returns in how many seconds the next
+-- scheduled row of the shard is due (NULL: none), so the loop knows when to look again.
+WITH due AS (
+    SELECT o.id
+    FROM outbox AS o
+    WHERE o.sent_at IS NULL
+      AND o.dead_lettered_at IS NULL
+      AND o.available_at IS NOT NULL
+      AND o.promoted_at IS NULL
+      AND o.available_at <= now()
+      AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
+    ORDER BY o.available_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+promoted AS (
+    UPDATE outbox AS o
+    SET promoted_at = now()
+    FROM due
+    WHERE o.id = due.id
+    RETURNING o.id
+)
+SELECT (SELECT count(*) FROM promoted) AS promoted,
+       (SELECT extract(epoch FROM o.available_at - now())::float8
+          FROM outbox AS o
+         WHERE o.sent_at IS NULL
+           AND o.dead_lettered_at IS NULL
+           AND o.available_at IS NOT NULL
+           AND o.promoted_at IS NULL
+           AND o.available_at > now()
+           AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
+         ORDER BY o.available_at
+         LIMIT 1) AS next_due_in_seconds;
 
 -- name: settle_delete_sent
 -- The usual settle, every row of the batch acknowledged: lease_renew then delete_sent,
@@ -606,22 +693,42 @@ WHERE id IN (
 -- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the
 -- rows that have failed (next_attempt_at set) and the later rows of their key, which
 -- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
+-- Scheduled rows (migration 0008) are not lag until due: "unsent" and the oldest age
+-- count the rows due, let in or not yet (an age counts from available_at, if later than
+-- created_at); rows not due yet are counted apart, with when the next one is due. The
+-- scheduled rows are read through outbox_scheduled_idx: counts stop at the cap, the
+-- oldest and next due are one probe each.
 SELECT
-    (SELECT count(*)
-       FROM (SELECT 1 FROM outbox
-              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-              LIMIT %(cap)s) AS unsent_rows)
+    least(%(cap)s,
+          (SELECT count(*)
+             FROM (SELECT 1 FROM outbox
+                    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                      AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                    LIMIT %(cap)s) AS unsent_rows)
+          + (SELECT count(*)  -- due, not let in yet (no leader, or between its passes)
+               FROM (SELECT 1 FROM outbox
+                      WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                        AND available_at IS NOT NULL AND promoted_at IS NULL
+                        AND available_at <= now()
+                      LIMIT %(cap)s) AS overdue_rows))
         AS unsent,
-    (SELECT greatest(0, extract(epoch FROM now() - min(created_at)))::float8
-       FROM (SELECT created_at FROM outbox
-              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-              ORDER BY id
-              LIMIT 1) AS oldest)
+    greatest(0,
+             (SELECT extract(epoch FROM now() - greatest(created_at, available_at))
+                FROM outbox
+               WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                 AND (available_at IS NULL OR promoted_at IS NOT NULL)
+               ORDER BY id
+               LIMIT 1),
+             (SELECT extract(epoch FROM now() - min(available_at))
+                FROM outbox
+               WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                 AND available_at IS NOT NULL AND promoted_at IS NULL))::float8
         AS oldest_unsent_age_seconds,
     (SELECT count(*)
        FROM (SELECT o.id, o.key, o.next_attempt_at
                FROM outbox AS o
               WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                 AND o.id >= (SELECT f.id FROM outbox AS f
                               WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
                                 AND f.attempts > 0  -- outbox_failing_rows_idx
@@ -641,7 +748,20 @@ SELECT
        FROM (SELECT 1 FROM outbox
               WHERE dead_lettered_at IS NOT NULL
               LIMIT %(cap)s) AS dead_rows)
-        AS dead_lettered;
+        AS dead_lettered,
+    (SELECT count(*)
+       FROM (SELECT 1 FROM outbox
+              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                AND available_at IS NOT NULL AND promoted_at IS NULL
+                AND available_at > now()
+              LIMIT %(cap)s) AS scheduled_rows)
+        AS scheduled,
+    (SELECT extract(epoch FROM min(available_at) - now())::float8
+       FROM outbox
+      WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+        AND available_at IS NOT NULL AND promoted_at IS NULL
+        AND available_at > now())
+        AS next_due_in_seconds;
 
 -- name: lag_sample_shards
 -- The backlog and oldest unsent age of each of %(shards)s shards (RELAY_SHARDS > 1):
@@ -652,16 +772,27 @@ SELECT s.shard,
     (SELECT count(*)
        FROM (SELECT 1 FROM outbox AS o
               WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                 AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
               LIMIT %(cap)s) AS unsent_rows)
         AS unsent,
     coalesce(
-        (SELECT greatest(0, extract(epoch FROM now() - o.created_at))::float8
-           FROM outbox AS o
-          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-            AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
-          ORDER BY o.id
-          LIMIT 1),
+        greatest(0,
+                 (SELECT extract(epoch FROM now() - greatest(o.created_at, o.available_at))
+                    FROM outbox AS o
+                   WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                     AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                     AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                   ORDER BY o.id
+                   LIMIT 1),
+                 (SELECT extract(epoch FROM now() - o.available_at)
+                    FROM outbox AS o
+                   WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                     AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
+                     AND o.available_at <= now()
+                     AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                   ORDER BY o.available_at
+                   LIMIT 1))::float8,
         0) AS oldest_unsent_age_seconds
 FROM generate_series(0, %(shards)s::integer - 1) AS s(shard)
 ORDER BY s.shard;
@@ -710,6 +841,22 @@ WITH added AS (
     RETURNING id, message_id
 )
 SELECT added.id, added.message_id, pg_notify(%(channel)s, '')
+FROM added;
+
+-- name: enqueue_scheduled
+-- enqueue with a delivery time (relay.enqueue(available_at=... or delay=...)): the row
+-- is not published before it, by the database clock (migration 0008). `delay` counts
+-- from the app's transaction's start, now(). With %(channel)s, a NOTIFY as in
+-- enqueue_notify (it wakes the relays at commit; the row still waits for its time).
+WITH added AS (
+    INSERT INTO outbox (topic, key, payload, headers, available_at)
+    VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s,
+            coalesce(%(available_at)s::timestamptz,
+                     now() + make_interval(secs => %(delay)s::float8)))
+    RETURNING id, message_id
+)
+SELECT added.id, added.message_id,
+       CASE WHEN %(channel)s::text IS NOT NULL THEN pg_notify(%(channel)s::text, '') END
 FROM added;
 
 -- name: notify_trigger_create
@@ -768,13 +915,15 @@ SET statement_timeout = 0;
 -- CONCURRENTLY: the app's inserts go on while it builds.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox (outbox_shard(key, id, {shards}), id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL;
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: shard_index_keys
 -- ... and walks its keys (the fair fetch) from this one.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox (outbox_shard(key, id, {shards}), key, id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL;
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: shard_index_state
 -- Whether each of these indexes exists and is valid (a CONCURRENTLY build that failed

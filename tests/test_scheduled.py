@@ -1,0 +1,233 @@
+"""Scheduled delivery (available_at, migration 0008) on real PostgreSQL and Kafka: a row
+is not published before its time by the database clock, holds back the later rows of
+its key meanwhile, is not lag until due, and a large schedule costs the fetch nothing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+import relay
+from relay import lag, repository
+from relay.migrate import migrate, migrations_dir
+from relay.settings import CommonSettings
+from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.harness.kafka import TansuBroker, consume
+from tests.harness.postgres import PostgresServer
+from tests.support import assert_per_key_order, running_relay, scalar, wait_until
+from tests.test_fetch import _fetch_cost, fetch
+
+DELAY = 4.0  # seconds: long enough to watch the row wait, short enough for a test
+
+
+def sent(dsn: str, payload: str) -> bool:
+    return bool(
+        scalar(
+            dsn, "SELECT sent_at IS NOT NULL FROM outbox WHERE payload = %s", (payload.encode(),)
+        )
+    )
+
+
+def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
+    make_settings: SettingsFactory, database: str, topic: str, kafka: TansuBroker
+) -> None:
+    with psycopg.connect(database) as conn, conn.transaction():
+        relay.enqueue(conn, topic, "k:0", key="k", delay=DELAY)
+        relay.enqueue(conn, topic, "k:1", key="k")  # behind it: waits with it
+        relay.enqueue(conn, topic, "other:0", key="other")  # another key: goes now
+    due = scalar(database, "SELECT available_at FROM outbox WHERE payload = 'k:0'")
+    assert due is not None
+
+    # Retention mode, so every row keeps its sent_at (database clock).
+    with (
+        running_relay(make_settings(retention_seconds=3600)),
+        psycopg.connect(database, autocommit=True, row_factory=dict_row) as sampler,
+    ):
+        wait_until(lambda: sent(database, "other:0"), timeout=20, message="the other key")
+        # Until k:0 is due, by the database clock, neither row of its key goes.
+        waited = 0
+        while scalar(database, "SELECT now() < %s - interval '100 ms'", (due,)):
+            assert not sent(database, "k:0") and not sent(database, "k:1")
+            sample = lag.measure(sampler, 100)
+            assert sample.scheduled == 1 and sample.next_due_in_seconds is not None
+            assert sample.unsent == 1  # k:1, held back; the scheduled row is not lag
+            waited += 1
+            time.sleep(0.05)
+        assert waited > 0, "the relay took longer than the delay to start: nothing shown"
+        wait_until(
+            lambda: sent(database, "k:0") and sent(database, "k:1"),
+            timeout=DELAY + 10,
+            message="the scheduled row and the one behind it, once due",
+        )
+    first, second = (
+        scalar(database, "SELECT sent_at FROM outbox WHERE payload = %s", (p,))
+        for p in (b"k:0", b"k:1")
+    )
+    assert first >= due and second >= first
+    records = consume(kafka.bootstrap_servers, topic, min_count=3)
+    assert_per_key_order(records)
+    assert [r.value for r in records if r.key == "k"][:2] == [b"k:0", b"k:1"]
+
+
+def test_a_large_schedule_costs_the_fetch_nothing(database: str) -> None:
+    """30,000 rows scheduled for later, in front, each its own key: the fetch finds the
+    rows due behind them through the drain indexes they are not in."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " SELECT 't', 's' || g, 'x', now() + interval '1 hour'"
+            " FROM generate_series(1, 30000) AS g"
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT 't', 'a' || (g % 20), 'a' FROM generate_series(1, 50) AS g"
+        )
+        conn.execute("ANALYZE outbox")
+    rows = fetch(database)
+    assert len(rows) == 50 and {r.payload for r in rows} == {b"a"}
+    cost = _fetch_cost(database)
+    assert cost < 1_000, cost
+
+
+def test_promotion_lets_due_rows_in_soonest_first_and_says_when_next(database: str) -> None:
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at) VALUES"
+            " ('t', 'k', 'late', now() - interval '1 second'),"
+            " ('t', 'k', 'early', now() - interval '3 seconds'),"
+            " ('t', 'j', 'mid', now() - interval '2 seconds'),"
+            " ('t', 'k', 'future', now() + interval '1 hour')"
+        )
+        assert fetch(database) == []  # nothing let in yet
+
+        first = repository.promote_due(conn, 2)
+        assert first.rows == 2
+        assert first.next_due_in is not None and 3500 < first.next_due_in <= 3600
+        promoted = conn.execute(
+            "SELECT payload FROM outbox WHERE promoted_at IS NOT NULL ORDER BY id"
+        ).fetchall()
+        assert [r["payload"] for r in promoted] == [b"early", b"mid"]  # soonest due first
+        # 'late' (id 1) is due but not in yet: the later rows of key k wait for it.
+        assert [m.payload for m in fetch(database)] == [b"mid"]
+
+        assert repository.promote_due(conn, 2).rows == 1
+        assert [m.payload for m in fetch(database)] == [b"late", b"early", b"mid"]
+        # The rows keep the app's available_at; the latency counts from it.
+        rows = fetch(database)
+        due = conn.execute(
+            "SELECT extract(epoch FROM available_at)::float8 AS e FROM outbox ORDER BY id LIMIT 1"
+        ).fetchone()
+        assert due is not None and rows[0].due_epoch == pytest.approx(due["e"])
+
+
+def test_a_row_due_and_not_let_in_is_lag_and_one_not_due_is_not(database: str) -> None:
+    """No relay runs: a row overdue by 30 s is lag of 30 s; one due in an hour is only
+    counted as scheduled."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at) VALUES"
+            " ('t', 'k', 'x', now() + interval '1 hour')"
+        )
+        sample = lag.measure(conn, 100)
+        assert (sample.unsent, sample.scheduled) == (0, 1)
+        assert sample.oldest_unsent_age_seconds == 0
+        assert sample.next_due_in_seconds is not None and sample.next_due_in_seconds > 3500
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at) VALUES"
+            " ('t', 'j', 'y', now() - interval '30 seconds')"
+        )
+        sample = lag.measure(conn, 100)
+        assert (sample.unsent, sample.scheduled) == (1, 1)
+        assert 30 <= sample.oldest_unsent_age_seconds < 60
+
+
+def test_enqueue_says_when_by_the_database_clock_and_refuses_ambiguity(database: str) -> None:
+    at = datetime.now(UTC) + timedelta(minutes=5)
+    with psycopg.connect(database) as conn, conn.transaction():
+        relay.enqueue(conn, "t", b"a", key="k", available_at=at)
+        relay.enqueue(conn, "t", b"b", key="k", delay=timedelta(seconds=90))
+        relay.enqueue(conn, "t", b"c", key="k", delay=0)  # not scheduled
+        rows = conn.execute(
+            "SELECT available_at, extract(epoch FROM available_at - now())::float8"
+            " FROM outbox ORDER BY id"
+        ).fetchall()
+    assert rows[0][0] == at
+    assert rows[1][1] == pytest.approx(90.0)
+    assert rows[2][0] is None
+    with psycopg.connect(database) as conn:
+        for bad, error in (
+            ({"available_at": datetime(2030, 1, 1)}, ValueError),  # naive: which zone?
+            ({"available_at": at, "delay": 1}, ValueError),
+            ({"delay": -1}, ValueError),
+            ({"delay": float("nan")}, ValueError),
+            ({"delay": "5"}, TypeError),
+        ):
+            with pytest.raises(error):
+                relay.enqueue(conn, "t", b"x", **bad)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
+    """A database migrated up to 0007 only, as a relay of the previous release left it."""
+    name = f"m_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name)
+    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
+        shutil.copy(path, tmp_path / path.name)
+    migrate(CommonSettings(database_url=dsn), tmp_path)
+    yield dsn
+    pg.drop_database(name)
+
+
+def test_the_migration_rebuilds_existing_shard_indexes_without_scheduled_rows(
+    db_at_0007: str,
+) -> None:
+    with psycopg.connect(db_at_0007, autocommit=True) as conn:
+        conn.execute(  # what `relay migrate --shards 3` built before 0008
+            "CREATE INDEX outbox_shards_3_idx ON outbox (outbox_shard(key, id, 3), id)"
+            " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        )
+        conn.execute(
+            "CREATE INDEX outbox_shards_3_key_idx ON outbox (outbox_shard(key, id, 3), key, id)"
+            " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        )
+    migrate(CommonSettings(database_url=db_at_0007))
+    with psycopg.connect(db_at_0007) as conn:
+        found = dict(
+            conn.execute(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
+            ).fetchall()
+        )
+    for name in (
+        "outbox_unsent_idx",
+        "outbox_key_idx",
+        "outbox_shards_3_idx",
+        "outbox_shards_3_key_idx",
+    ):
+        assert "promoted_at IS NOT NULL" in found[name], found[name]
+    assert not any(name.endswith("_v2") for name in found)
+
+
+def test_new_shard_indexes_leave_out_scheduled_rows(database: str) -> None:
+    done = subprocess.run(
+        relay_command("migrate", "--shards", "2"),
+        env=relay_env(database),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    defs = [
+        scalar(database, "SELECT indexdef FROM pg_indexes WHERE indexname = %s", (name,))
+        for name in ("outbox_shards_2_idx", "outbox_shards_2_key_idx")
+    ]
+    assert all("promoted_at IS NOT NULL" in d for d in defs), defs
