@@ -172,7 +172,7 @@ def test_enqueue_says_when_by_the_database_clock_and_refuses_ambiguity(database:
             ({"delay": "5"}, TypeError),
         ):
             with pytest.raises(error):
-                relay.enqueue(conn, "t", b"x", **bad)  # type: ignore[arg-type]
+                relay.enqueue(conn, "t", b"x", **bad)
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ def test_the_migration_rebuilds_existing_shard_indexes_without_scheduled_rows(
         )
     migrate(CommonSettings(database_url=db_at_0007))
     with psycopg.connect(db_at_0007) as conn:
-        found = dict(
+        found: dict[str, str] = dict(
             conn.execute(
                 "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
             ).fetchall()
