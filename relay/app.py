@@ -148,10 +148,21 @@ class RelayApp:
                 f" run `relay migrate --shards {self.settings.shards}` first",
             )
 
+    def _check_own_table(self) -> None:
+        """RELAY_OUTBOX_TABLE: its view must exist (`db.connect` raises SettingsError
+        if not). As for the shard indexes, a database down now is not a reason not to
+        start."""
+        try:
+            db.connect(self.settings, purpose="check").close()
+        except psycopg.Error as exc:
+            log.warning("own_table.check_skipped", error=db.describe_error(exc))
+
     def run(self) -> int:
         s = self.settings
         if s.shards > 1:
             self._check_shard_indexes()
+        if s.outbox_table is not None:
+            self._check_own_table()
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
         if self.fair is not None:
             fair = self.fair

@@ -108,10 +108,27 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from relay.migrate import create_shard_indexes, migrate, set_notify_trigger
 
+    if args.dry_run and not args.own_table:
+        print("relay migrate: --dry-run goes with --own-table", file=sys.stderr)
+        return EXIT_CONFIG
     settings = load_settings(CommonSettings)
     configure(settings.log_format, settings.log_level)
+    if args.own_table:
+        from relay.own_table import migrate_own_table
+
+        texts = migrate_own_table(settings, dry_run=args.dry_run)
+        if args.dry_run:
+            print(f"-- relay migrate --own-table for {settings.outbox_table}: nothing applied")
+            print("\n\n".join(text.rstrip(";") + ";" for text in texts))
+            return EXIT_OK
     applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    if args.own_table:
+        migrate_own_table(settings)
+        print(
+            f"own table {settings.outbox_table}: bookkeeping columns, indexes and the view"
+            f" {settings.outbox_view_schema}.outbox are in place"
+        )
     if args.shards > 1:
         built = create_shard_indexes(settings, args.shards)
         print(
@@ -403,6 +420,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="also build the indexes N shards fetch through (CONCURRENTLY; idempotent)",
+    )
+    migrate_cmd.add_argument(
+        "--own-table",
+        action="store_true",
+        help="also prepare RELAY_OUTBOX_TABLE, an existing table, to be drained: the relay's"
+        " bookkeeping columns and indexes, and a view by RELAY_OUTBOX_COLUMNS (idempotent)",
+    )
+    migrate_cmd.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --own-table: print its SQL for a DBA and apply nothing",
     )
     notify = migrate_cmd.add_mutually_exclusive_group()
     notify.add_argument(

@@ -9,6 +9,7 @@ import psycopg
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
+from relay.errors import SettingsError
 from relay.queries import QUERIES
 from relay.settings import CommonSettings, Settings
 
@@ -66,6 +67,8 @@ def connect(
                 "application_name": f"relay:{purpose}",
             },
         )
+        if settings.outbox_view_schema is not None and purpose != "migrate":
+            read_own_table(conn, settings)
         if settings.database_synchronous_commit is not None:
             conn.execute(
                 QUERIES.set_synchronous_commit,
@@ -77,6 +80,22 @@ def connect(
         conn.close()
         raise
     return conn
+
+
+def read_own_table(conn: Conn, settings: CommonSettings) -> None:
+    """RELAY_OUTBOX_TABLE: the session reads the table's view (relay/own_table.py) as
+    `outbox`. A table never migrated stops the relay, which would otherwise find the
+    relay's own outbox further down the search_path and drain the wrong table."""
+    row = conn.execute(
+        QUERIES.own_table_session, {"schema": settings.outbox_view_schema}
+    ).fetchone()
+    if row is None or not row["view_exists"]:
+        raise SettingsError(
+            "RELAY_OUTBOX_TABLE",
+            f"{settings.outbox_table} has no relay view {settings.outbox_view_schema}.outbox"
+            " yet: run `relay migrate --own-table` with the same RELAY_OUTBOX_TABLE and"
+            " RELAY_OUTBOX_COLUMNS",
+        )
 
 
 class Session:

@@ -45,6 +45,18 @@ __all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
 
 ENV_PREFIX = "RELAY_"
 
+# The relay's fields an own table's columns can be mapped to (RELAY_OUTBOX_COLUMNS).
+OWN_TABLE_FIELDS = (
+    "id",
+    "message_id",
+    "topic",
+    "key",
+    "payload",
+    "headers",
+    "created_at",
+    "available_at",
+)
+
 # Secret settings may also be given as a path in RELAY_<NAME>_FILE (Kubernetes Secret
 # volumes, Docker secrets), so the secret never has to sit in the process environment.
 SECRET_FIELDS = (
@@ -122,6 +134,24 @@ class CommonSettings(BaseSettings):
     )
 
     lease_name: str = Field(default="default", min_length=1, max_length=200)
+    # --- bring your own outbox table (relay/own_table.py) ---
+    outbox_table: str | None = Field(
+        default=None,
+        pattern=r"^([a-z_][a-z0-9_]{0,62}\.)?[a-z_][a-z0-9_]{0,62}$",
+        description="Drain this existing table (schema.table, lower-case names) instead of "
+        "the relay's own `outbox`: the relay reads it through a view that "
+        "`relay migrate --own-table` creates from RELAY_OUTBOX_COLUMNS. Give each outbox "
+        "its own RELAY_LEASE_NAME.",
+    )
+    outbox_columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="With RELAY_OUTBOX_TABLE, for `relay migrate --own-table`: which column "
+        "of the table is each of the relay's fields, as JSON, e.g. "
+        '{"topic": "aggregatetype", "key": "aggregateid", "message_id": "id", '
+        '"header:type": "type"}. Fields: id, message_id, topic, key, payload, headers, '
+        "created_at, available_at, and header:NAME for a column sent as header NAME. A "
+        "field not named maps to the column of its own name, if the table has one.",
+    )
     log_format: Literal["json", "console"] | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -131,6 +161,35 @@ class CommonSettings(BaseSettings):
         if "#" in value:
             raise ValueError("must not contain '#' (it names a shard's lease: default#3/8)")
         return value
+
+    @field_validator("outbox_table")
+    @classmethod
+    def _outbox_table_fits(cls, value: str | None) -> str | None:
+        if value is not None and len("relay_" + value) > 63:
+            raise ValueError("too long: its view's schema, relay_<schema>_<table>, needs <= 63")
+        return value
+
+    @field_validator("outbox_columns")
+    @classmethod
+    def _outbox_columns_shape(cls, value: dict[str, str]) -> dict[str, str]:
+        for field, column in value.items():
+            name = field.removeprefix("header:")
+            if field == name and field not in OWN_TABLE_FIELDS:
+                raise ValueError(
+                    f"unknown field {field!r}: one of {', '.join(OWN_TABLE_FIELDS)}, or header:NAME"
+                )
+            if not name or not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name):
+                raise ValueError(f"{field!r}: a header name is letters, digits, _ . -")
+            if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", column):
+                raise ValueError(f"{field!r}: {column!r} is not a lower-case column name")
+        return value
+
+    @property
+    def outbox_view_schema(self) -> str | None:
+        """Where `relay migrate --own-table` puts the view the relay reads the table by."""
+        if self.outbox_table is None:
+            return None
+        return "relay_" + self.outbox_table.replace(".", "_")
 
     @field_validator("database_url")
     @classmethod
@@ -269,6 +328,16 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
             raise SettingsError(
                 "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
                 "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
+            )
+        if self.outbox_table is not None and self.lease_name == "default":
+            raise SettingsError(
+                "RELAY_LEASE_NAME",
+                "set a lease name of its own with RELAY_OUTBOX_TABLE (one per outbox: "
+                "the lease table is shared)",
+            )
+        if self.outbox_table is not None and self.shards > 1:
+            raise SettingsError(
+                "RELAY_SHARDS", "must be 1 with RELAY_OUTBOX_TABLE (not supported yet)"
             )
         if 0 < self.give_way_seconds < 2 * self.heartbeat_seconds:
             raise SettingsError(

@@ -900,6 +900,125 @@ ORDER BY r.key;
 SELECT max(version) AS version FROM schema_migrations;
 
 ------------------------------------------------------------------------------------
+-- Bring your own outbox table (relay/own_table.py, `relay migrate --own-table`)
+--
+-- The relay reads an existing table (RELAY_OUTBOX_TABLE) through a view named outbox in
+-- a schema of its own, relay_<schema>_<table>, that renames its columns to the relay's
+-- (RELAY_OUTBOX_COLUMNS); the relay's sessions put that schema first on their
+-- search_path, so every statement above runs unchanged against it. The view is simple,
+-- so PostgreSQL plans through it to the table's own partial indexes, and the relay's
+-- UPDATEs and DELETEs reach the table's rows. The app's columns are never changed: the
+-- relay's bookkeeping lives in columns of its own, relay_*. {placeholders} are
+-- composed by psycopg.sql (identifiers and the column expressions the mapping names).
+------------------------------------------------------------------------------------
+
+-- name: own_table_session
+-- A daemon session with RELAY_OUTBOX_TABLE: read the view first. `view_exists` is false
+-- before `relay migrate --own-table` ran; the relay then refuses to start (it would
+-- otherwise find the relay's own outbox table further down the search_path).
+SELECT set_config('search_path',
+                  quote_ident(%(schema)s) || ', ' || current_setting('search_path'),
+                  false) AS search_path,
+       to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exists;
+
+-- name: own_table_columns
+-- The table's columns and their types, to map the relay's fields onto.
+SELECT a.attname AS name, format_type(a.atttypid, NULL) AS type
+FROM pg_attribute AS a
+WHERE a.attrelid = to_regclass(%(table)s)
+  AND a.attnum > 0
+  AND NOT a.attisdropped
+ORDER BY a.attnum;
+
+-- name: own_table_bookkeeping
+-- The relay's columns, added to the app's table (no rewrite: all NULL or a constant).
+ALTER TABLE {table}
+    ADD COLUMN IF NOT EXISTS relay_sent_at             timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_attempts            integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS relay_next_attempt_at     timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_last_error          text,
+    ADD COLUMN IF NOT EXISTS relay_dead_lettered_at    timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_dead_letter_reason  text,
+    ADD COLUMN IF NOT EXISTS relay_promoted_at         timestamptz
+
+-- name: own_table_add_id
+-- Without an integer id of its own: the relay's order, assigned at insert as the
+-- relay's own outbox does. Fills the existing rows: rewrites the table under an
+-- exclusive lock (run it at a quiet time on a large table).
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_id bigint GENERATED ALWAYS AS IDENTITY
+
+-- name: own_table_add_message_id
+-- Without a message id: a uuid per row (rewrites the table, like relay_id).
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_message_id uuid NOT NULL DEFAULT gen_random_uuid()
+
+-- name: own_table_add_created_at
+-- Without a creation time: existing rows get the time of this statement.
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_created_at timestamptz NOT NULL DEFAULT now()
+
+-- name: own_table_schema
+CREATE SCHEMA IF NOT EXISTS {schema}
+
+-- name: own_table_view_drop
+DROP VIEW IF EXISTS {view}
+
+-- name: own_table_view
+-- The table in the relay's layout. Columns the mapping does not name are NULL.
+CREATE VIEW {view} AS
+SELECT {id} AS id,
+       {message_id} AS message_id,
+       {topic} AS topic,
+       {key} AS key,
+       {payload} AS payload,
+       {headers} AS headers,
+       {created_at} AS created_at,
+       {available_at} AS available_at,
+       t.relay_sent_at AS sent_at,
+       t.relay_attempts AS attempts,
+       t.relay_next_attempt_at AS next_attempt_at,
+       t.relay_last_error AS last_error,
+       t.relay_dead_lettered_at AS dead_lettered_at,
+       t.relay_dead_letter_reason AS dead_letter_reason,
+       t.relay_promoted_at AS promoted_at
+FROM {table} AS t
+
+-- name: own_table_index_unsent
+-- The drain indexes of migrations 0001-0008, on the table's own columns: unsent rows
+-- that are due, in id order ({due} is `true` without an available_at column).
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
+
+-- name: own_table_index_key
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
+
+-- name: own_table_index_backoff
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
+      AND relay_next_attempt_at IS NOT NULL
+
+-- name: own_table_index_failing
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND relay_attempts > 0
+
+-- name: own_table_index_dead_letter
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+    WHERE relay_dead_lettered_at IS NOT NULL
+
+-- name: own_table_index_sent
+CREATE INDEX IF NOT EXISTS {index} ON {table} (relay_sent_at)
+    WHERE relay_sent_at IS NOT NULL
+
+-- name: own_table_index_scheduled
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({available_at})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
+      AND {available_at} IS NOT NULL AND relay_promoted_at IS NULL
+
+-- name: own_table_index_scheduled_key
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
+      AND {available_at} IS NOT NULL AND relay_promoted_at IS NULL
+
+------------------------------------------------------------------------------------
 -- Migrations (relay/migrate.py)
 ------------------------------------------------------------------------------------
 

@@ -1,0 +1,216 @@
+"""Bring your own outbox table: drain an existing table (say, Debezium's outbox event
+router layout) without changing the app's columns or its inserts.
+
+`relay migrate --own-table` adds the relay's bookkeeping columns (relay_*) and partial
+indexes to the table, and a view `relay_<schema>_<table>.outbox` that shows it in the
+relay's layout (RELAY_OUTBOX_COLUMNS names which column is which field). The daemon's
+sessions put that schema first on their search_path (`db.connect`), so every
+statement in queries.sql runs unchanged: the view is simple, so PostgreSQL plans
+through it to the table's indexes, and UPDATEs and DELETEs reach the table's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg import sql
+
+from relay import db
+from relay.errors import MigrationError, SettingsError
+from relay.logging import get_logger
+from relay.queries import QUERIES
+from relay.settings import CommonSettings
+
+log = get_logger("relay.own_table")
+
+_INTEGER = {"bigint", "integer", "smallint"}
+_TEXT = {"text", "character varying", "character", "name"}
+_JSON = {"jsonb", "json"}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How the relay's fields are read from the table: SQL expressions over `t`."""
+
+    table: sql.Composable
+    columns: dict[str, str]  # the table's columns and their types
+    adds: list[LiteralString]  # bookkeeping columns the table lacks: their statements
+    fields: dict[str, sql.Composable]  # field -> expression in the view
+    index_columns: dict[str, sql.Composable]  # id, key, available_at on the bare table
+
+
+def _column(name: str, prefix: str | None = None) -> sql.Composable:
+    return sql.Identifier(prefix, name) if prefix else sql.Identifier(name)
+
+
+def plan_layout(settings: CommonSettings, columns: dict[str, str]) -> Layout:
+    """Map the relay's fields onto `columns` (name -> type); a clear error for a
+    mapping the table cannot serve."""
+    assert settings.outbox_table is not None
+    mapping = dict(settings.outbox_columns)
+    for field in ("id", "message_id", "topic", "key", "payload", "headers", "created_at"):
+        if field not in mapping and field in columns:
+            mapping[field] = field  # the column of the field's own name
+    if "available_at" not in mapping and "available_at" in columns:
+        mapping["available_at"] = "available_at"
+    missing = sorted(c for c in mapping.values() if c not in columns)
+    if missing:
+        raise SettingsError(
+            "RELAY_OUTBOX_COLUMNS", f"{settings.outbox_table} has no column {', '.join(missing)}"
+        )
+
+    def kind(field: str) -> str:
+        return columns[mapping[field]]
+
+    adds: list[LiteralString] = []
+    fields: dict[str, sql.Composable] = {}
+    bare: dict[str, sql.Composable] = {}
+
+    def col(field: str, on: str | None = "t") -> sql.Composable:
+        return _column(mapping[field], on)
+
+    if "id" in mapping and kind("id") in _INTEGER:
+        fields["id"], bare["id"] = col("id"), col("id", None)
+    elif "id" in mapping and settings.outbox_columns.get("id"):
+        raise SettingsError(
+            "RELAY_OUTBOX_COLUMNS", f"id must be an integer column, not {kind('id')}"
+        )
+    else:
+        adds.append(QUERIES.own_table_add_id)
+        fields["id"], bare["id"] = sql.SQL("t.relay_id"), sql.SQL("relay_id")
+    if "message_id" in mapping:
+        fields["message_id"] = col("message_id")
+    else:
+        adds.append(QUERIES.own_table_add_message_id)
+        fields["message_id"] = sql.SQL("t.relay_message_id")
+    if "topic" not in mapping:
+        raise SettingsError(
+            "RELAY_OUTBOX_COLUMNS",
+            'no column for topic: name one, e.g. {"topic": "aggregatetype"}',
+        )
+    fields["topic"] = sql.SQL("{}::text").format(col("topic"))
+    if "key" in mapping:
+        fields["key"] = sql.SQL("{}::text").format(col("key"))
+        bare["key"] = sql.SQL("({}::text)").format(col("key", None))
+    else:
+        fields["key"] = sql.SQL("NULL::text")
+    fields["payload"] = _payload(mapping.get("payload"), columns)
+    fields["headers"] = _headers(mapping, columns)
+    if "created_at" in mapping:
+        fields["created_at"] = sql.SQL("{}::timestamptz").format(col("created_at"))
+    else:
+        adds.append(QUERIES.own_table_add_created_at)
+        fields["created_at"] = sql.SQL("t.relay_created_at")
+    if "available_at" in mapping:
+        fields["available_at"] = sql.SQL("{}::timestamptz").format(col("available_at"))
+        bare["available_at"] = col("available_at", None)
+    else:
+        fields["available_at"] = sql.SQL("NULL::timestamptz")
+    table = sql.Identifier(*settings.outbox_table.split("."))
+    return Layout(table, columns, adds, fields, bare)
+
+
+def _payload(column: str | None, columns: dict[str, str]) -> sql.Composable:
+    if column is None:
+        return sql.SQL("NULL::bytea")
+    kind = columns[column]
+    ref = _column(column, "t")
+    if kind == "bytea":
+        return ref
+    if kind in _TEXT:
+        return sql.SQL("convert_to({}, 'UTF8')").format(ref)
+    if kind in _JSON:  # sent as PostgreSQL prints it
+        return sql.SQL("convert_to({}::text, 'UTF8')").format(ref)
+    raise SettingsError(
+        "RELAY_OUTBOX_COLUMNS", f"payload must be bytea, text or json(b), not {kind}"
+    )
+
+
+def _headers(mapping: dict[str, str], columns: dict[str, str]) -> sql.Composable:
+    """The row's headers: its own jsonb object, if mapped, plus one per header:NAME."""
+    pairs = [
+        sql.SQL("{}, {}").format(sql.Literal(field.removeprefix("header:")), _column(column, "t"))
+        for field, column in mapping.items()
+        if field.startswith("header:")
+    ]
+    parts: list[sql.Composable] = []
+    if "headers" in mapping:
+        if columns[mapping["headers"]] not in _JSON:
+            raise SettingsError("RELAY_OUTBOX_COLUMNS", "headers must be a json(b) column")
+        parts.append(sql.SQL("{}::jsonb").format(_column(mapping["headers"], "t")))
+    if pairs:
+        parts.append(sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(pairs)))
+    if not parts:
+        return sql.SQL("NULL::jsonb")
+    if len(parts) == 1:
+        return parts[0]
+    return sql.SQL("coalesce({}, '{{}}'::jsonb) || {}").format(parts[0], parts[1])
+
+
+def statements(settings: CommonSettings, layout: Layout) -> list[sql.Composed]:
+    """Every statement `relay migrate --own-table` runs, in order (what --dry-run prints)."""
+    assert settings.outbox_table is not None and settings.outbox_view_schema is not None
+    table, schema = layout.table, settings.outbox_view_schema
+    view = sql.Identifier(schema, "outbox")
+    base = settings.outbox_table.split(".")[-1]
+
+    def index(query: LiteralString, what: str) -> sql.Composed:
+        name = sql.Identifier(f"{base}_relay_{what}_idx"[:63])
+        return sql.SQL(query).format(index=name, table=table, due=due, **layout.index_columns)
+
+    due: sql.Composable = sql.SQL("true")
+    if "available_at" in layout.index_columns:
+        due = sql.SQL("({} IS NULL OR relay_promoted_at IS NOT NULL)").format(
+            layout.index_columns["available_at"]
+        )
+    out: list[sql.Composed] = [sql.SQL(QUERIES.own_table_bookkeeping).format(table=table)]
+    out += [sql.SQL(add).format(table=table) for add in layout.adds]
+    out.append(sql.SQL(QUERIES.own_table_schema).format(schema=sql.Identifier(schema)))
+    out.append(sql.SQL(QUERIES.own_table_view_drop).format(view=view))
+    out.append(sql.SQL(QUERIES.own_table_view).format(view=view, table=table, **layout.fields))
+    out.append(index(QUERIES.own_table_index_unsent, "unsent"))
+    out.append(index(QUERIES.own_table_index_failing, "failing"))
+    out.append(index(QUERIES.own_table_index_dead_letter, "dead_letter"))
+    out.append(index(QUERIES.own_table_index_sent, "sent"))
+    keyed = "key" in layout.index_columns
+    if keyed:
+        out.append(index(QUERIES.own_table_index_key, "key"))
+        out.append(index(QUERIES.own_table_index_backoff, "backoff"))
+    if "available_at" in layout.index_columns:
+        out.append(index(QUERIES.own_table_index_scheduled, "scheduled"))
+        if keyed:
+            out.append(index(QUERIES.own_table_index_scheduled_key, "scheduled_key"))
+    return out
+
+
+def migrate_own_table(settings: CommonSettings, *, dry_run: bool = False) -> list[str]:
+    """`relay migrate --own-table`: the statements, as text; applied in one transaction
+    unless `dry_run`. Run again after changing RELAY_OUTBOX_COLUMNS: it is idempotent."""
+    if settings.outbox_table is None:
+        raise SettingsError("RELAY_OUTBOX_TABLE", "is needed by `relay migrate --own-table`")
+    with db.connect(settings, purpose="migrate") as conn:
+        conn.execute(QUERIES.migrations_no_timeout)
+        columns = _columns(conn, settings.outbox_table)
+        planned = statements(settings, plan_layout(settings, columns))
+        texts = [s.as_string(conn) for s in planned]
+        if dry_run:
+            return texts
+        try:
+            with conn.transaction():
+                for statement in planned:
+                    conn.execute(statement)
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
+    log.info("migration.own_table", table=settings.outbox_table, view=settings.outbox_view_schema)
+    return texts
+
+
+def _columns(conn: db.Conn, table: str) -> dict[str, str]:
+    rows: list[dict[str, Any]] = conn.execute(
+        QUERIES.own_table_columns, {"table": table}
+    ).fetchall()
+    if not rows:
+        raise SettingsError("RELAY_OUTBOX_TABLE", f"no table {table} in this database")
+    return {r["name"]: r["type"] for r in rows}

@@ -1,0 +1,199 @@
+"""Bring your own outbox table, on real PostgreSQL and Kafka: a table in Debezium's
+outbox event router layout, written by the app's own unchanged inserts, drains in order
+per aggregateid beside the relay's own outbox, each with its lease."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import uuid
+
+import psycopg
+import pytest
+
+from relay import db
+from relay.errors import SettingsError
+from relay.queries import QUERIES
+from relay.settings import Settings
+from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
+from tests.harness.kafka import Record, TansuBroker, consume
+from tests.support import assert_per_key_order, insert_rows, running_relay, scalar, wait_until
+
+TABLE = "inventory.outboxevent"
+VIEW_SCHEMA = "relay_inventory_outboxevent"
+# Debezium's documented outbox table (the outbox event router's defaults).
+DEBEZIUM_TABLE = """
+CREATE SCHEMA inventory;
+CREATE TABLE inventory.outboxevent (
+    id            uuid         NOT NULL PRIMARY KEY,
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid   varchar(255) NOT NULL,
+    type          varchar(255) NOT NULL,
+    payload       jsonb
+);
+"""
+COLUMNS = {
+    "topic": "aggregatetype",
+    "key": "aggregateid",
+    "message_id": "id",
+    "header:type": "type",
+}
+
+
+def app_insert(dsn: str, topic: str, rows: list[tuple[str, int]]) -> None:
+    """The app's own INSERT, exactly as it was before the relay: it knows nothing of it."""
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        for aggregate, step in rows:
+            conn.execute(
+                "INSERT INTO inventory.outboxevent (id, aggregatetype, aggregateid, type, payload)"
+                " VALUES (gen_random_uuid(), %s, %s, 'OrderCreated', %s)",
+                (topic, aggregate, json.dumps({"v": f"{aggregate}:{step}"})),
+            )
+
+
+def migrate_own_table(database: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        relay_command("migrate", "--own-table", *extra),
+        env=relay_env(database, RELAY_OUTBOX_TABLE=TABLE, RELAY_OUTBOX_COLUMNS=json.dumps(COLUMNS)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def grant_view(database: str) -> None:
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(f"GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE}")
+        conn.execute(f"GRANT SELECT, UPDATE, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE}")
+
+
+@pytest.fixture
+def debezium_table(database: str) -> str:
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(DEBEZIUM_TABLE)
+    return database
+
+
+def per_aggregate_order(records: list[Record]) -> None:
+    """Each record's value as `aggregate:step` (from the JSON payload), then per-key order."""
+    assert_per_key_order(
+        [dataclasses.replace(r, value=json.loads(r.value or b"")["v"].encode()) for r in records]
+    )
+
+
+def test_a_debezium_table_drains_in_order_per_aggregate_beside_the_relays_own_outbox(
+    make_settings: SettingsFactory,
+    debezium_table: str,
+    kafka: TansuBroker,
+) -> None:
+    database = debezium_table
+    events, own = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("order", "own"))
+    kafka.create_topic(events, partitions=3)
+    kafka.create_topic(own, partitions=1)
+    before = [(f"agg{a}", step) for step in range(5) for a in range(4)]
+    app_insert(database, events, before)  # rows already there: they drain too
+
+    done = migrate_own_table(database)
+    assert done.returncode == 0, done.stderr
+    grant_view(database)
+    after = [(f"agg{a}", step) for step in range(5, 10) for a in range(4)]
+    app_insert(database, events, after)
+    insert_rows(database, own, [("k", b"k:0"), ("k", b"k:1")])  # the relay's own outbox
+
+    with (
+        running_relay(make_settings(outbox_table=TABLE, lease_name="inventory")),
+        running_relay(make_settings(replica_id="own-outbox")),
+    ):
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM inventory.outboxevent") == 0,
+            timeout=30,
+            message="the Debezium table drained",
+        )
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM public.outbox") == 0,
+            timeout=30,
+            message="the relay's own outbox drained",
+        )
+    records = consume(kafka.bootstrap_servers, events, min_count=40)
+    per_aggregate_order(records)
+    assert {json.loads(r.value or b"")["v"] for r in records} == {
+        f"{a}:{s}" for a, s in before + after
+    }
+    assert all(r.headers["type"] == b"OrderCreated" for r in records)
+    assert all(uuid.UUID(r.headers["message-id"].decode()) for r in records)
+    assert [r.value for r in consume(kafka.bootstrap_servers, own, min_count=2)] == [
+        b"k:0",
+        b"k:1",
+    ]
+    leases = scalar(database, "SELECT string_agg(name, ',' ORDER BY name) FROM leases")
+    assert leases == "default,inventory"
+    # The app's columns are as they were; the relay's are its own.
+    columns = scalar(
+        database,
+        "SELECT string_agg(attname, ',' ORDER BY attnum) FROM pg_attribute"
+        " WHERE attrelid = 'inventory.outboxevent'::regclass AND attnum > 0"
+        " AND NOT attisdropped",
+    )
+    assert columns.startswith("id,aggregatetype,aggregateid,type,payload,relay_")
+
+
+def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
+    make_settings: SettingsFactory, debezium_table: str
+) -> None:
+    database = debezium_table
+    app_insert(database, "t", [(f"agg{n % 50}", n) for n in range(3000)])
+    assert migrate_own_table(database).returncode == 0
+    grant_view(database)
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ANALYZE inventory.outboxevent")
+    settings = make_settings(outbox_table=TABLE, lease_name="inventory")
+    params = {"limit": 100, "max_bytes": 1 << 20, "in_flight": "{}", "held": []}
+    params |= {"shards": 1, "shard": 0}
+    with db.connect(settings, purpose="drain") as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        plan = "\n".join(
+            r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + QUERIES.fetch_head, params)
+        )
+        rows = conn.execute(QUERIES.fetch_head, params).fetchall()
+    assert "outboxevent_relay_unsent_idx" in plan, plan
+    assert "outboxevent_relay_backoff_idx" in plan, plan
+    assert "Seq Scan" not in plan, plan
+    assert len(rows) == 100 and all(r["ready"] for r in rows)
+
+
+def test_dry_run_prints_the_sql_and_changes_nothing(debezium_table: str) -> None:
+    done = migrate_own_table(debezium_table, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    for expected in (
+        'ALTER TABLE "inventory"."outboxevent"',
+        "relay_id bigint GENERATED ALWAYS AS IDENTITY",
+        'CREATE VIEW "relay_inventory_outboxevent"."outbox"',
+        '"t"."aggregateid"::text AS key',
+        'jsonb_build_object(\'type\', "t"."type")',
+        'CREATE INDEX IF NOT EXISTS "outboxevent_relay_unsent_idx"',
+    ):
+        assert expected in done.stdout, (expected, done.stdout)
+    assert scalar(debezium_table, "SELECT to_regnamespace(%s)", (VIEW_SCHEMA,)) is None
+    assert scalar(debezium_table, "SELECT count(*) FROM schema_migrations") > 0  # as before
+    assert (
+        scalar(
+            debezium_table,
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = 'inventory.outboxevent'::regclass"
+            " AND attname LIKE 'relay%%'",
+        )
+        == 0
+    )
+
+
+def test_an_own_table_needs_its_lease_name_and_its_view(
+    make_settings: SettingsFactory, debezium_table: str
+) -> None:
+    with pytest.raises(SettingsError, match="RELAY_LEASE_NAME"):
+        make_settings(outbox_table=TABLE)
+    with pytest.raises(ValueError, match="outbox_columns"):
+        Settings(database_url="postgresql://x@h/d", outbox_columns={"topik": "a"})
+    settings = make_settings(outbox_table=TABLE, lease_name="inventory")
+    with pytest.raises(SettingsError, match="relay migrate --own-table"):
+        db.connect(settings, purpose="drain")
