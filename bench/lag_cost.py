@@ -22,6 +22,7 @@ from typing import Any, LiteralString
 
 import psycopg
 
+from relay.lag import AGE_WINDOW
 from relay.migrate import migrate
 from relay.queries import QUERIES
 from relay.settings import CommonSettings
@@ -95,7 +96,7 @@ def main() -> None:
             print(f" (built in {time.monotonic() - started:.0f}s)")
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute(QUERIES.disable_jit)  # as the sampler's session does
-                params = {"cap": args.cap}
+                params = {"cap": args.cap, "age_window": AGE_WINDOW}
                 sample = conn.execute(QUERIES.lag_sample, params).fetchone()
                 print(f"  lag_sample -> {sample}")
                 for label, sql, p in (

@@ -543,7 +543,7 @@ class Drainer:
         """Scheduled delivery: let the rows that are due into the drain, at most a batch
         a pass, then note when to look again: at once if a batch was due, at the next
         row's time, and at most a longest idle poll away (the app may schedule an
-        earlier row meanwhile). Before the fetch, so a row due now goes in this batch."""
+        earlier row meanwhile). Before the fetch, so a row due now is in the next one read."""
         if self._clock() < self._promote_at:
             return
         promoted = repository.promote_due(
@@ -570,7 +570,10 @@ class Drainer:
         )
         self._idle_polls += 1
         if self._wakeup is not None:
-            self._wakeup.wait(delay)  # a NOTIFY, the poll, or shutdown: whichever first
+            # A NOTIFY, the poll, or shutdown: whichever first. A NOTIFY may announce a
+            # row scheduled sooner than any we knew of: look for due rows too.
+            if self._wakeup.wait(delay):
+                self._promote_at = 0.0
         else:
             self._shutdown.wait(delay)
 

@@ -31,6 +31,10 @@ from relay.settings import Settings
 log = get_logger("relay.lag")
 
 
+# The oldest age is the longest wait among this many rows at the head (lag_sample).
+AGE_WINDOW = 1_000
+
+
 @dataclass(frozen=True, slots=True)
 class LagSample:
     unsent: int
@@ -48,7 +52,7 @@ class LagSample:
 
 
 def measure(conn: Conn, cap: int) -> LagSample:
-    row = conn.execute(QUERIES.lag_sample, {"cap": cap}).fetchone()
+    row = conn.execute(QUERIES.lag_sample, {"cap": cap, "age_window": AGE_WINDOW}).fetchone()
     assert row is not None  # an aggregate-only SELECT always returns one row
     return LagSample(
         unsent=int(row["unsent"]),

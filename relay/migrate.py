@@ -94,8 +94,10 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> list[str
 
 
 def shard_index_names(shards: int) -> tuple[str, str]:
-    """The two indexes a count of `shards` needs: unsent rows by id, and their keys."""
-    return f"outbox_shards_{shards}_idx", f"outbox_shards_{shards}_key_idx"
+    """The two indexes a count of `shards` needs: unsent rows that are due by id, and
+    their keys. (`outbox_shards_N_idx` and `_key_idx`, built before scheduled delivery,
+    also held rows not yet due; a relay of that release still reads them.)"""
+    return f"outbox_shards_{shards}_due_idx", f"outbox_shards_{shards}_due_key_idx"
 
 
 def shard_index_state(conn: db.Conn, shards: int) -> dict[str, bool]:

@@ -29,12 +29,13 @@ class Wakeup:
     def __init__(self) -> None:
         self._event = threading.Event()
 
-    def wait(self, timeout: float) -> None:
-        """Sleep up to `timeout`, less if woken. Cleared on return, before the caller
-        fetches: a NOTIFY comes after its commit, so one that lands from here on is
-        either seen by that fetch or wakes the next wait at once."""
-        self._event.wait(timeout)
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout`, less if woken; True if woken. Cleared on return, before
+        the caller fetches: a NOTIFY comes after its commit, so one that lands from here
+        on is either seen by that fetch or wakes the next wait at once."""
+        woken = self._event.wait(timeout)
         self._event.clear()
+        return woken
 
     def set(self) -> None:
         self._event.set()

@@ -72,14 +72,21 @@ def test_schema_has_the_contract_columns_and_partial_index(database: str) -> Non
         ("headers", "jsonb", "YES"),
         ("created_at", "timestamp with time zone", "NO"),
     ]
-    # Unsent, live, and due: scheduled rows (migration 0008) enter it when promoted.
     assert (
-        index is not None
+        index is not None and "WHERE ((sent_at IS NULL) AND (dead_lettered_at IS NULL))" in index[0]
+    )
+    # The drain's own, since scheduled delivery: unsent, live, and due (0009).
+    with psycopg.connect(database) as conn:
+        due = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_due_idx'"
+        ).fetchone()
+    assert (
+        due is not None
         and (
             "WHERE ((sent_at IS NULL) AND (dead_lettered_at IS NULL)"
             " AND ((available_at IS NULL) OR (promoted_at IS NOT NULL)))"
         )
-        in index[0]
+        in due[0]
     )
 
 

@@ -214,12 +214,12 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
         )
         conn.execute("ANALYZE outbox")
         row = conn.execute(
-            "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100_000}
+            "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100_000, "age_window": 1000}
         ).fetchone()
     assert row is not None
     plan = json.dumps(row[0])
     assert '"Seq Scan"' not in plan and '"Bitmap Heap Scan"' not in plan, plan
-    for index in ("outbox_unsent_idx", "outbox_failing_rows_idx", "outbox_dead_letter_idx"):
+    for index in ("outbox_due_idx", "outbox_failing_rows_idx", "outbox_dead_letter_idx"):
         assert index in plan
 
 
@@ -238,7 +238,8 @@ def test_lag_sample_cost_follows_the_cap_not_the_number_of_failing_rows(database
 
     def pages() -> int:
         row = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100}
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + QUERIES.lag_sample,
+            {"cap": 100, "age_window": 1000},
         ).fetchone()
         assert row is not None
         top = row[0][0]["Plan"]
@@ -249,7 +250,7 @@ def test_lag_sample_cost_follows_the_cap_not_the_number_of_failing_rows(database
         few = pages()
         failing(27_000)
         many = pages()
-        sample = conn.execute(QUERIES.lag_sample, {"cap": 100}).fetchone()
+        sample = conn.execute(QUERIES.lag_sample, {"cap": 100, "age_window": 1000}).fetchone()
     assert many < 2 * few + 50, f"{few} pages with 3,000 failing rows, {many} with 30,000"
     assert sample is not None
     assert sample[0] == 100 and sample[2] == 100  # unsent and blocked, both capped

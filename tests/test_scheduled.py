@@ -18,7 +18,8 @@ from psycopg.rows import dict_row
 
 import relay
 from relay import lag, repository
-from relay.migrate import migrate, migrations_dir
+from relay.errors import MigrationError
+from relay.migrate import create_shard_indexes, migrate, migrations_dir, shard_index_names
 from relay.settings import CommonSettings
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
@@ -187,33 +188,69 @@ def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
     pg.drop_database(name)
 
 
-def test_the_migration_rebuilds_existing_shard_indexes_without_scheduled_rows(
+OLD_SHARD_INDEXES = (  # what `relay migrate --shards 3` built before scheduled delivery
+    "CREATE INDEX outbox_shards_3_idx ON outbox (outbox_shard(key, id, 3), id)"
+    " WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+    "CREATE INDEX outbox_shards_3_key_idx ON outbox (outbox_shard(key, id, 3), key, id)"
+    " WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+)
+
+
+def indexes(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
+        ).fetchall()
+    return {name: definition for name, definition in rows}
+
+
+def test_an_upgrade_keeps_the_previous_releases_indexes_for_a_rolling_upgrade(
     db_at_0007: str,
 ) -> None:
     with psycopg.connect(db_at_0007, autocommit=True) as conn:
-        conn.execute(  # what `relay migrate --shards 3` built before 0008
-            "CREATE INDEX outbox_shards_3_idx ON outbox (outbox_shard(key, id, 3), id)"
-            " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        for statement in OLD_SHARD_INDEXES:
+            conn.execute(statement)
+    before = indexes(db_at_0007)
+    migrate(CommonSettings(database_url=db_at_0007))
+    after = indexes(db_at_0007)
+    # A relay of the previous release, still running, reads exactly these.
+    for name in ("outbox_unsent_idx", "outbox_key_idx", "outbox_shards_3_idx"):
+        assert after[name] == before[name]
+    for name in ("outbox_due_idx", "outbox_due_key_idx"):
+        assert "promoted_at IS NOT NULL" in after[name], after[name]
+    # This release's shard indexes are built by `relay migrate --shards 3` again.
+    assert create_shard_indexes(CommonSettings(database_url=db_at_0007), 3) == list(
+        shard_index_names(3)
+    )
+
+
+def test_a_dba_can_build_the_indexes_concurrently_first_and_a_failed_build_is_named(
+    db_at_0007: str,
+) -> None:
+    with psycopg.connect(db_at_0007, autocommit=True) as conn:
+        conn.execute(  # as migration 0008 does, by hand
+            "ALTER TABLE outbox ADD COLUMN available_at timestamptz,"
+            " ADD COLUMN promoted_at timestamptz"
         )
         conn.execute(
-            "CREATE INDEX outbox_shards_3_key_idx ON outbox (outbox_shard(key, id, 3), key, id)"
+            "CREATE INDEX CONCURRENTLY outbox_due_idx ON outbox (id)"
             " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+            " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
         )
-    migrate(CommonSettings(database_url=db_at_0007))
-    with psycopg.connect(db_at_0007) as conn:
-        found: dict[str, str] = dict(
-            conn.execute(
-                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
-            ).fetchall()
+        conn.execute("UPDATE pg_index SET indisvalid = false"  # a build that failed
+                     " WHERE indexrelid = 'outbox_due_idx'::regclass")  # fmt: skip
+    with pytest.raises(MigrationError, match="outbox_due_idx"):
+        migrate(CommonSettings(database_url=db_at_0007))
+    with psycopg.connect(db_at_0007, autocommit=True) as conn:
+        conn.execute("DROP INDEX outbox_due_idx")
+        conn.execute(
+            "CREATE INDEX CONCURRENTLY outbox_due_idx ON outbox (id)"
+            " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+            " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
         )
-    for name in (
-        "outbox_unsent_idx",
-        "outbox_key_idx",
-        "outbox_shards_3_idx",
-        "outbox_shards_3_key_idx",
-    ):
-        assert "promoted_at IS NOT NULL" in found[name], found[name]
-    assert not any(name.endswith("_v2") for name in found)
+    applied = migrate(CommonSettings(database_url=db_at_0007))  # 0008 went in before
+    assert [name[:4] for name in applied] == ["0009"]
+    assert "outbox_scheduled_key_idx" in indexes(db_at_0007)
 
 
 def test_new_shard_indexes_leave_out_scheduled_rows(database: str) -> None:
@@ -226,8 +263,24 @@ def test_new_shard_indexes_leave_out_scheduled_rows(database: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    defs = [
-        scalar(database, "SELECT indexdef FROM pg_indexes WHERE indexname = %s", (name,))
-        for name in ("outbox_shards_2_idx", "outbox_shards_2_key_idx")
-    ]
+    found = indexes(database)
+    defs = [found[name] for name in shard_index_names(2)]
     assert all("promoted_at IS NOT NULL" in d for d in defs), defs
+
+
+def test_a_promoted_row_at_the_head_does_not_hide_a_longer_wait_behind_it(database: str) -> None:
+    """Found in review: the oldest age was the lowest id's, and a scheduled row promoted
+    10 s ago sits at its old id, in front of a row waiting for 6 hours."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, created_at, available_at, promoted_at)"
+            " VALUES ('t', 'a', 'x', now() - interval '1 day', now() - interval '10 seconds',"
+            "         now())"
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, created_at)"
+            " VALUES ('t', 'b', 'y', now() - interval '6 hours')"
+        )
+        sample = lag.measure(conn, 100)
+    assert sample.unsent == 2
+    assert 6 * 3600 <= sample.oldest_unsent_age_seconds < 6 * 3600 + 60

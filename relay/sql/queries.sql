@@ -178,7 +178,7 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
        set_config('jit', 'off', false);
 
 -- name: walk_shard_indexes_in_order
--- For a shard's drain session (RELAY_SHARDS > 1): no bitmap scans. outbox_shards_N_idx
+-- For a shard's drain session (RELAY_SHARDS > 1): no bitmap scans. outbox_shards_N_due_idx
 -- leads with the shard hash, which has no correlation with the table's order, so the
 -- planner prices the ordered walk of one shard's rows as random reads and, once a
 -- batch is a percent or so of the shard's backlog, would rather read ALL of the
@@ -189,7 +189,7 @@ SELECT set_config('enable_bitmapscan', 'off', false);
 
 -- name: fetch_head
 -- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
--- order through outbox_unsent_idx, whatever they are, each with its size and whether
+-- order through outbox_due_idx, whatever they are, each with its size and whether
 -- it is `ready` (not waiting out a retry backoff, and no earlier row of its key is: one
 -- probe of the tiny outbox_backoff_idx; nor of a key in %(held)s, which the relay holds
 -- back while an earlier row of it is in flight, say in a sick partition). No "id > last seen" cursor: a row that commits
@@ -270,14 +270,14 @@ FROM (SELECT head.*,
             FROM outbox AS o
             WHERE o.sent_at IS NULL
               AND o.dead_lettered_at IS NULL
-              -- Not scheduled, or due and promoted (promote_due): outbox_unsent_idx.
+              -- Not scheduled, or due and promoted (promote_due): outbox_due_idx.
               AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
               -- The batches published and not yet settled. The parameter is sent
               -- untyped, so the cast makes it a bigint[] constant of the custom plan:
               -- a hash lookup.
               AND o.id <> ALL(%(in_flight)s::bigint[])
               -- With RELAY_SHARDS > 1, this shard's rows only, through its index
-              -- (outbox_shards_N_idx); with one shard the test folds away.
+              -- (outbox_shards_N_due_idx); with one shard the test folds away.
               AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
             ORDER BY o.id
             LIMIT %(limit)s) AS head) AS h
@@ -294,7 +294,7 @@ ORDER BY h.id;
 --    this statement when either holds, or when a key passes the cap in a head that is
 --    not full):
 -- 3. keys: up to %(limit)s keys with unsent rows, in key order from just after
---    %(after_key)s, wrapping around once (a loose index scan of outbox_key_idx: one
+--    %(after_key)s, wrapping around once (a loose index scan of outbox_due_key_idx: one
 --    descent per key), leaving out keys that already have their share in a head full
 --    of ready rows; beyond: each key's next rows after the head, an equal share of the
 --    batch each, and the next rows without a key.
@@ -337,7 +337,7 @@ WITH RECURSIVE head AS MATERIALIZED (
     FROM outbox AS o
     WHERE o.sent_at IS NULL
       AND o.dead_lettered_at IS NULL
-      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)  -- outbox_unsent_idx
+      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)  -- outbox_due_idx
       -- The batches published and not yet settled. The parameter is sent untyped, so
       -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
       AND o.id <> ALL(%(in_flight)s::bigint[])
@@ -441,9 +441,9 @@ beyond AS (
         FROM outbox AS o
         -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
         -- and not "key = k" ordered by id. With equality the planner may walk
-        -- outbox_unsent_idx in id order and filter on the key (it did, when the
+        -- outbox_due_idx in id order and filter on the key (it did, when the
         -- statistics saw one key), reading a hot key's whole backlog to find a rare
-        -- key's rows. This way only outbox_key_idx yields the order without reading
+        -- key's rows. This way only outbox_due_key_idx yields the order without reading
         -- every candidate row first; "id > last head id" is checked in the index.
         WHERE o.key >= k.key
           AND o.key <= k.key
@@ -469,7 +469,7 @@ beyond AS (
        AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
        AND o.id <> ALL(%(in_flight)s::bigint[])
        AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
-     ORDER BY o.key, o.id  -- the (key, id) order of outbox_key_idx: see above
+     ORDER BY o.key, o.id  -- the (key, id) order of outbox_due_key_idx: see above
      LIMIT %(limit)s)
 ),
 ranked AS (
@@ -551,7 +551,9 @@ ORDER BY id NULLS LAST;
 -- session has locked wait for the next pass. Needs no fence: letting a due row in is
 -- right whoever does it, and a deposed leader's promotion only saves the next one the
 -- work. With shards, this shard's rows only. Also returns in how many seconds the next
--- scheduled row of the shard is due (NULL: none), so the loop knows when to look again.
+-- scheduled row is due (NULL: none), so the loop knows when to look again: of any shard,
+-- one probe (filtering on this shard would walk every other shard's schedule, a cost
+-- that grows with it); at worst a cheap pass that finds nothing.
 WITH due AS (
     SELECT o.id
     FROM outbox AS o
@@ -580,7 +582,6 @@ SELECT (SELECT count(*) FROM promoted) AS promoted,
            AND o.available_at IS NOT NULL
            AND o.promoted_at IS NULL
            AND o.available_at > now()
-           AND (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
          ORDER BY o.available_at
          LIMIT 1) AS next_due_in_seconds;
 
@@ -689,7 +690,7 @@ WHERE id IN (
 -- name: lag_sample
 -- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
 -- outbox (README "Lag metrics: cost"): counts stop at the cap; the oldest unsent row is
--- the lowest id in outbox_unsent_idx (one index probe); "blocked" counts, among at most
+-- the lowest id in outbox_due_idx (one index probe); "blocked" counts, among at most
 -- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the
 -- rows that have failed (next_attempt_at set) and the later rows of their key, which
 -- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
@@ -697,7 +698,10 @@ WHERE id IN (
 -- count the rows due, let in or not yet (an age counts from available_at, if later than
 -- created_at); rows not due yet are counted apart, with when the next one is due. The
 -- scheduled rows are read through outbox_scheduled_idx: counts stop at the cap, the
--- oldest and next due are one probe each.
+-- oldest and next due are one probe each. Once promoted, a scheduled row sits in its
+-- id's place, so the lowest id is no longer always the longest wait: the oldest age is
+-- the longest wait among the first %(age_window)s rows (a few heap reads, not a walk of
+-- the backlog); a longer wait hidden behind more promoted rows than that is missed.
 SELECT
     least(%(cap)s,
           (SELECT count(*)
@@ -713,12 +717,13 @@ SELECT
                       LIMIT %(cap)s) AS overdue_rows))
         AS unsent,
     greatest(0,
-             (SELECT extract(epoch FROM now() - greatest(created_at, available_at))
-                FROM outbox
-               WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                 AND (available_at IS NULL OR promoted_at IS NOT NULL)
-               ORDER BY id
-               LIMIT 1),
+             (SELECT extract(epoch FROM now() - min(greatest(head.created_at, head.available_at)))
+                FROM (SELECT created_at, available_at
+                        FROM outbox
+                       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                         AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                       ORDER BY id
+                       LIMIT %(age_window)s) AS head),
              (SELECT extract(epoch FROM now() - min(available_at))
                 FROM outbox
                WHERE sent_at IS NULL AND dead_lettered_at IS NULL
@@ -765,7 +770,7 @@ SELECT
 
 -- name: lag_sample_shards
 -- The backlog and oldest unsent age of each of %(shards)s shards (RELAY_SHARDS > 1):
--- one walk of that count's outbox_shards_N_idx per shard, each count stopping at
+-- one walk of that count's outbox_shards_N_due_idx per shard, each count stopping at
 -- %(cap)s (the cap divided among the shards, so a sample costs what it did without
 -- shards). Needs a custom plan (shard count a constant) to match the index expression.
 SELECT s.shard,
