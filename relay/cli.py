@@ -135,6 +135,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f"shard indexes for {args.shards} shards: "
             + (f"built {', '.join(built)}" if built else "already there")
         )
+    if settings.outbox_table is not None and (args.notify_trigger or args.drop_notify_trigger):
+        print(
+            "relay migrate: the notify trigger is for the relay's own outbox; with"
+            " RELAY_OUTBOX_TABLE, NOTIFY from the app or a trigger of your own",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
     if args.notify_trigger is not None:
         set_notify_trigger(settings, args.notify_trigger)
         print(f"notify trigger: every INSERT into outbox notifies {args.notify_trigger!r}")

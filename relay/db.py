@@ -86,16 +86,22 @@ def read_own_table(conn: Conn, settings: CommonSettings) -> None:
     """RELAY_OUTBOX_TABLE: the session reads the table's view (relay/own_table.py) as
     `outbox`. A table never migrated stops the relay, which would otherwise find the
     relay's own outbox further down the search_path and drain the wrong table."""
-    row = conn.execute(
-        QUERIES.own_table_session, {"schema": settings.outbox_view_schema}
-    ).fetchone()
-    if row is None or not row["view_exists"]:
+    params = {"schema": settings.outbox_view_schema, "table": settings.outbox_table}
+    check = conn.execute(QUERIES.own_table_view_check, params).fetchone()
+    if check is None or not check["view_exists"]:
         raise SettingsError(
             "RELAY_OUTBOX_TABLE",
             f"{settings.outbox_table} has no relay view {settings.outbox_view_schema}.outbox"
             " yet: run `relay migrate --own-table` with the same RELAY_OUTBOX_TABLE and"
             " RELAY_OUTBOX_COLUMNS",
         )
+    if not check["view_reads_table"]:
+        raise SettingsError(
+            "RELAY_OUTBOX_TABLE",
+            f"the view {settings.outbox_view_schema}.outbox reads another table than"
+            f" {settings.outbox_table} (two tables whose names map to one view schema)",
+        )
+    conn.execute(QUERIES.own_table_session, params)
 
 
 class Session:

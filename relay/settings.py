@@ -37,6 +37,7 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 from relay.errors import SettingsError
 from relay.sinks import sink_specs
@@ -137,8 +138,9 @@ class CommonSettings(BaseSettings):
     # --- bring your own outbox table (relay/own_table.py) ---
     outbox_table: str | None = Field(
         default=None,
-        pattern=r"^([a-z_][a-z0-9_]{0,62}\.)?[a-z_][a-z0-9_]{0,62}$",
-        description="Drain this existing table (schema.table, lower-case names) instead of "
+        pattern=r"^[a-z_][a-z0-9_]{0,62}\.[a-z_][a-z0-9_]{0,62}$",
+        description="Drain this existing table (schema.table, lower-case names, the schema "
+        "named) instead of "
         "the relay's own `outbox`: the relay reads it through a view that "
         "`relay migrate --own-table` creates from RELAY_OUTBOX_COLUMNS. Give each outbox "
         "its own RELAY_LEASE_NAME.",
@@ -165,6 +167,8 @@ class CommonSettings(BaseSettings):
     @field_validator("outbox_table")
     @classmethod
     def _outbox_table_fits(cls, value: str | None) -> str | None:
+        if value == "public.outbox":
+            raise ValueError("is the relay's own table: leave RELAY_OUTBOX_TABLE unset for it")
         if value is not None and len("relay_" + value) > 63:
             raise ValueError("too long: its view's schema, relay_<schema>_<table>, needs <= 63")
         return value
@@ -464,8 +468,14 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         return cls(**overrides)
     except SettingsError:
         raise
+    except PydanticSettingsError as exc:  # an env value that is not the JSON it must be
+        field = re.search(r'field "([a-z_]+)"', str(exc))
+        name = ENV_PREFIX + field.group(1).upper() if field else "RELAY_*"
+        raise SettingsError(name, "is not valid JSON") from None
     except ValidationError as exc:
         first = exc.errors(include_input=False, include_url=False)[0]
+        if first["loc"] and first["loc"][0] == "outbox_columns":  # a map: name the variable
+            first["loc"] = first["loc"][:1]
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         ctx_error = (first.get("ctx") or {}).get("error")
         if isinstance(ctx_error, SettingsError):

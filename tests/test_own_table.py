@@ -15,7 +15,7 @@ import pytest
 from relay import db
 from relay.errors import SettingsError
 from relay.queries import QUERIES
-from relay.settings import Settings
+from relay.settings import CommonSettings, Settings, load_settings
 from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import Record, TansuBroker, consume
 from tests.support import assert_per_key_order, insert_rows, running_relay, scalar, wait_until
@@ -52,10 +52,12 @@ def app_insert(dsn: str, topic: str, rows: list[tuple[str, int]]) -> None:
             )
 
 
-def migrate_own_table(database: str, *extra: str) -> subprocess.CompletedProcess[str]:
+def migrate_own_table(
+    database: str, *extra: str, columns: dict[str, str] = COLUMNS
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         relay_command("migrate", "--own-table", *extra),
-        env=relay_env(database, RELAY_OUTBOX_TABLE=TABLE, RELAY_OUTBOX_COLUMNS=json.dumps(COLUMNS)),
+        env=relay_env(database, RELAY_OUTBOX_TABLE=TABLE, RELAY_OUTBOX_COLUMNS=json.dumps(columns)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -157,10 +159,21 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
             r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + QUERIES.fetch_head, params)
         )
         rows = conn.execute(QUERIES.fetch_head, params).fetchall()
-    assert "outboxevent_relay_unsent_idx" in plan, plan
-    assert "outboxevent_relay_backoff_idx" in plan, plan
+    assert "outboxevent_relay_unsent_" in plan, plan
+    assert "outboxevent_relay_backoff_" in plan, plan
     assert "Seq Scan" not in plan, plan
     assert len(rows) == 100 and all(r["ready"] for r in rows)
+    # The settle and the failures find rows by id (relay_id, added by the migration).
+    ids = "{" + ",".join(str(r["id"]) for r in rows[:10]) + "}"
+    with db.connect(settings, purpose="drain") as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        for statement, args in (
+            (QUERIES.delete_sent, {"ids": ids}),
+            (QUERIES.record_failures, {"ids": ids, "delays": [1.0] * 10, "errors": ["e"] * 10}),
+            (QUERIES.dead_letter, {"ids": ids, "attempted": [1] * 10, "reasons": ["r"] * 10}),
+        ):
+            plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + statement, args))
+            assert "outboxevent_relay_id_" in plan and "Seq Scan" not in plan, plan
 
 
 def test_dry_run_prints_the_sql_and_changes_nothing(debezium_table: str) -> None:
@@ -169,10 +182,10 @@ def test_dry_run_prints_the_sql_and_changes_nothing(debezium_table: str) -> None
     for expected in (
         'ALTER TABLE "inventory"."outboxevent"',
         "relay_id bigint GENERATED ALWAYS AS IDENTITY",
-        'CREATE VIEW "relay_inventory_outboxevent"."outbox"',
+        'CREATE OR REPLACE VIEW "relay_inventory_outboxevent"."outbox"',
         '"t"."aggregateid"::text AS key',
         'jsonb_build_object(\'type\', "t"."type")',
-        'CREATE INDEX IF NOT EXISTS "outboxevent_relay_unsent_idx"',
+        'CREATE INDEX IF NOT EXISTS "outboxevent_relay_unsent_',
     ):
         assert expected in done.stdout, (expected, done.stdout)
     assert scalar(debezium_table, "SELECT to_regnamespace(%s)", (VIEW_SCHEMA,)) is None
@@ -194,6 +207,70 @@ def test_an_own_table_needs_its_lease_name_and_its_view(
         make_settings(outbox_table=TABLE)
     with pytest.raises(ValueError, match="outbox_columns"):
         Settings(database_url="postgresql://x@h/d", outbox_columns={"topik": "a"})
+    with pytest.raises(ValueError, match="relay's own table"):
+        make_settings(outbox_table="public.outbox", lease_name="x")
     settings = make_settings(outbox_table=TABLE, lease_name="inventory")
     with pytest.raises(SettingsError, match="relay migrate --own-table"):
         db.connect(settings, purpose="drain")
+
+
+def test_a_rerun_with_a_new_mapping_keeps_the_grants_and_replaces_stale_indexes(
+    make_settings: SettingsFactory, debezium_table: str
+) -> None:
+    database = debezium_table
+    assert migrate_own_table(database).returncode == 0
+    grant_view(database)
+
+    def relay_indexes() -> set[str]:
+        return set(
+            scalar(
+                database,
+                "SELECT string_agg(indexname, ',') FROM pg_indexes"
+                " WHERE tablename = 'outboxevent' AND indexname LIKE 'outboxevent_relay_%%'",
+            ).split(",")
+        )
+
+    before = relay_indexes()
+    done = migrate_own_table(database, columns={**COLUMNS, "key": "type"})  # by event type
+    assert done.returncode == 0, done.stderr
+    after = relay_indexes()
+    stale = before - after
+    assert {n.rsplit("_", 1)[0] for n in stale} == {
+        "outboxevent_relay_key",
+        "outboxevent_relay_backoff",
+    }, (before, after)
+    assert all("type" in d for d in indexes_of(database, after - before))
+    # The grants survived (CREATE OR REPLACE): the relay role still reads the view.
+    settings = make_settings(outbox_table=TABLE, lease_name="inventory")
+    with db.connect(settings, purpose="status") as conn:
+        conn.execute("SELECT count(*) FROM outbox").fetchone()
+
+
+def indexes_of(database: str, names: set[str]) -> list[str]:
+    with psycopg.connect(database) as conn:
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT indexdef FROM pg_indexes WHERE indexname = ANY(%s)", (list(names),)
+            )
+        ]
+
+
+def test_a_timestamp_without_time_zone_is_refused_with_the_setting_named(
+    debezium_table: str,
+) -> None:
+    with psycopg.connect(debezium_table, autocommit=True) as conn:
+        conn.execute("ALTER TABLE inventory.outboxevent ADD COLUMN available_at timestamp")
+    done = migrate_own_table(debezium_table, "--dry-run")
+    assert done.returncode == 2
+    assert "RELAY_OUTBOX_COLUMNS" in done.stderr and "timestamptz" in done.stderr
+
+
+def test_a_mapping_that_is_not_json_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_DATABASE_URL", "postgresql://x@h/d")
+    monkeypatch.setenv("RELAY_OUTBOX_COLUMNS", "{bad")
+    with pytest.raises(SettingsError, match="RELAY_OUTBOX_COLUMNS: is not valid JSON"):
+        load_settings(CommonSettings)
+    monkeypatch.setenv("RELAY_OUTBOX_COLUMNS", '{"topic": 1}')
+    with pytest.raises(SettingsError, match=r"^RELAY_OUTBOX_COLUMNS:"):
+        load_settings(CommonSettings)

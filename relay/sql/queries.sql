@@ -918,22 +918,49 @@ SELECT max(version) AS version FROM schema_migrations;
 ------------------------------------------------------------------------------------
 
 -- name: own_table_session
--- A daemon session with RELAY_OUTBOX_TABLE: read the view first. `view_exists` is false
--- before `relay migrate --own-table` ran; the relay then refuses to start (it would
--- otherwise find the relay's own outbox table further down the search_path).
+-- A daemon session with RELAY_OUTBOX_TABLE: read the table's view first (then
+-- own_table_view_check).
 SELECT set_config('search_path',
                   quote_ident(%(schema)s) || ', ' || current_setting('search_path'),
-                  false) AS search_path,
-       to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exists;
+                  false);
+
+-- name: own_table_view_check
+-- Whether the view exists, and whether it reads this table (`relay_a_b.c` and `relay_a.b_c`
+-- would share a view schema). The relay refuses to start otherwise: it would find the
+-- relay's own outbox further down the search_path, or another table's rows.
+SELECT to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exists,
+       EXISTS (SELECT 1
+               FROM pg_rewrite AS r
+               JOIN pg_depend AS d ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid
+               WHERE r.ev_class = to_regclass(quote_ident(%(schema)s) || '.outbox')
+                 AND d.refclassid = 'pg_class'::regclass
+                 AND d.refobjid = (SELECT c.oid  -- by name: no rights on its schema needed
+                                   FROM pg_class AS c
+                                   JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                                   WHERE n.nspname = split_part(%(table)s, '.', 1)
+                                     AND c.relname = split_part(%(table)s, '.', 2)))
+           AS view_reads_table;
 
 -- name: own_table_columns
--- The table's columns and their types, to map the relay's fields onto.
-SELECT a.attname AS name, format_type(a.atttypid, NULL) AS type
+-- The table's columns, their types, and whether an index leads with each (the settle
+-- finds rows by id).
+SELECT a.attname AS name, format_type(a.atttypid, NULL) AS type,
+       EXISTS (SELECT 1 FROM pg_index AS i
+               WHERE i.indrelid = a.attrelid AND i.indkey[0] = a.attnum) AS indexed
 FROM pg_attribute AS a
 WHERE a.attrelid = to_regclass(%(table)s)
   AND a.attnum > 0
   AND NOT a.attisdropped
 ORDER BY a.attnum;
+
+-- name: own_table_indexes
+-- The indexes an earlier run made (their names carry a digest of their definition):
+-- those the current mapping does not make any more are dropped.
+SELECT c.relname AS name
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass(%(table)s)
+  AND c.relname LIKE %(prefix)s;
 
 -- name: own_table_bookkeeping
 -- The relay's columns, added to the app's table (no rewrite: all NULL or a constant).
@@ -963,12 +990,14 @@ ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_created_at timestamptz NOT NU
 -- name: own_table_schema
 CREATE SCHEMA IF NOT EXISTS {schema}
 
--- name: own_table_view_drop
-DROP VIEW IF EXISTS {view}
+-- name: own_table_index_drop
+DROP INDEX IF EXISTS {index}
 
 -- name: own_table_view
--- The table in the relay's layout. Columns the mapping does not name are NULL.
-CREATE VIEW {view} AS
+-- The table in the relay's layout. Columns the mapping does not name are NULL. OR
+-- REPLACE keeps the grants on it; its columns keep their types whatever the mapping (the
+-- message id as text), except an integer id changed for one of another width.
+CREATE OR REPLACE VIEW {view} AS
 SELECT {id} AS id,
        {message_id} AS message_id,
        {topic} AS topic,
@@ -985,6 +1014,11 @@ SELECT {id} AS id,
        t.relay_dead_letter_reason AS dead_letter_reason,
        t.relay_promoted_at AS promoted_at
 FROM {table} AS t
+
+-- name: own_table_index_id
+-- The rows by id, for the settle, the failures and the purge, when no index leads with
+-- the id column (relay_id, say).
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
 
 -- name: own_table_index_unsent
 -- The drain indexes of migrations 0001-0008, on the table's own columns: unsent rows
