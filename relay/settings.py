@@ -265,6 +265,28 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "the lease to a live replica that reports it can reach the sink; 0 never does.",
     )
 
+    # --- interoperability ---
+    cloudevents: Literal["binary"] | None = Field(
+        default=None,
+        description="Send every message as a CloudEvent in binary content mode: the "
+        "payload as its data, the context attributes as headers in each sink's binding "
+        "(ce- for HTTP, NATS and RabbitMQ, ce_ for Kafka).",
+    )
+    cloudevents_source: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=2048,
+        description="The CloudEvents `source` (a URI-reference naming this producer, e.g. "
+        "`/orders-service`); required with RELAY_CLOUDEVENTS.",
+    )
+    cloudevents_type_header: str = Field(
+        default="type",
+        min_length=1,
+        max_length=200,
+        description="The row header whose value is the CloudEvents `type`; a row without "
+        "it gets its topic.",
+    )
+
     # --- draining ---
     notify_channel: str | None = Field(
         default=None,
@@ -332,6 +354,10 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
             raise SettingsError(
                 "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
                 "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
+            )
+        if self.cloudevents is not None and self.cloudevents_source is None:
+            raise SettingsError(
+                "RELAY_CLOUDEVENTS_SOURCE", "is required with RELAY_CLOUDEVENTS (a URI-reference)"
             )
         if self.outbox_table is not None and self.lease_name == "default":
             raise SettingsError(

@@ -40,6 +40,7 @@ import httpx
 from prometheus_client import Counter, Histogram
 
 from relay import __version__
+from relay.cloudevents import CloudEvents, is_attribute_header
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.metrics import LATENCY_BUCKETS
@@ -181,7 +182,8 @@ def _header_value(name: str, value: str) -> bytes:
 class RequestBuilder:
     """Turns a row into the request to send: URL, headers, body (no I/O, testable)."""
 
-    def __init__(self, settings: HttpSettings) -> None:
+    def __init__(self, settings: HttpSettings, cloudevents: CloudEvents | None = None) -> None:
+        self._cloudevents = cloudevents
         self._default_url = settings.http_url
         self._topic_urls = settings.http_topic_urls
         self._content_type = settings.http_content_type
@@ -215,6 +217,8 @@ class RequestBuilder:
                 continue
             if self._allow is not None and lower not in self._allow:
                 continue
+            if self._cloudevents is not None and is_attribute_header(lower):
+                continue  # the relay's attributes, not a row's look-alikes
             if not _is_token(name):
                 raise MalformedRow(f"header name {name!r} is not a valid HTTP header name")
             headers.append((name, _header_value(name, text)))
@@ -225,6 +229,8 @@ class RequestBuilder:
         if message.key is not None:
             headers.append(("message-key", quote(message.key, safe="").encode()))
         headers.append(("created-at", message.created_at.encode()))
+        if self._cloudevents is not None:
+            headers.extend(self._cloudevents.http_headers(message))
         if self._key is not None:
             ts = int(time.time()) if timestamp is None else timestamp
             headers.append(("webhook-id", message_id.encode()))
@@ -253,7 +259,7 @@ class HttpSink(KeyedSink):
     def __init__(self, settings: Settings) -> None:
         options = settings.sink_options(HttpSettings)
         self._options = options
-        self._builder = RequestBuilder(options)
+        self._builder = RequestBuilder(options, CloudEvents.from_settings(settings))
         self._ssl = ssl_context(options)
         self._retry_cap = settings.retry_max_seconds
         self._also_retry = options.http_retry_status_codes

@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from relay.cloudevents import CloudEvents
 from relay.logging import get_logger, library_logger
 from relay.message import TOPIC, MalformedRow, OutboxMessage
 from relay.settings import Settings
@@ -185,6 +186,12 @@ class KafkaSink:
             client_log.addFilter(_KnownConfigWarnings())
         self._config["logger"] = client_log
         self._topic_map = settings.kafka_topic_map
+        # The record's headers: the row's plus the relay's, and the CloudEvents
+        # attributes in binary mode (one call per row either way, no test in the loop).
+        cloudevents = CloudEvents.from_settings(common)
+        self._headers_of: Callable[[OutboxMessage], list[tuple[str, str | bytes | None]]] = (
+            OutboxMessage.header_pairs if cloudevents is None else cloudevents.kafka_headers
+        )
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # How long a batch may wait for room in librdkafka's queue and for its reports.
         self._max_wait = settings.kafka_delivery_timeout_ms / 1000
@@ -235,6 +242,7 @@ class KafkaSink:
         publishing = Publishing(self, self._producer, len(messages), abandon)
         results = publishing.results
         produce, report, topics = self._producer.produce, publishing.report, self._topics
+        headers_of = self._headers_of
         blocked: set[str] = set()
         # Kafka orders a key only within one partition of one topic. A later row of a
         # key bound for another topic waits for the next batch, after the earlier one
@@ -249,7 +257,7 @@ class KafkaSink:
                 continue
             try:
                 topic = topics.get(message.topic) or self.topic_for(message)
-                headers = message.header_pairs()  # a short way for the usual row
+                headers = headers_of(message)  # header_pairs: a short way for the usual row
             except MalformedRow as exc:
                 results[index] = Result(Outcome.DEAD, str(exc))
                 if key is not None:

@@ -34,6 +34,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
+from relay.cloudevents import CloudEvents, is_attribute_header
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
@@ -58,12 +59,14 @@ PUBLISH_ERRORS = Counter(
 _OWN_HEADERS = frozenset({"nats-msg-id", "message-id", "created-at", "message-key"})
 
 
-def headers_for(message: OutboxMessage) -> dict[str, str]:
+def headers_for(message: OutboxMessage, cloudevents: CloudEvents | None = None) -> dict[str, str]:
     """The row's headers plus the relay's, as NATS headers (MIME-style text lines)."""
     headers: dict[str, str] = {}
     for name, value in message.row_headers():
         if name.lower() in _OWN_HEADERS or name.lower().startswith("nats-"):
             continue  # Nats-* headers steer JetStream (expected stream, TTL): not the app's
+        if cloudevents is not None and is_attribute_header(name):
+            continue
         if not name or any(ch in name for ch in ": \t\r\n") or not name.isprintable():
             raise MalformedRow(f"header name {name!r} is not a valid NATS header name")
         if "\r" in value or "\n" in value:
@@ -76,6 +79,8 @@ def headers_for(message: OutboxMessage) -> dict[str, str]:
             raise MalformedRow("the key has a line break: it cannot travel as a header")
         headers["message-key"] = message.key
     headers["Nats-Msg-Id"] = message.message_id
+    if cloudevents is not None:
+        headers.update(cloudevents.nats_headers(message))
     return headers
 
 
@@ -112,6 +117,7 @@ class NatsSink(KeyedSink):
     def __init__(self, settings: Settings) -> None:
         options = settings.sink_options(NatsSettings)
         self._options = options
+        self._cloudevents = CloudEvents.from_settings(settings)
         self._client_name = f"relay-{settings.lease_name}"
         self._timeout = options.nats_publish_timeout_seconds
         assert options.nats_url is not None  # required by the registry's rule
@@ -239,7 +245,7 @@ class NatsSink(KeyedSink):
     async def send(self, message: OutboxMessage) -> Result:
         try:
             subject = self.subject_for(message)
-            headers = headers_for(message)
+            headers = headers_for(message, self._cloudevents)
         except MalformedRow as exc:
             return Result(Outcome.DEAD, str(exc))
         try:

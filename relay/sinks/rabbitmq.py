@@ -37,6 +37,7 @@ from aio_pika.abc import (
 )
 from prometheus_client import Counter
 
+from relay.cloudevents import CloudEvents, is_attribute_header
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
@@ -58,7 +59,7 @@ _MAX_HEADER_NAME = 128  # RabbitMQ's limit on a field-table key
 _OWN_HEADERS = frozenset({"message-id", "created-at", "message-key", "content-type"})
 
 
-def message_for(message: OutboxMessage) -> aio_pika.Message:
+def message_for(message: OutboxMessage, cloudevents: CloudEvents | None = None) -> aio_pika.Message:
     """The AMQP message of a row (no I/O, testable)."""
     headers: dict[str, FieldValue] = {}
     content_type: str | None = None
@@ -69,12 +70,16 @@ def message_for(message: OutboxMessage) -> aio_pika.Message:
             continue
         if lower in _OWN_HEADERS:
             continue
+        if cloudevents is not None and is_attribute_header(lower):
+            continue
         if not name or len(name.encode()) > _MAX_HEADER_NAME:
             raise MalformedRow(f"header name {name[:40]!r}... is not 1-128 bytes")
         headers[name] = value
     headers["created-at"] = message.created_at
     if message.key is not None:
         headers["message-key"] = message.key
+    if cloudevents is not None:
+        headers.update(cloudevents.rabbitmq_headers(message))
     if content_type is not None and len(content_type.encode()) > MAX_SHORTSTR:
         raise MalformedRow("the content-type header is over 255 bytes")
     return aio_pika.Message(
@@ -130,6 +135,7 @@ class RabbitmqSink(KeyedSink):
     def __init__(self, settings: Settings) -> None:
         options = settings.sink_options(RabbitmqSettings)
         self._options = options
+        self._cloudevents = CloudEvents.from_settings(settings)
         assert options.rabbitmq_url is not None  # required by the registry's rule
         self._url = options.rabbitmq_url.get_secret_value().strip()
         self._where = _where(self._url)
@@ -207,7 +213,7 @@ class RabbitmqSink(KeyedSink):
     async def send(self, message: OutboxMessage) -> Result:
         try:
             routing_key = self.routing_key_for(message)
-            amqp_message = message_for(message)
+            amqp_message = message_for(message, self._cloudevents)
         except MalformedRow as exc:
             return Result(Outcome.DEAD, str(exc))
         try:

@@ -1,0 +1,181 @@
+"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS=binary): what the relay sends
+over HTTP (to a real server) and Kafka (a real broker) is read back as CloudEvents by the
+CloudEvents SDK for Python on the receiving side; RabbitMQ's and NATS's headers are
+checked by the same SDK (RabbitMQ) or by the binding's rules (NATS)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import pytest
+from cloudevents.core.bindings import http as ce_http
+from cloudevents.core.bindings import kafka as ce_kafka
+from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
+from cloudevents.core.formats.json import JSONFormat
+
+from relay.cloudevents import CloudEvents
+from relay.errors import SettingsError
+from relay.message import OutboxMessage
+from relay.sinks.nats import headers_for
+from relay.sinks.rabbitmq import message_for
+from tests.conftest import SettingsFactory
+from tests.harness.kafka import TansuBroker, consume
+from tests.harness.webhook import WebhookServer
+from tests.support import running_relay, scalar, unsent_count, wait_until
+
+SOURCE = "/orders-service"
+CE = {"cloudevents": "binary", "cloudevents_source": SOURCE}
+
+
+def write_events(dsn: str, topic: str) -> list[dict[str, Any]]:
+    """Two rows: a typed JSON event keyed by an order (a key that needs percent-encoding
+    in an HTTP header), and a bare row whose type falls back to its topic."""
+    rows = [
+        (
+            "order 42/ü",
+            b'{"status": "paid"}',
+            {"content-type": "application/json", "type": "com.example.order.paid", "ce-id": "x"},
+        ),
+        (None, b"\x00\x01", None),
+    ]
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        for key, payload, headers in rows:
+            conn.execute(
+                "INSERT INTO outbox (topic, key, payload, headers) VALUES (%s, %s, %s, %s)",
+                (topic, key, payload, None if headers is None else json.dumps(headers)),
+            )
+        found = conn.execute(
+            "SELECT message_id::text, key, created_at FROM outbox ORDER BY id"
+        ).fetchall()
+    return [{"id": m, "key": k, "created_at": c} for m, k, c in found]
+
+
+def check(event: Any, row: dict[str, Any], topic: str) -> None:
+    assert event.get_specversion() == "1.0"
+    assert event.get_id() == row["id"]  # the row's own ce-id header does not win
+    assert event.get_source() == SOURCE
+    assert isinstance(event.get_time(), datetime)
+    assert event.get_time() == row["created_at"]
+    if row["key"] is None:
+        assert event.get_type() == topic
+        assert event.get_subject() is None
+    else:
+        assert event.get_type() == "com.example.order.paid"
+        assert event.get_subject() == row["key"]
+        assert event.get_datacontenttype() == "application/json"
+        assert event.get_data() == {"status": "paid"}
+
+
+@pytest.fixture
+def server() -> Iterator[WebhookServer]:
+    with WebhookServer() as srv:
+        yield srv
+
+
+def test_http_requests_are_cloudevents_to_the_sdk(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    rows = write_events(database, "orders")
+    settings = make_settings(sink="http", http_url=server.url + "/hooks/{topic}", **CE)
+    with running_relay(settings):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    by_id = {d.headers["message-id"]: d for d in server.history()}
+    assert len(by_id) == 2
+    for row in rows:
+        delivery = by_id[row["id"]]
+        event = ce_http.from_binary(
+            ce_http.HTTPMessage(headers=delivery.headers, body=delivery.body), JSONFormat()
+        )
+        check(event, row, "orders")
+        assert delivery.headers["ce-subject" if row["key"] else "ce-type"] in (
+            "order%2042/%C3%BC",
+            "orders",
+        )
+
+
+def test_kafka_records_are_cloudevents_to_the_sdk(
+    make_settings: SettingsFactory, database: str, topic: str, kafka: TansuBroker
+) -> None:
+    rows = write_events(database, topic)
+    with running_relay(make_settings(**CE)):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    records = {
+        r.headers["message-id"].decode(): r
+        for r in consume(kafka.bootstrap_servers, topic, min_count=2)
+    }
+    for row in rows:
+        record = records[row["id"]]
+        event = ce_kafka.from_binary(
+            ce_kafka.KafkaMessage(
+                headers=record.headers,
+                key=None if record.key is None else record.key.encode(),
+                value=record.value or b"",
+            ),
+            JSONFormat(),
+        )
+        check(event, row, topic)
+
+
+def message(key: str | None, headers: list[str] | None) -> OutboxMessage:
+    return OutboxMessage(
+        id=1,
+        message_id="0b6b7a0e-8f3c-4c1e-9a57-1d2c3b4a5f60",
+        topic="orders",
+        key=key,
+        payload=b'{"status": "paid"}',
+        headers=headers,
+        header_error=None,
+        created_at="2026-11-25T10:00:00.000000Z",
+        due_epoch=0.0,
+        attempts=0,
+    )
+
+
+def test_rabbitmq_and_nats_messages_carry_the_attributes_by_their_binding() -> None:
+    ce = CloudEvents(SOURCE, "type")
+    row = message(
+        "order 42/ü", ["content-type", "application/json", "type", "t.paid", "ce-id", "x"]
+    )
+    amqp = message_for(row, ce)
+    event = ce_rabbitmq.from_binary(
+        ce_rabbitmq.RabbitMQMessage(
+            headers={k: str(v) for k, v in amqp.headers.items()},
+            content_type=amqp.content_type,
+            body=amqp.body,
+        ),
+        JSONFormat(),
+    )
+    assert (event.get_id(), event.get_type(), event.get_subject()) == (
+        row.message_id,
+        "t.paid",
+        "order 42/ü",
+    )
+    assert event.get_data() == {"status": "paid"}
+    nats = headers_for(row, ce)
+    assert nats["ce-id"] == row.message_id and nats["ce-source"] == SOURCE
+    assert nats["ce-subject"] == "order%2042/%C3%BC"  # percent-encoded as HTTP's
+    assert nats["ce-time"] == row.created_at and nats["ce-specversion"] == "1.0"
+    # Off: not one ce- header, the row's own passed on as before.
+    assert "ce-source" not in headers_for(row) and headers_for(row)["ce-id"] == "x"
+
+
+def test_cloudevents_need_a_source(make_settings: SettingsFactory) -> None:
+    with pytest.raises(SettingsError, match="RELAY_CLOUDEVENTS_SOURCE"):
+        make_settings(cloudevents="binary")
+
+
+def test_off_by_default_nothing_changes(
+    make_settings: SettingsFactory, database: str, server: WebhookServer
+) -> None:
+    write_events(database, "orders")
+    with running_relay(make_settings(sink="http", http_url=server.url + "/h")):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
+    assert all(
+        not any(name.startswith("ce-") and name != "ce-id" for name in d.headers)
+        for d in server.history()
+    )
+    assert scalar(database, "SELECT count(*) FROM outbox") == 0
