@@ -5,7 +5,7 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
-    ./dev bench --only shards|fairness|notify [--quick]  one section alone
+    ./dev bench --only shards|fairness|notify|interop [--quick]  one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
         rows/s in alternating runs, and the bare select-and-mark loop (bench/compare.py)
@@ -26,6 +26,8 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
   12. LISTEN/NOTIFY: the app's commit rate with and without NOTIFY, and the first
      message's latency on a quiet outbox with and without it (bench/notify.py;
      `--only notify`)
+  13. CloudEvents binary mode on against off: CPU per message and drain rate
+     (bench/interop.py; `--only interop`)
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -59,7 +61,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["fairness", "shards", "notify"],
+        choices=["fairness", "shards", "notify", "interop"],
         default=None,
         help="run one section alone",
     )
@@ -92,6 +94,8 @@ def main() -> int:
         return bench_shards(args.quick, args.rows)
     if args.only == "notify":
         return bench_notify(args.quick)
+    if args.only == "interop":
+        return bench_interop(args.quick)
     return bench_kafka(args)
 
 
@@ -136,6 +140,15 @@ def bench_notify(quick: bool) -> int:
     return 0
 
 
+def bench_interop(quick: bool) -> int:
+    from bench import interop
+
+    with servers() as (dsn, bootstrap):
+        report = interop.run(dsn, bootstrap, quick)
+    save({"sink": "kafka", "quick": quick, "interop": report})
+    return 0
+
+
 def bench_shards(quick: bool, rows: int | None) -> int:
     from bench import shards
 
@@ -146,7 +159,7 @@ def bench_shards(quick: bool, rows: int | None) -> int:
 
 
 def bench_kafka(args: argparse.Namespace) -> int:
-    from bench import drain, fairness, latency, notify, processes, shards
+    from bench import drain, fairness, interop, latency, notify, processes, shards
 
     quick = args.quick
     rows = args.rows or (20_000 if quick else 50_000)
@@ -209,6 +222,7 @@ def bench_kafka(args: argparse.Namespace) -> int:
         report["fairness"] = fairness.run(dsn, bootstrap, quick)
         report["shards"] = shards.run(dsn, bootstrap, quick)
         report["notify"] = notify.run(dsn, bootstrap, quick)
+        report["interop"] = interop.run(dsn, bootstrap, quick)
         if args.full:
             hist = drain.history_effect(dsn, bootstrap, rows, history=10_000_000)
             report["history"] = hist
