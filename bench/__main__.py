@@ -26,8 +26,8 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
   12. LISTEN/NOTIFY: the app's commit rate with and without NOTIFY, and the first
      message's latency on a quiet outbox with and without it (bench/notify.py;
      `--only notify`)
-  13. CloudEvents binary mode on against off: CPU per message and drain rate
-     (bench/interop.py; `--only interop`)
+  13. CloudEvents binary mode, and tracing (OTLP), each against neither: CPU per
+     message and drain rate (bench/interop.py; `--only interop`)
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """

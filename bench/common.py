@@ -13,16 +13,19 @@ KEYS = 100
 TOPIC = "bench"
 
 
-def preload(dsn: str, rows: int, *, sent: bool = False, truncate: bool = True) -> None:
-    """`rows` outbox rows over 100 keys (already sent ones with `sent`), then ANALYZE."""
+def preload(
+    dsn: str, rows: int, *, sent: bool = False, truncate: bool = True, headers: str | None = None
+) -> None:
+    """`rows` outbox rows over 100 keys (already sent ones with `sent`; each with the
+    JSON object `headers`, if given), then ANALYZE."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         if truncate:
             conn.execute("TRUNCATE outbox")
         conn.execute(
-            "INSERT INTO outbox (topic, key, payload, sent_at)"
-            " SELECT %s, 'k' || (g %% %s), %s, CASE WHEN %s THEN now() END"
+            "INSERT INTO outbox (topic, key, payload, sent_at, headers)"
+            " SELECT %s, 'k' || (g %% %s), %s, CASE WHEN %s THEN now() END, %s::jsonb"
             " FROM generate_series(1, %s) g",
-            (TOPIC, KEYS, PAYLOAD, sent, rows),
+            (TOPIC, KEYS, PAYLOAD, sent, headers, rows),
         )
         conn.execute("VACUUM ANALYZE outbox")
 

@@ -9,7 +9,7 @@ from types import FrameType
 
 import psycopg
 
-from relay import __version__, db, metrics, runtime
+from relay import __version__, db, metrics, runtime, tracing
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
 from relay.lease import Lease, Shard
@@ -38,6 +38,7 @@ class RelayApp:
             + 2 * settings.database_statement_timeout_ms / 1000
         )
         shards = [Shard(settings.lease_name, n, settings.shards) for n in range(settings.shards)]
+        tracing.configure(settings)  # before the sinks and loops, which take it at birth
         # One sink per shard: giving way, a deadline cut or a hand-over resets one
         # shard's producer, never another's in-flight messages.
         sinks = [create_sink(settings) for _ in shards]
@@ -230,6 +231,7 @@ class RelayApp:
             self.listener.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
+        tracing.shutdown()  # export the last spans
         log.info("relay.stopped", replica=self.settings.replica_id)
 
 

@@ -46,10 +46,12 @@ class CloudEvents:
     def attributes(self, message: OutboxMessage) -> list[tuple[str, str]]:
         """The context attributes, unprefixed, in the spec's order."""
         event_type = message.topic
-        for name, value in message.row_headers():
-            if name.lower() == self.type_header:
-                event_type = value
-                break
+        flat = message.headers  # [name, value, ...]: read in place, once per message
+        if flat:
+            for i in range(0, len(flat) - 1, 2):
+                if flat[i].lower() == self.type_header:
+                    event_type = flat[i + 1]
+                    break
         attributes = [
             ("specversion", SPECVERSION),
             ("id", message.message_id),
@@ -64,8 +66,11 @@ class CloudEvents:
     def kafka_headers(self, message: OutboxMessage) -> list[tuple[str, str | bytes | None]]:
         """`OutboxMessage.header_pairs` plus the `ce_` attributes; a row's own `ce_*`
         headers give way to them."""
-        pairs = [(n, v) for n, v in message.header_pairs() if not is_attribute_header(n)]
-        pairs.extend(("ce_" + name, value) for name, value in self.attributes(message))
+        if message.headers is None and message.header_error is None:  # the usual row
+            pairs = message.header_pairs()
+        else:
+            pairs = [(n, v) for n, v in message.header_pairs() if not is_attribute_header(n)]
+        pairs.extend([("ce_" + name, value) for name, value in self.attributes(message)])
         return pairs
 
     def http_headers(self, message: OutboxMessage) -> list[tuple[str, bytes]]:

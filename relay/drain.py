@@ -33,10 +33,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import psycopg
 
-from relay import db, failpoints, lease_metrics, metrics, repository
+from relay import db, failpoints, lease_metrics, metrics, repository, tracing
 from relay.backoff import Backoff, Retrying
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
@@ -53,6 +54,9 @@ from relay.sinks import Outcome, Result, Sink
 from relay.sinks.base import ACKED
 from relay.stragglers import Stragglers
 from relay.wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = get_logger("relay.drain")
 
@@ -154,6 +158,8 @@ class Drainer:
         self._after_key: str | None = None  # where the next round over keys starts
         self._look_for_others_at = 0.0
         self._promote_at = 0.0  # when to look for scheduled rows that are due
+        self._tracing = tracing.current()  # RELAY_TRACING (relay/tracing.py), else None
+        self._span: Span | None = None  # the batch being published, when tracing
 
     def _open_drain_session(self) -> db.Conn:
         conn = db.connect(self._settings, purpose="drain")
@@ -208,6 +214,7 @@ class Drainer:
                     elif self._surplus is not None and self._surplus():
                         self._hand_over(token)
                 except psycopg.Error as exc:
+                    self._end_span(failed=True)
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
                     self._settle_in_flight_quietly()
@@ -220,6 +227,7 @@ class Drainer:
                     self._shutdown.wait(delay)
                 token = self._lease.token()
         finally:
+            self._end_span()
             self._settle_in_flight_quietly()
             self._prefetched = None
             if len(self._stragglers):
@@ -240,6 +248,7 @@ class Drainer:
         ):
             return
         self._promote_due(conn)
+        taken_ns = time.time_ns() if self._tracing is not None else 0
         batch = self._next_batch(conn)
         if not batch:
             answered, answers = self._stragglers.answered()
@@ -260,6 +269,8 @@ class Drainer:
 
         started = self._clock()
         self._progress.publishing()
+        span = None if self._tracing is None else self._tracing.start_batch(batch, taken_ns)
+        self._span = span
         publishing = self._sink.start_publish(batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
         batch_text = repository.id_text(map(ID, batch))
@@ -273,6 +284,8 @@ class Drainer:
             self._clock() - started - prefetching
         )
         failpoints.hit("after_publish")
+        if span is not None:
+            span.add_event("acknowledged", {"messaging.acknowledged": results.count(ACKED)})
 
         rows: list[OutboxMessage] = batch
         outcomes: list[Result] = results
@@ -289,6 +302,9 @@ class Drainer:
         unavailable = self._settle(
             token, rows + answered, outcomes + answers, batch_text if whole else None
         )
+        if span is not None:  # the settle runs on, on the settler's session
+            span.add_event("settle")
+            self._end_span()
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
             delay = max(
@@ -538,6 +554,15 @@ class Drainer:
         )
 
     # --- idle and housekeeping ---
+
+    def _end_span(self, *, failed: bool = False) -> None:
+        span, self._span = self._span, None
+        if span is not None:
+            if failed:
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_status(Status(StatusCode.ERROR, "the settle failed"))
+            span.end()
 
     def _promote_due(self, conn: db.Conn) -> None:
         """Scheduled delivery: let the rows that are due into the drain, at most a batch

@@ -23,6 +23,14 @@ from psycopg.types.json import Jsonb
 from relay.message import RESERVED_HEADERS
 from relay.queries import QUERIES
 
+try:  # optional: apps that trace have opentelemetry-api; the others pay nothing
+    from opentelemetry import trace as _otel_trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    _PROPAGATOR: TraceContextTextMapPropagator | None = TraceContextTextMapPropagator()
+except ImportError:  # pragma: no cover - depends on the environment
+    _PROPAGATOR = None
+
 Payload = bytes | bytearray | memoryview | str | None
 
 
@@ -106,12 +114,30 @@ def _params(
         reserved = [k for k in headers if k.lower() in RESERVED_HEADERS]
         if reserved:
             raise ValueError(f"headers {reserved!r} are set by the relay itself")
+    headers = _with_trace_context(headers)
     return {
         "topic": topic,
         "key": key,
         "payload": payload.encode("utf-8") if isinstance(payload, str) else payload,
         "headers": None if headers is None else Jsonb(dict(headers)),
     }
+
+
+def _with_trace_context(headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """The app's current W3C trace context (`traceparent`, `tracestate`) added to the
+    row's headers when a span is active, so the message joins the app's trace; headers
+    the app set itself win. Without opentelemetry-api installed: nothing to do."""
+    if _PROPAGATOR is None or not _otel_trace.get_current_span().get_span_context().is_valid:
+        return headers
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    if not carrier:
+        return headers
+    if headers:
+        lowered = {name.lower() for name in headers}
+        carrier = {n: v for n, v in carrier.items() if n not in lowered}
+        return {**headers, **carrier}
+    return carrier
 
 
 def _require_transaction(autocommit: bool, status: TransactionStatus) -> None:

@@ -266,6 +266,12 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
     )
 
     # --- interoperability ---
+    tracing: bool = Field(
+        default=False,
+        description="Emit OpenTelemetry spans (a span per published batch linked to its "
+        "messages' traces; a span per HTTP request), exported over OTLP/HTTP as the "
+        "standard OTEL_* variables say. Needs the `otel` extra.",
+    )
     cloudevents: Literal["binary"] | None = Field(
         default=None,
         description="Send every message as a CloudEvent in binary content mode: the "

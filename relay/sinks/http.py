@@ -34,12 +34,13 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import httpx
 from prometheus_client import Counter, Histogram
 
-from relay import __version__
+from relay import __version__, tracing
 from relay.cloudevents import CloudEvents, is_attribute_header
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
@@ -53,6 +54,9 @@ from relay.sinks.http_settings import (
     signing_key,
 )
 from relay.sinks.keyed import KeyedSink
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = get_logger("relay.sinks.http")
 
@@ -260,6 +264,7 @@ class HttpSink(KeyedSink):
         options = settings.sink_options(HttpSettings)
         self._options = options
         self._builder = RequestBuilder(options, CloudEvents.from_settings(settings))
+        self._tracing = tracing.current()  # RELAY_TRACING: a span per request
         self._ssl = ssl_context(options)
         self._retry_cap = settings.retry_max_seconds
         self._also_retry = options.http_retry_status_codes
@@ -306,13 +311,20 @@ class HttpSink(KeyedSink):
             return Result(Outcome.DEAD, str(exc))
         except UnicodeError:
             return Result(Outcome.DEAD, "a header cannot be encoded")
-        result = await self._post(request)
+        if self._tracing is None:
+            result = await self._post(request)
+        else:
+            with self._tracing.http_request(message, request.url, request.headers) as (
+                span,
+                headers,
+            ):
+                result = await self._post(Request(request.url, headers, request.body), span)
         if result.outcome is Outcome.UNAVAILABLE and not self._single_endpoint:
             # One endpoint among several: its outage must not pause the others.
             return Result(Outcome.RETRY, result.error, result.retry_after, reached=result.reached)
         return result
 
-    async def _post(self, request: Request) -> Result:
+    async def _post(self, request: Request, span: Span | None = None) -> Result:
         started = time.monotonic()
         status = "error"
         try:
@@ -328,6 +340,8 @@ class HttpSink(KeyedSink):
                 )
                 try:
                     status = str(response.status_code)
+                    if span is not None:
+                        span.set_attribute("http.response.status_code", response.status_code)
                     if response.is_success:
                         return ACKED  # decided by the status line; the body is not needed
                     body = await _read_capped(response)

@@ -1,0 +1,188 @@
+"""OpenTelemetry tracing, opt-in (RELAY_TRACING=true; the `otel` extra).
+
+The relay joins the app's traces without a span per message: the W3C trace context a
+row carries (`traceparent`, `tracestate` headers, which `relay.enqueue` writes when the
+app has a span) travels on to the consumer in the message's headers, as every sink
+forwards a row's headers. The relay adds its own spans:
+
+- one per published batch, `publish <topic>` (PRODUCER), *linked* to the trace of each
+  message in it (a link costs a few dozen bytes in one export; a span per message would
+  cost a span's whole life cycle per row), with events for when the batch was fetched
+  and acknowledged, and handed to the settle;
+- with the HTTP sink, one per request, `POST` (CLIENT), a *child* of the message's own
+  context, whose context the request carries on as its `traceparent`.
+
+The exporter is OTLP over HTTP, configured by the standard OTEL_* variables
+(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_BSP_*...). Off, nothing here is
+imported and the drain loop pays one `is None` test per batch.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from relay import __version__
+from relay.errors import SettingsError
+from relay.message import OutboxMessage
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span, SpanContext
+
+    from relay.settings import Settings
+
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+_lock = threading.Lock()
+_made: list[Tracing] = []  # the process's one Tracing, once made
+
+
+def configure(settings: Settings) -> Tracing | None:
+    """The process's tracing, made once (every lane's loop and sink share it)."""
+    if not settings.tracing:
+        return None
+    with _lock:
+        if not _made:
+            _made.append(Tracing(settings.sink))
+        return _made[0]
+
+
+def current() -> Tracing | None:
+    return _made[0] if _made else None
+
+
+def shutdown() -> None:
+    """Export what is buffered (at the end of `relay run`)."""
+    with _lock:
+        while _made:
+            _made.pop().shutdown()
+
+
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _span_context(flat: list[str]) -> SpanContext | None:
+    """The span context of a row's `traceparent` (flat [name, value, ...] headers), read
+    directly: a batch span links every message, and the propagator's Context per row
+    cost more than the rest of the link. None if absent or not a valid version-00 one."""
+    from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, SpanContext, TraceFlags
+
+    for i in range(0, len(flat) - 1, 2):
+        if flat[i] == "traceparent":
+            match = _TRACEPARENT.fullmatch(flat[i + 1])
+            if match is None:
+                return None
+            trace_id, span_id = int(match[1], 16), int(match[2], 16)
+            if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
+                return None
+            return SpanContext(trace_id, span_id, True, TraceFlags(int(match[3], 16)))
+    return None
+
+
+class Tracing:
+    def __init__(self, system: str) -> None:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+        except ImportError:
+            raise SettingsError(
+                "RELAY_TRACING",
+                "needs the OpenTelemetry packages: pip install 'pg-outbox-relay[otel]'",
+            ) from None
+        # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over this default name.
+        resource = Resource.create({"service.name": "relay"}).merge(Resource.create())
+        self._provider = TracerProvider(resource=resource)
+        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        self._tracer = self._provider.get_tracer("relay", __version__)
+        self._propagator = TraceContextTextMapPropagator()
+        self._system = system
+
+    def context_of(self, message: OutboxMessage) -> Context | None:
+        """The context the row's `traceparent` carries; None without a valid one."""
+        from opentelemetry import trace
+
+        carrier = {
+            name.lower(): value
+            for name, value in message.row_headers()
+            if name.lower() in TRACE_HEADERS
+        }
+        if "traceparent" not in carrier:
+            return None
+        context = self._propagator.extract(carrier)
+        if not trace.get_current_span(context).get_span_context().is_valid:
+            return None
+        return context
+
+    def start_batch(self, messages: Sequence[OutboxMessage], fetched_ns: int) -> Span:
+        """The span of one published batch, linked to its messages' traces; the caller
+        adds events and ends it."""
+        from opentelemetry.trace import Link, SpanKind
+
+        links = []
+        for message in messages:
+            flat = message.headers
+            if flat and "traceparent" in flat:
+                context = _span_context(flat)
+                if context is not None:
+                    links.append(Link(context))
+        topics = {m.topic for m in messages}
+        topic = next(iter(topics)) if len(topics) == 1 else "(several)"
+        attributes: dict[str, Any] = {
+            "messaging.system": self._system,
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "publish",
+            "messaging.batch.message_count": len(messages),
+        }
+        if len(topics) == 1:
+            attributes["messaging.destination.name"] = topic
+        span = self._tracer.start_span(
+            f"publish {topic}",
+            kind=SpanKind.PRODUCER,
+            links=links,
+            attributes=attributes,
+            start_time=fetched_ns,
+        )
+        span.add_event("fetched", timestamp=fetched_ns)
+        return span
+
+    @contextmanager
+    def http_request(
+        self, message: OutboxMessage, url: str, headers: list[tuple[str, bytes]]
+    ) -> Iterator[tuple[Span, list[tuple[str, bytes]]]]:
+        """A CLIENT span for one request, a child of the message's context; yields it
+        and the request's headers with its own `traceparent` (the row's replaced)."""
+        from urllib.parse import urlsplit
+
+        from opentelemetry.trace import SpanKind
+
+        parts = urlsplit(url)
+        attributes: dict[str, Any] = {
+            "http.request.method": "POST",
+            "url.full": url,
+            "server.address": parts.hostname or "",
+            "messaging.message.id": message.message_id,
+        }
+        if parts.port is not None:
+            attributes["server.port"] = parts.port
+        with self._tracer.start_as_current_span(
+            "POST",
+            context=self.context_of(message),
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+        ) as span:
+            carrier: dict[str, str] = {}
+            self._propagator.inject(carrier)
+            sent = [(n, v) for n, v in headers if n.lower() not in TRACE_HEADERS]
+            sent.extend((name, value.encode()) for name, value in carrier.items())
+            yield span, sent
+
+    def shutdown(self) -> None:
+        self._provider.shutdown()

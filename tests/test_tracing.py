@@ -1,0 +1,128 @@
+"""OpenTelemetry end to end on real servers: the app's trace context, written by
+`relay.enqueue` inside a span, reaches the consumer (a Kafka record's headers, an HTTP
+request's), and the relay's own spans reach a real OTLP/HTTP endpoint with the right
+links (a batch span) and parent (an HTTP request span)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+import relay
+from tests.conftest import relay_env, start_relay
+from tests.harness.kafka import TansuBroker, consume
+from tests.harness.otlp import OtlpReceiver, ReceivedSpan
+from tests.harness.webhook import WebhookServer
+from tests.support import unsent_count, wait_until
+
+APP = TracerProvider().get_tracer("the-app")  # the app's own tracer, not the relay's
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as r:
+        yield r
+
+
+def enqueue_traced(database: str, topic: str) -> tuple[str, str]:
+    """Three rows written inside the app's span, one outside any: (trace id, span id)."""
+    with APP.start_as_current_span("checkout") as span:
+        with psycopg.connect(database) as conn, conn.transaction():
+            for n in range(3):
+                relay.enqueue(conn, topic, f"traced-{n}".encode(), key="k")
+        context = span.get_span_context()
+    with psycopg.connect(database) as conn, conn.transaction():
+        relay.enqueue(conn, topic, b"untraced", key="other")
+    return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+
+
+def run_relay(
+    relay_dsn: str, database: str, receiver: OtlpReceiver, tmp_path: Path, **extra: str
+) -> None:
+    """A `relay run` process with tracing on, until the outbox is drained; then SIGTERM,
+    which exports the spans still buffered."""
+    env = relay_env(
+        relay_dsn,
+        RELAY_TRACING="true",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_SERVICE_NAME="relay-under-test",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        **extra,
+    )
+    proc = start_relay(env, tmp_path / "relay.log")
+    try:
+        wait_until(lambda: unsent_count(database) == 0, 60, message="outbox drained")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, (tmp_path / "relay.log").read_text()[-3000:]
+
+
+def relay_spans(receiver: OtlpReceiver, kind: str) -> list[ReceivedSpan]:
+    return [s for s in receiver.spans() if s.service == "relay-under-test" and s.kind == kind]
+
+
+def test_kafka_carries_the_apps_trace_and_the_batch_span_links_to_it(
+    relay_dsn: str, database: str, topic: str, kafka: TansuBroker, receiver: OtlpReceiver,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    trace_id, span_id = enqueue_traced(database, topic)
+    run_relay(
+        relay_dsn,
+        database,
+        receiver,
+        tmp_path,
+        RELAY_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+    )
+    records = consume(kafka.bootstrap_servers, topic, min_count=4)
+    traced = [r for r in records if r.value != b"untraced"]
+    assert len(traced) == 3
+    assert all(
+        r.headers["traceparent"].decode().split("-")[1:3] == [trace_id, span_id] for r in traced
+    )
+    assert not any("traceparent" in r.headers for r in records if r.value == b"untraced")
+
+    wait_until(lambda: relay_spans(receiver, "PRODUCER"), 10, message="the batch spans exported")
+    batches = relay_spans(receiver, "PRODUCER")
+    assert all(s.name == f"publish {topic}" for s in batches)
+    assert all(s.attributes["messaging.system"] == "kafka" for s in batches)
+    links = [link for s in batches for link in s.links]
+    assert links.count((trace_id, span_id)) == 3  # one per traced message, none for the other
+    assert sum(s.attributes["messaging.batch.message_count"] for s in batches) == 4
+    assert all({"fetched", "acknowledged", "settle"} <= set(s.events) for s in batches)
+    assert all(s.parent_span_id == "" for s in batches)  # linked, not parented
+
+
+def test_an_http_request_is_a_child_of_the_messages_context_and_carries_its_own(
+    relay_dsn: str, database: str, receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    with WebhookServer() as server:
+        trace_id, span_id = enqueue_traced(database, "orders")
+        run_relay(
+            relay_dsn, database, receiver, tmp_path,
+            RELAY_SINK="http", RELAY_HTTP_URL=server.url + "/hooks/{topic}",
+        )  # fmt: skip
+        deliveries = [d for d in server.history() if d.body != b"untraced"]
+    assert len(deliveries) == 3
+    wait_until(lambda: len(relay_spans(receiver, "CLIENT")) >= 4, 10, message="request spans")
+    requests = {s.span_id: s for s in relay_spans(receiver, "CLIENT")}
+    for delivery in deliveries:
+        _, trace, parent, _ = delivery.headers["traceparent"].split("-")
+        assert trace == trace_id  # the app's trace goes on to the endpoint...
+        span = requests[parent]  # ... under the relay's request span
+        assert span.parent_span_id == span_id and span.trace_id == trace_id
+        assert span.name == "POST" and span.attributes["http.request.method"] == "POST"
+        assert 200 <= span.attributes["http.response.status_code"] < 300
+        assert span.attributes["url.full"].endswith("/hooks/orders")
+    # The untraced row's request starts a trace of its own.
+    untraced = [s for s in requests.values() if s.parent_span_id == ""]
+    assert len(untraced) == 1 and untraced[0].trace_id != trace_id
