@@ -131,6 +131,19 @@ def relay_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "relay", *args]
 
 
+def relay_migrate(database: str, *args: str) -> None:
+    """`relay migrate ARGS` in a process of its own, which must succeed."""
+    done = subprocess.run(
+        relay_command("migrate", *args),
+        env=relay_env(database),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def start_relay(
     env: dict[str, str], log_path: Path, command: Sequence[str] | None = None
 ) -> subprocess.Popen[bytes]:

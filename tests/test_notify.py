@@ -7,7 +7,6 @@ arrives within 3 s was woken for (three in a row: a poll cannot explain them all
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,23 +17,11 @@ from prometheus_client import REGISTRY
 
 import relay
 from relay.settings import Settings
-from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.conftest import SettingsFactory, relay_migrate
 from tests.support import running_relay, scalar, unsent_count, wait_until
 
 QUIET = {"poll_interval_min_seconds": 10.0, "poll_interval_max_seconds": 10.0}
 WOKEN_WITHIN = 3.0  # seconds: far below the 10 s poll
-
-
-def relay_migrate(database: str, *args: str) -> None:
-    done = subprocess.run(
-        relay_command("migrate", *args),
-        env=relay_env(database),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
 
 
 def listening() -> bool:

@@ -5,7 +5,6 @@ its key meanwhile, is not lag until due, and a large schedule costs the fetch no
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from relay import lag, repository
 from relay.errors import MigrationError
 from relay.migrate import create_shard_indexes, migrate, migrations_dir, shard_index_names
 from relay.settings import CommonSettings
-from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.postgres import PostgresServer
 from tests.support import assert_per_key_order, running_relay, scalar, wait_until
@@ -254,15 +253,7 @@ def test_a_dba_can_build_the_indexes_concurrently_first_and_a_failed_build_is_na
 
 
 def test_new_shard_indexes_leave_out_scheduled_rows(database: str) -> None:
-    done = subprocess.run(
-        relay_command("migrate", "--shards", "2"),
-        env=relay_env(database),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    relay_migrate(database, "--shards", "2")
     found = indexes(database)
     defs = [found[name] for name in shard_index_names(2)]
     assert all("promoted_at IS NOT NULL" in d for d in defs), defs
