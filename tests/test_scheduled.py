@@ -19,6 +19,7 @@ import relay
 from relay import lag, repository
 from relay.errors import MigrationError
 from relay.migrate import create_shard_indexes, migrate, migrations_dir, shard_index_names
+from relay.queries import QUERIES
 from relay.settings import CommonSettings
 from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume
@@ -275,3 +276,18 @@ def test_a_promoted_row_at_the_head_does_not_hide_a_longer_wait_behind_it(databa
         sample = lag.measure(conn, 100)
     assert sample.unsent == 2
     assert 6 * 3600 <= sample.oldest_unsent_age_seconds < 6 * 3600 + 60
+
+
+def test_each_shards_lag_counts_its_rows_due_and_not_let_in(database: str) -> None:
+    """Found in review: the per-shard count left out what the total counts."""
+    relay_migrate(database, "--shards", "2")
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at) VALUES"
+            " ('t', 'k', 'x', now() - interval '30 seconds'),"
+            " ('t', 'k', 'y', now() + interval '1 hour')"
+        )
+        shards = lag.measure_shards(conn, 2, 100)
+    assert sum(s.unsent for s in shards) == 1
+    assert 30 <= max(s.oldest_unsent_age_seconds for s in shards) < 60

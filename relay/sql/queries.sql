@@ -774,12 +774,20 @@ SELECT
 -- %(cap)s (the cap divided among the shards, so a sample costs what it did without
 -- shards). Needs a custom plan (shard count a constant) to match the index expression.
 SELECT s.shard,
-    (SELECT count(*)
-       FROM (SELECT 1 FROM outbox AS o
-              WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-                AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
-              LIMIT %(cap)s) AS unsent_rows)
+    least(%(cap)s,
+          (SELECT count(*)
+             FROM (SELECT 1 FROM outbox AS o
+                    WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                      AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                    LIMIT %(cap)s) AS unsent_rows)
+          + (SELECT count(*)  -- due, not let in yet (as in lag_sample)
+               FROM (SELECT 1 FROM outbox AS o
+                      WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                        AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
+                        AND o.available_at <= now()
+                        AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                      LIMIT %(cap)s) AS overdue_rows))
         AS unsent,
     coalesce(
         greatest(0,
