@@ -50,7 +50,7 @@ class CloudEvents:
         if flat:
             for i in range(0, len(flat) - 1, 2):
                 if flat[i].lower() == self.type_header:
-                    event_type = flat[i + 1]
+                    event_type = flat[i + 1] or message.topic  # never empty (the spec)
                     break
         attributes = [
             ("specversion", SPECVERSION),
@@ -59,9 +59,17 @@ class CloudEvents:
             ("type", event_type),
             ("time", message.created_at),
         ]
-        if message.key is not None:
+        if message.key:  # an empty subject is no subject (the spec: non-empty)
             attributes.append(("subject", message.key))
         return attributes
+
+    def content_type(self, message: OutboxMessage) -> str | None:
+        flat = message.headers
+        if flat:
+            for i in range(0, len(flat) - 1, 2):
+                if flat[i].lower() == "content-type":
+                    return flat[i + 1]
+        return None
 
     def kafka_headers(self, message: OutboxMessage) -> list[tuple[str, str | bytes | None]]:
         """`OutboxMessage.header_pairs` plus the `ce_` attributes; a row's own `ce_*`
@@ -81,11 +89,16 @@ class CloudEvents:
         ]
 
     def nats_headers(self, message: OutboxMessage) -> dict[str, str]:
-        """The NATS binding's binary mode (NATS 2.2+ headers): as HTTP's, `ce-`."""
-        return {
+        """The NATS binding's binary mode (NATS 2.2+ headers): as HTTP's, `ce-`, with
+        the content type as `ce-datacontenttype` too (that binding's rule)."""
+        headers = {
             "ce-" + name: quote(value, safe=_HEADER_SAFE)
             for name, value in self.attributes(message)
         }
+        content_type = self.content_type(message)
+        if content_type:
+            headers["ce-datacontenttype"] = quote(content_type, safe=_HEADER_SAFE)
+        return headers
 
     def rabbitmq_headers(self, message: OutboxMessage) -> dict[str, str]:
         """AMQP 0-9-1 has no binding of its own (the AMQP one is for 1.0): `ce-` header
@@ -95,8 +108,17 @@ class CloudEvents:
 
 
 PREFIXES = ("ce-", "ce_", "cloudevents_", "cloudevents:")
+# The attributes the relay sets: a row's header of one of these names (any prefix) is
+# dropped in binary mode. Others (extensions, dataschema) are the app's to send.
+OWN_ATTRIBUTES = frozenset(
+    {"specversion", "id", "source", "type", "time", "subject", "datacontenttype"}
+)
 
 
 def is_attribute_header(name: str) -> bool:
-    """A row header that would pose as a context attribute: dropped in binary mode."""
-    return name.lower().startswith(PREFIXES)
+    """A row header that would pose as one of the relay's context attributes."""
+    lower = name.lower()
+    for prefix in PREFIXES:
+        if lower.startswith(prefix):
+            return lower[len(prefix) :] in OWN_ATTRIBUTES
+    return False

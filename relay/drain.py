@@ -558,10 +558,8 @@ class Drainer:
     def _end_span(self, *, failed: bool = False) -> None:
         span, self._span = self._span, None
         if span is not None:
-            if failed:
-                from opentelemetry.trace import Status, StatusCode
-
-                span.set_status(Status(StatusCode.ERROR, "the settle failed"))
+            if failed and self._tracing is not None:
+                self._tracing.failed(span, "a database error cut the batch short", "database")
             span.end()
 
     def _promote_due(self, conn: db.Conn) -> None:

@@ -8,9 +8,10 @@ outbox").
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,13 +24,27 @@ from psycopg.types.json import Jsonb
 from relay.message import RESERVED_HEADERS
 from relay.queries import QUERIES
 
-try:  # optional: apps that trace have opentelemetry-api; the others pay nothing
-    from opentelemetry import trace as _otel_trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    _PROPAGATOR: TraceContextTextMapPropagator | None = TraceContextTextMapPropagator()
-except ImportError:  # pragma: no cover - depends on the environment
-    _PROPAGATOR = None
+@functools.cache
+def _trace_context() -> Callable[[], dict[str, str]] | None:
+    """What writes the current W3C trace context into a dict, loaded on the first
+    enqueue (importing OpenTelemetry costs tens of milliseconds); None without
+    opentelemetry-api."""
+    try:
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:
+        return None
+    propagator = TraceContextTextMapPropagator()
+
+    def current() -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        if trace.get_current_span().get_span_context().is_valid:
+            propagator.inject(carrier)
+        return carrier
+
+    return current
+
 
 Payload = bytes | bytearray | memoryview | str | None
 
@@ -54,11 +69,12 @@ def _statement(
     notify: str | None,
     available_at: datetime | None = None,
     delay: Delay | None = None,
+    trace_context: bool = True,
 ) -> tuple[str, dict[str, Any]]:
     """The statement to run and its parameters: `enqueue`, `enqueue_notify`, or
     `enqueue_scheduled`. An unscheduled row is written without naming `available_at`,
     so an app can take a newer relay package before the database has migration 0008."""
-    params = _params(topic, payload, key, headers)
+    params = _params(topic, payload, key, headers, trace_context)
     if notify is not None and (not isinstance(notify, str) or not notify):
         raise ValueError("notify must be the channel name (RELAY_NOTIFY_CHANNEL)")
     seconds = _schedule(available_at, delay)
@@ -100,7 +116,11 @@ def _schedule(available_at: datetime | None, delay: Delay | None) -> float:
 
 
 def _params(
-    topic: str, payload: Payload, key: str | None, headers: Mapping[str, str] | None
+    topic: str,
+    payload: Payload,
+    key: str | None,
+    headers: Mapping[str, str] | None,
+    trace_context: bool = True,
 ) -> dict[str, Any]:
     if not isinstance(topic, str) or not topic:
         raise ValueError("topic must be a non-empty string")
@@ -114,7 +134,8 @@ def _params(
         reserved = [k for k in headers if k.lower() in RESERVED_HEADERS]
         if reserved:
             raise ValueError(f"headers {reserved!r} are set by the relay itself")
-    headers = _with_trace_context(headers)
+    if trace_context:
+        headers = _with_trace_context(headers)
     return {
         "topic": topic,
         "key": key,
@@ -125,19 +146,18 @@ def _params(
 
 def _with_trace_context(headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
     """The app's current W3C trace context (`traceparent`, `tracestate`) added to the
-    row's headers when a span is active, so the message joins the app's trace; headers
-    the app set itself win. Without opentelemetry-api installed: nothing to do."""
-    if _PROPAGATOR is None or not _otel_trace.get_current_span().get_span_context().is_valid:
+    row's headers when a span is active, so the message joins the app's trace. If the
+    app set either header itself, neither is added (a tracestate belongs with its own
+    traceparent). Without opentelemetry-api installed: nothing to do."""
+    current = _trace_context()
+    if current is None:
         return headers
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
+    if headers and any(name.lower() in ("traceparent", "tracestate") for name in headers):
+        return headers
+    carrier = current()
     if not carrier:
         return headers
-    if headers:
-        lowered = {name.lower() for name in headers}
-        carrier = {n: v for n, v in carrier.items() if n not in lowered}
-        return {**headers, **carrier}
-    return carrier
+    return {**headers, **carrier} if headers else carrier
 
 
 def _require_transaction(autocommit: bool, status: TransactionStatus) -> None:
@@ -166,6 +186,7 @@ def enqueue(
     notify: str | None = None,
     available_at: datetime | None = None,
     delay: Delay | None = None,
+    trace_context: bool = True,
 ) -> Enqueued:
     """Add a message to the outbox in `conn`'s current transaction (no commit).
 
@@ -175,9 +196,14 @@ def enqueue(
     `available_at` (timezone-aware) or `delay` (seconds or a timedelta, from the
     transaction's start): not published before then, by the database clock; later
     rows of the same key wait for it (README "Scheduled delivery").
+    `trace_context`: inside an active OpenTelemetry span, write its W3C trace context
+    into the headers (README "Tracing"); False keeps it out (say, for a webhook to a
+    third party).
     """
     _require_transaction(conn.autocommit, conn.info.transaction_status)
-    statement, params = _statement(topic, payload, key, headers, notify, available_at, delay)
+    statement, params = _statement(
+        topic, payload, key, headers, notify, available_at, delay, trace_context
+    )
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(statement, params)
         return _enqueued(cur.fetchone())
@@ -193,10 +219,13 @@ async def enqueue_async(
     notify: str | None = None,
     available_at: datetime | None = None,
     delay: Delay | None = None,
+    trace_context: bool = True,
 ) -> Enqueued:
     """`enqueue` for an asyncio app's `psycopg.AsyncConnection`."""
     _require_transaction(conn.autocommit, conn.info.transaction_status)
-    statement, params = _statement(topic, payload, key, headers, notify, available_at, delay)
+    statement, params = _statement(
+        topic, payload, key, headers, notify, available_at, delay, trace_context
+    )
     async with conn.cursor(row_factory=tuple_row) as cur:
         await cur.execute(statement, params)
         return _enqueued(await cur.fetchone())

@@ -361,6 +361,13 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
                 "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
                 "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
             )
+        if self.cloudevents_source is not None and any(
+            ch.isspace() or not ch.isprintable() for ch in self.cloudevents_source
+        ):
+            raise SettingsError(
+                "RELAY_CLOUDEVENTS_SOURCE",
+                "must be a URI-reference (no spaces or control characters)",
+            )
         if self.cloudevents is not None and self.cloudevents_source is None:
             raise SettingsError(
                 "RELAY_CLOUDEVENTS_SOURCE", "is required with RELAY_CLOUDEVENTS (a URI-reference)"

@@ -19,6 +19,7 @@ imported and the drain loop pays one `is None` test per batch.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay import __version__
 from relay.errors import SettingsError
+from relay.logging import library_logger
 from relay.message import OutboxMessage
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ def configure(settings: Settings) -> Tracing | None:
         return None
     with _lock:
         if not _made:
-            _made.append(Tracing(settings.sink))
+            _made.append(Tracing(settings.sink, settings.batch_size))
         return _made[0]
 
 
@@ -54,14 +56,21 @@ def current() -> Tracing | None:
     return _made[0] if _made else None
 
 
-def shutdown() -> None:
-    """Export what is buffered (at the end of `relay run`)."""
+def shutdown(timeout: float = 3.0) -> None:
+    """Export what is buffered (at the end of `relay run`), waiting `timeout` at most:
+    with the collector down the SDK would retry for 30 s, past the pod's grace period."""
     with _lock:
         while _made:
-            _made.pop().shutdown()
+            stopping = threading.Thread(
+                target=_made.pop().shutdown, name="relay-otel-shutdown", daemon=True
+            )
+            stopping.start()
+            stopping.join(timeout)
 
 
-_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+# W3C trace context: version-traceid-parentid-flags; a future version (not ff) may add
+# fields after these, which a reader of version 00 ignores.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^\s]*)?")
 
 
 def _span_context(flat: list[str]) -> SpanContext | None:
@@ -71,23 +80,23 @@ def _span_context(flat: list[str]) -> SpanContext | None:
     from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, SpanContext, TraceFlags
 
     for i in range(0, len(flat) - 1, 2):
-        if flat[i] == "traceparent":
-            match = _TRACEPARENT.fullmatch(flat[i + 1])
-            if match is None:
+        if flat[i].lower() == "traceparent":
+            match = _TRACEPARENT.fullmatch(flat[i + 1].strip(" \t"))
+            if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
                 return None
-            trace_id, span_id = int(match[1], 16), int(match[2], 16)
+            trace_id, span_id = int(match[2], 16), int(match[3], 16)
             if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
                 return None
-            return SpanContext(trace_id, span_id, True, TraceFlags(int(match[3], 16)))
+            return SpanContext(trace_id, span_id, True, TraceFlags(int(match[4], 16)))
     return None
 
 
 class Tracing:
-    def __init__(self, system: str) -> None:
+    def __init__(self, system: str, max_links: int = 128) -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace import SpanLimits, TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
@@ -97,9 +106,20 @@ class Tracing:
                 "RELAY_TRACING",
                 "needs the OpenTelemetry packages: pip install 'pg-outbox-relay[otel]'",
             ) from None
-        # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over this default name.
-        resource = Resource.create({"service.name": "relay"}).merge(Resource.create())
-        self._provider = TracerProvider(resource=resource)
+        # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win; else "relay", not the
+        # SDK's unknown_service.
+        resource = Resource.create()
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": "relay"}))
+        # A link per message: the SDK keeps 128 by default and a batch is up to
+        # RELAY_BATCH_SIZE (OTEL_SPAN_LINK_COUNT_LIMIT, if set, still wins).
+        limit = os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT")
+        self._provider = TracerProvider(
+            resource=resource,
+            span_limits=SpanLimits(max_links=int(limit) if limit else max(128, max_links)),
+        )
+        # The SDK's own complaints (an unreachable collector) as the relay's log lines.
+        library_logger("opentelemetry", "otel.log")
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._tracer = self._provider.get_tracer("relay", __version__)
         self._propagator = TraceContextTextMapPropagator()
@@ -164,9 +184,11 @@ class Tracing:
         from opentelemetry.trace import SpanKind
 
         parts = urlsplit(url)
+        # Not url.full: webhook URLs often carry a token (RELAY_HTTP_URL is a secret),
+        # and a tracing backend is read by more people than the relay's settings.
         attributes: dict[str, Any] = {
             "http.request.method": "POST",
-            "url.full": url,
+            "url.scheme": parts.scheme,
             "server.address": parts.hostname or "",
             "messaging.message.id": message.message_id,
         }
@@ -183,6 +205,14 @@ class Tracing:
             sent = [(n, v) for n, v in headers if n.lower() not in TRACE_HEADERS]
             sent.extend((name, value.encode()) for name, value in carrier.items())
             yield span, sent
+
+    @staticmethod
+    def failed(span: Span, error: str, kind: str) -> None:
+        """Mark a span failed (a delivery the sink did not accept, a database error)."""
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, error[:200]))
+        span.set_attribute("error.type", kind)
 
     def shutdown(self) -> None:
         self._provider.shutdown()

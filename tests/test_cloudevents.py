@@ -159,8 +159,15 @@ def test_rabbitmq_and_nats_messages_carry_the_attributes_by_their_binding() -> N
     assert nats["ce-id"] == row.message_id and nats["ce-source"] == SOURCE
     assert nats["ce-subject"] == "order%2042/%C3%BC"  # percent-encoded as HTTP's
     assert nats["ce-time"] == row.created_at and nats["ce-specversion"] == "1.0"
+    assert nats["ce-datacontenttype"] == "application/json"  # the NATS binding's rule
     # Off: not one ce- header, the row's own passed on as before.
     assert "ce-source" not in headers_for(row) and headers_for(row)["ce-id"] == "x"
+    # An empty type falls back to the topic, an empty key is no subject; the app's own
+    # extension attributes go through.
+    odd = message("", ["type", "", "ce-dataschema", "https://example.com/s"])
+    attributes = dict(ce.attributes(odd))
+    assert attributes["type"] == "orders" and "subject" not in attributes
+    assert headers_for(odd, ce)["ce-dataschema"] == "https://example.com/s"
 
 
 def test_cloudevents_need_a_source(make_settings: SettingsFactory) -> None:

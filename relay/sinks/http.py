@@ -319,6 +319,8 @@ class HttpSink(KeyedSink):
                 headers,
             ):
                 result = await self._post(Request(request.url, headers, request.body), span)
+                if result.outcome is not Outcome.ACKED:
+                    self._tracing.failed(span, result.error or "not accepted", result.outcome.value)
         if result.outcome is Outcome.UNAVAILABLE and not self._single_endpoint:
             # One endpoint among several: its outage must not pause the others.
             return Result(Outcome.RETRY, result.error, result.retry_after, reached=result.reached)
