@@ -107,20 +107,25 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     from relay.migrate import create_shard_indexes, migrate, set_notify_trigger
+    from relay.own_table import migrate_own_table
 
     if args.dry_run and not args.own_table:
         print("relay migrate: --dry-run goes with --own-table", file=sys.stderr)
         return EXIT_CONFIG
     settings = load_settings(CommonSettings)
     configure(settings.log_format, settings.log_level)
-    if args.own_table:
-        from relay.own_table import migrate_own_table
-
-        texts = migrate_own_table(settings, dry_run=args.dry_run)
-        if args.dry_run:
-            print(f"-- relay migrate --own-table for {settings.outbox_table}: nothing applied")
-            print("\n\n".join(text.rstrip(";") + ";" for text in texts))
-            return EXIT_OK
+    if settings.outbox_table is not None and (args.notify_trigger or args.drop_notify_trigger):
+        print(
+            "relay migrate: the notify trigger is for the relay's own outbox; with"
+            " RELAY_OUTBOX_TABLE, NOTIFY from the app or a trigger of your own",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if args.dry_run:
+        texts = migrate_own_table(settings, dry_run=True)
+        print(f"-- relay migrate --own-table for {settings.outbox_table}: nothing applied")
+        print("\n\n".join(text.rstrip(";") + ";" for text in texts))
+        return EXIT_OK
     applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
     if args.own_table:
@@ -135,13 +140,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f"shard indexes for {args.shards} shards: "
             + (f"built {', '.join(built)}" if built else "already there")
         )
-    if settings.outbox_table is not None and (args.notify_trigger or args.drop_notify_trigger):
-        print(
-            "relay migrate: the notify trigger is for the relay's own outbox; with"
-            " RELAY_OUTBOX_TABLE, NOTIFY from the app or a trigger of your own",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
     if args.notify_trigger is not None:
         set_notify_trigger(settings, args.notify_trigger)
         print(f"notify trigger: every INSERT into outbox notifies {args.notify_trigger!r}")

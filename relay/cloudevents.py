@@ -45,13 +45,8 @@ class CloudEvents:
 
     def attributes(self, message: OutboxMessage) -> list[tuple[str, str]]:
         """The context attributes, unprefixed, in the spec's order."""
-        event_type = message.topic
-        flat = message.headers  # [name, value, ...]: read in place, once per message
-        if flat:
-            for i in range(0, len(flat) - 1, 2):
-                if flat[i].lower() == self.type_header:
-                    event_type = flat[i + 1] or message.topic  # never empty (the spec)
-                    break
+        # Never empty (the spec): an empty type header is no type header.
+        event_type = message.header(self.type_header) or message.topic
         attributes = [
             ("specversion", SPECVERSION),
             ("id", message.message_id),
@@ -62,14 +57,6 @@ class CloudEvents:
         if message.key:  # an empty subject is no subject (the spec: non-empty)
             attributes.append(("subject", message.key))
         return attributes
-
-    def content_type(self, message: OutboxMessage) -> str | None:
-        flat = message.headers
-        if flat:
-            for i in range(0, len(flat) - 1, 2):
-                if flat[i].lower() == "content-type":
-                    return flat[i + 1]
-        return None
 
     def kafka_headers(self, message: OutboxMessage) -> list[tuple[str, str | bytes | None]]:
         """`OutboxMessage.header_pairs` plus the `ce_` attributes; a row's own `ce_*`
@@ -95,7 +82,7 @@ class CloudEvents:
             "ce-" + name: quote(value, safe=_HEADER_SAFE)
             for name, value in self.attributes(message)
         }
-        content_type = self.content_type(message)
+        content_type = message.header("content-type")
         if content_type:
             headers["ce-datacontenttype"] = quote(content_type, safe=_HEADER_SAFE)
         return headers

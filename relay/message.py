@@ -60,6 +60,16 @@ class OutboxMessage(NamedTuple):
             return []
         return list(zip(flat[::2], flat[1::2], strict=True))
 
+    def header(self, name: str) -> str | None:
+        """The value of the row's first header called `name` (given in lower case,
+        compared case-insensitively), read in place; None without one."""
+        flat = self.headers
+        if flat:
+            for i in range(0, len(flat) - 1, 2):
+                if flat[i].lower() == name:
+                    return flat[i + 1]
+        return None
+
     def header_pairs(self) -> list[tuple[str, str | bytes | None]]:
         """Row headers plus `message-id` and `created-at`, for confluent-kafka (which
         encodes text values as UTF-8). The relay's own headers always win over the row's.

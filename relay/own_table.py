@@ -23,7 +23,7 @@ from relay import db
 from relay.errors import MigrationError, SettingsError
 from relay.logging import get_logger
 from relay.queries import QUERIES
-from relay.settings import CommonSettings
+from relay.settings import OWN_TABLE_FIELDS, CommonSettings
 
 log = get_logger("relay.own_table")
 
@@ -47,7 +47,6 @@ class Layout:
     """How the relay's fields are read from the table: SQL expressions over `t`."""
 
     table: sql.Composable
-    columns: dict[str, str]  # the table's columns and their types
     adds: list[LiteralString]  # bookkeeping columns the table lacks: their statements
     fields: dict[str, sql.Composable]  # field -> expression in the view
     index_columns: dict[str, sql.Composable]  # id, key, available_at on the bare table
@@ -67,11 +66,9 @@ def plan_layout(
     indexed = indexed or {}
     assert settings.outbox_table is not None
     mapping = dict(settings.outbox_columns)
-    for field in ("id", "message_id", "topic", "key", "payload", "headers", "created_at"):
+    for field in OWN_TABLE_FIELDS:
         if field not in mapping and field in columns:
             mapping[field] = field  # the column of the field's own name
-    if "available_at" not in mapping and "available_at" in columns:
-        mapping["available_at"] = "available_at"
     missing = sorted(c for c in mapping.values() if c not in columns)
     if missing:
         raise SettingsError(
@@ -135,7 +132,7 @@ def plan_layout(
     table = sql.Identifier(*settings.outbox_table.split("."))
     id_indexed = "id" in mapping and kind("id") in _INTEGER and indexed.get(mapping["id"], False)
     bookkept = all(column in columns for column in BOOKKEEPING)
-    return Layout(table, columns, adds, fields, bare, id_indexed, bookkept)
+    return Layout(table, adds, fields, bare, id_indexed, bookkept)
 
 
 def _payload(column: str | None, columns: dict[str, str]) -> sql.Composable:

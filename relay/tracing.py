@@ -73,22 +73,19 @@ def shutdown(timeout: float = 3.0) -> None:
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^\s]*)?")
 
 
-def _span_context(flat: list[str]) -> SpanContext | None:
-    """The span context of a row's `traceparent` (flat [name, value, ...] headers), read
-    directly: a batch span links every message, and the propagator's Context per row
-    cost more than the rest of the link. None if absent or not a valid version-00 one."""
+def _span_context(traceparent: str) -> SpanContext | None:
+    """The span context a `traceparent` value names, read directly: a batch span links
+    every message, and the propagator's Context per row cost more than the rest of the
+    link. None if it is not a valid one by the W3C rules."""
     from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, SpanContext, TraceFlags
 
-    for i in range(0, len(flat) - 1, 2):
-        if flat[i].lower() == "traceparent":
-            match = _TRACEPARENT.fullmatch(flat[i + 1].strip(" \t"))
-            if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
-                return None
-            trace_id, span_id = int(match[2], 16), int(match[3], 16)
-            if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
-                return None
-            return SpanContext(trace_id, span_id, True, TraceFlags(int(match[4], 16)))
-    return None
+    match = _TRACEPARENT.fullmatch(traceparent.strip(" \t"))
+    if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
+        return None
+    trace_id, span_id = int(match[2], 16), int(match[3], 16)
+    if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
+        return None
+    return SpanContext(trace_id, span_id, True, TraceFlags(int(match[4], 16)))
 
 
 class Tracing:
@@ -129,13 +126,13 @@ class Tracing:
         """The context the row's `traceparent` carries; None without a valid one."""
         from opentelemetry import trace
 
-        carrier = {
-            name.lower(): value
-            for name, value in message.row_headers()
-            if name.lower() in TRACE_HEADERS
-        }
-        if "traceparent" not in carrier:
+        traceparent = message.header("traceparent")  # the one the batch span links
+        if traceparent is None:
             return None
+        carrier = {"traceparent": traceparent}
+        tracestate = message.header("tracestate")
+        if tracestate is not None:
+            carrier["tracestate"] = tracestate
         context = self._propagator.extract(carrier)
         if not trace.get_current_span(context).get_span_context().is_valid:
             return None
@@ -148,9 +145,9 @@ class Tracing:
 
         links = []
         for message in messages:
-            flat = message.headers
-            if flat and "traceparent" in flat:
-                context = _span_context(flat)
+            traceparent = message.header("traceparent")
+            if traceparent is not None:
+                context = _span_context(traceparent)
                 if context is not None:
                     links.append(Link(context))
         topics = {m.topic for m in messages}

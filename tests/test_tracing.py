@@ -147,3 +147,21 @@ def test_enqueue_keeps_the_apps_own_trace_headers_whole_and_can_leave_them_out(
         )
     assert rows[b"own"] == {"Traceparent": own}  # no tracestate of another trace beside it
     assert rows[b"none"] is None
+
+
+def test_a_batch_span_links_a_traceparent_whatever_the_case_of_its_name() -> None:
+    from relay.message import OutboxMessage
+    from relay.tracing import Tracing
+
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    rows = [
+        OutboxMessage(n, str(n), "t", "k", b"", [name, traceparent], None, "", 0.0, 0)
+        for n, name in enumerate(("traceparent", "Traceparent", "x-other"))
+    ]
+    tracing = Tracing("kafka")
+    try:
+        span = tracing.start_batch(rows, 0)  # never ended: nothing to export
+        links = [link.context.span_id for link in span.links]  # type: ignore[attr-defined]
+        assert links == [0x00F067AA0BA902B7] * 2
+    finally:
+        tracing.shutdown()
