@@ -316,6 +316,14 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "row): a batch is held in two stages at most (read ahead, publishing), so this "
         "bounds memory.",
     )
+    message_max_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=1024 * 1024 * 1024,
+        description="A row whose payload and headers pass this many bytes is dead-lettered "
+        "with its size, without its bytes ever leaving PostgreSQL. Default: the sink's own "
+        "limit (Kafka: message.max.bytes; NATS: 1 MiB; HTTP and RabbitMQ: 16 MiB).",
+    )
     batch_max_per_key: int | None = Field(
         default=None,
         ge=1,
@@ -341,6 +349,14 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(default=9108, ge=0, le=65535)
     metrics_enabled: bool = True
+    metrics_topic_labels: int = Field(
+        default=100,
+        ge=0,
+        le=10_000,
+        description="Distinct topic label values the relay's per-topic series carry; topics "
+        'past them count under topic="_other", so an app writing a topic per tenant cannot '
+        "grow /metrics without end. 0: no per-topic series at all.",
+    )
 
     @field_validator("sink")
     @classmethod
