@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from relay import db, failpoints, lease_metrics, metrics, repository, tracing
+from relay import db, failpoints, lease_metrics, metrics, repository, screen, tracing
 from relay.backoff import Backoff, Retrying
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
@@ -50,7 +50,7 @@ from relay.repository import BatchLimits, Settlement
 from relay.settings import Settings
 from relay.settler import InFlight, Settler
 from relay.shutdown import Shutdown
-from relay.sinks import Outcome, Result, Sink
+from relay.sinks import Outcome, Result, Sink, message_max_bytes
 from relay.sinks.base import ACKED
 from relay.stragglers import Stragglers
 from relay.wakeup import Wakeup
@@ -83,6 +83,7 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         bytes=settings.batch_max_bytes,
         per_key=per_key,
         fill=not sink.serial_per_key,
+        message_bytes=message_max_bytes(settings),
     )
 
 
@@ -271,7 +272,7 @@ class Drainer:
         self._progress.publishing()
         span = None if self._tracing is None else self._tracing.start_batch(batch, taken_ns)
         self._span = span
-        publishing = self._sink.start_publish(batch, lambda: self._abandon(token))
+        publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
         batch_text = repository.id_text(map(ID, batch))
         if not self._abandon(token):
@@ -530,7 +531,8 @@ class Drainer:
         for message, reason in decision.dead:
             self._dead_lettered(message, reason)
         for (topic, outcome_name), count in decision.counts.items():
-            metrics.MESSAGES.labels(self._sink.name, topic, outcome_name).inc(count)
+            topic_label = metrics.TOPIC_LABELS.label(topic)
+            metrics.MESSAGES.labels(self._sink.name, topic_label, outcome_name).inc(count)
         return decision.settlement, decision.unavailable, decision.reached
 
     def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
@@ -542,7 +544,8 @@ class Drainer:
         return min(retry_after * random.uniform(1.0, 1.2), self._settings.retry_max_seconds)
 
     def _dead_lettered(self, message: OutboxMessage, reason: str) -> None:
-        metrics.DEAD_LETTERED.labels(self._sink.name, message.topic).inc()
+        topic_label = metrics.TOPIC_LABELS.label(message.topic)
+        metrics.DEAD_LETTERED.labels(self._sink.name, topic_label).inc()
         log.warning(
             "outbox.dead_lettered",
             id=message.id,

@@ -82,6 +82,9 @@ class BatchLimits:
     per_key: int
     # Fill the rest of the batch with more rows of busy keys when no other key waits.
     fill: bool = True
+    # A row over this many bytes (payload, headers, key) comes without them, with the
+    # reason it is dead-lettered: the relay never loads a row it cannot send.
+    message_bytes: int = 16 << 20
 
 
 @dataclass(slots=True)
@@ -129,6 +132,7 @@ def fetch_batch(
         "in_flight": in_flight,
         "held": list(held),
         "max_bytes": limits.bytes,
+        "message_max": limits.message_bytes,
     }
     # Messages made from each row in C (OutboxMessage is a named tuple whose fields
     # are the columns, see _MAKE_MESSAGE): this runs for every row the relay moves.

@@ -103,7 +103,10 @@ def test_poison_rows_are_dead_lettered_and_the_rest_flow(
             "INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k2', %s)", (topic, b"x" * 20_000)
         )
     good = insert_rows(database, topic, keyed_rows(keys=3, per_key=5))
-    settings = make_settings(kafka={"message_max_bytes": "10000"}, retention_seconds=3600)
+    # The relay's own size screen set above the producer's limit: the producer refuses.
+    settings = make_settings(
+        kafka={"message_max_bytes": "10000"}, message_max_bytes=1 << 20, retention_seconds=3600
+    )
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
     with psycopg.connect(database) as conn:

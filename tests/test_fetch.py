@@ -75,6 +75,7 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
     params = {
         "limit": 1,
         "max_bytes": 1,
+        "message_max": 1 << 30,
         "key_cap": 1,
         "fill": True,
         "in_flight": "{}",
@@ -107,6 +108,7 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
             "in_flight": "{}",
             "held": [],
             "max_bytes": 1 << 30,
+            "message_max": 1 << 30,
             "shards": 1,
             "shard": 0,
         }
@@ -255,6 +257,7 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
     params = {
         "limit": limits.rows,
         "max_bytes": limits.bytes,
+        "message_max": limits.message_bytes,
         "key_cap": limits.per_key,
         "fill": limits.fill,
         "in_flight": "{}",
@@ -397,7 +400,7 @@ def test_headers_that_cannot_be_sent_are_named(database: str) -> None:
     nested = '{"deep": ' + "[" * 2000 + "]" * 2000 + "}"
     cases = {
         "array": ("[1, 2]", "headers must be a JSON object, got array"),
-        "string": ('"text"', "headers must be a JSON object, got string"),
+        "string": ('"text"', "headers must be a JSON object, got string: text"),
         "nested": ('{"x": "ok", "obj": {"a": 1}}', 'header "obj" must be a string or scalar'),
         "deep": (nested, 'header "deep" must be a string or scalar, got array'),
     }

@@ -151,7 +151,13 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("ANALYZE inventory.outboxevent")
     settings = make_settings(outbox_table=TABLE, lease_name="inventory")
-    params = {"limit": 100, "max_bytes": 1 << 20, "in_flight": "{}", "held": []}
+    params = {
+        "limit": 100,
+        "max_bytes": 1 << 20,
+        "message_max": 1 << 30,
+        "in_flight": "{}",
+        "held": [],
+    }
     params |= {"shards": 1, "shard": 0}
     with db.connect(settings, purpose="drain") as conn:
         conn.execute(QUERIES.force_custom_plans)

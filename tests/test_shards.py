@@ -131,6 +131,7 @@ def explain_fetch_head(
     params = {
         "limit": limit,
         "max_bytes": 1 << 30,
+        "message_max": 1 << 30,
         "in_flight": "{}",
         "held": [],
         "shards": shards,

@@ -18,7 +18,15 @@ from relay.sinks.base import Outcome, Result, Sink, SinkSpec
 if TYPE_CHECKING:  # relay.settings is made of the sinks' own settings modules
     from relay.settings import Settings
 
-__all__ = ["Outcome", "Result", "Sink", "SinkSpec", "create_sink", "sink_specs"]
+__all__ = [
+    "Outcome",
+    "Result",
+    "Sink",
+    "SinkSpec",
+    "create_sink",
+    "message_max_bytes",
+    "sink_specs",
+]
 
 _SETTINGS_SUFFIX = "_settings"
 
@@ -37,6 +45,14 @@ def sink_specs() -> dict[str, SinkSpec]:
             raise TypeError(f"two sinks named {spec.name!r}")
         found[spec.name] = spec
     return found
+
+
+def message_max_bytes(settings: Settings) -> int:
+    """The largest row the relay loads: RELAY_MESSAGE_MAX_BYTES, else the sink's own."""
+    if settings.message_max_bytes is not None:
+        return settings.message_max_bytes
+    spec = sink_specs().get(settings.sink)
+    return (16 << 20) if spec is None else spec.message_max_bytes(settings)
 
 
 def create_sink(settings: Settings) -> Sink:

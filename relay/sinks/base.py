@@ -162,3 +162,6 @@ class SinkSpec:
     # called only when this sink is the chosen one.
     require: Callable[[Any], None] = lambda _settings: None
     extra: str | None = None  # the pip extra that brings its client library
+    # The largest message it accepts by default (RELAY_MESSAGE_MAX_BYTES overrides): a
+    # larger row is dead-lettered from its size, before its bytes leave PostgreSQL.
+    message_max_bytes: Callable[[Any], int] = lambda _settings: 16 << 20

@@ -118,4 +118,7 @@ SINK = SinkSpec(
     secrets=NATS_SECRETS,
     require=_require,
     extra="nats",
+    # The server's default max_payload; a server configured higher needs
+    # RELAY_MESSAGE_MAX_BYTES to match.
+    message_max_bytes=lambda _settings: 1 << 20,
 )

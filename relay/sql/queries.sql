@@ -211,18 +211,31 @@ SELECT set_config('enable_bitmapscan', 'off', false);
 -- outbox_scheduled_key_idx); due_epoch is when the row became due, for the latency
 -- histogram: its available_at if it had one, else its created_at.
 SELECT h.id,
-       h.message_id::text,
-       h.topic,
+       coalesce(h.message_id::text, '') AS message_id,
+       coalesce(h.topic, '') AS topic,
        h.key,
-       CASE WHEN h.within THEN h.payload END AS payload,
-       CASE WHEN jsonb_typeof(h.headers) = 'object' THEN
+       CASE WHEN h.within AND h.size <= %(message_max)s::bigint THEN h.payload END AS payload,
+       CASE WHEN h.within AND h.size <= %(message_max)s::bigint AND jsonb_typeof(h.headers) = 'object' THEN
            (SELECT array_agg(pair.text ORDER BY header.n, pair.n)
             FROM jsonb_each_text(h.headers) WITH ORDINALITY AS header (key, value, n)
             CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
             WHERE header.value IS NOT NULL
               AND lower(header.key) NOT IN ('message-id', 'created-at'))
        END AS headers,
-       CASE WHEN h.headers IS NULL OR jsonb_typeof(h.headers) = 'null' THEN NULL
+       -- Why the row cannot be sent as it is (it is dead-lettered with this reason): too
+       -- large to load, a column an own table left NULL, or headers that are no object
+       -- of scalars.
+       CASE WHEN h.size > %(message_max)s::bigint THEN
+                'the row holds ' || h.size || ' bytes of payload, headers and key, over'
+                || ' RELAY_MESSAGE_MAX_BYTES (' || %(message_max)s::bigint || ')'
+            WHEN h.topic IS NULL THEN 'topic is NULL'
+            WHEN h.message_id IS NULL THEN
+                'message_id is NULL, or no id a header can carry (1-255 visible ASCII'
+                || ' characters)'
+            WHEN h.created_at IS NULL THEN 'created_at is NULL'
+            WHEN h.headers IS NULL OR jsonb_typeof(h.headers) = 'null' THEN NULL
+            WHEN jsonb_typeof(h.headers) = 'string' THEN
+                'headers must be a JSON object, got string: ' || left(h.headers #>> '{}', 200)
             WHEN jsonb_typeof(h.headers) <> 'object' THEN
                 'headers must be a JSON object, got ' || jsonb_typeof(h.headers)
             ELSE (SELECT 'header ' || to_jsonb(header.key)::text
@@ -231,20 +244,23 @@ SELECT h.id,
                   WHERE jsonb_typeof(header.value) IN ('object', 'array')
                   LIMIT 1)
        END AS header_error,
-       to_char(h.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
-       extract(epoch FROM greatest(h.created_at, h.available_at))::float8 AS due_epoch,
+       coalesce(to_char(h.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '')
+           AS created_at,
+       coalesce(extract(epoch FROM greatest(h.created_at, h.available_at)),
+                extract(epoch FROM now()))::float8 AS due_epoch,
        h.attempts,
        h.ready,
        h.within
 FROM (SELECT head.*,
              head.ready
-             AND (sum(CASE WHEN head.ready THEN head.size ELSE 0 END)
+             AND (sum(CASE WHEN head.ready AND head.size <= %(message_max)s::bigint
+                           THEN head.size ELSE 0 END)
                       OVER (ORDER BY head.id) <= %(max_bytes)s
                   OR count(*) FILTER (WHERE head.ready)
                       OVER (ORDER BY head.id) = 1) AS within
       FROM (SELECT o.*,
-                   coalesce(octet_length(o.payload), 0)
-                   + coalesce(pg_column_size(o.headers), 0) AS size,
+                   coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.headers::text), 0)
+                   + coalesce(octet_length(o.key), 0) AS size,
                    (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
                    AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
                    AND NOT EXISTS (
@@ -311,7 +327,8 @@ ORDER BY h.id;
 WITH RECURSIVE head AS MATERIALIZED (
     SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
            o.available_at, o.attempts,
-           coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
+           coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.headers::text), 0)
+           + coalesce(octet_length(o.key), 0) AS size,
            (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
            AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
            AND NOT EXISTS (
@@ -415,7 +432,8 @@ beyond AS (
     CROSS JOIN LATERAL (
         SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
                o.available_at, o.attempts,
-               coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0) AS size,
+               coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.headers::text), 0)
+           + coalesce(octet_length(o.key), 0) AS size,
                (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
                AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
                AND NOT EXISTS (
@@ -458,7 +476,8 @@ beyond AS (
     UNION ALL
     (SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
             o.available_at, o.attempts,
-            coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0),
+            coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.headers::text), 0)
+            + coalesce(octet_length(o.key), 0),
             o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
      FROM outbox AS o
      WHERE (SELECT yes FROM crowded)
@@ -495,23 +514,39 @@ kept AS (
     -- second, so one key's large rows cannot take the whole budget; each key still
     -- keeps a prefix of its rows. The first row goes even if larger.
     SELECT w.*
-    FROM (SELECT c.*, sum(c.size) OVER (ORDER BY c.place, c.id) AS bytes
-          FROM chosen AS c) AS w
-    WHERE w.bytes <= %(max_bytes)s OR w.bytes = w.size
+    FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.place, c.id) AS bytes
+          FROM (SELECT chosen.*,
+                       CASE WHEN chosen.size > %(message_max)s::bigint THEN 0
+                            ELSE chosen.size END AS carried
+                FROM chosen) AS c) AS w
+    WHERE w.bytes <= %(max_bytes)s OR w.bytes = w.carried
 )
 SELECT c.id,
-       c.message_id::text,
-       c.topic,
+       coalesce(c.message_id::text, '') AS message_id,
+       coalesce(c.topic, '') AS topic,
        c.key,
-       c.payload,
-       CASE WHEN jsonb_typeof(c.headers) = 'object' THEN
+       CASE WHEN c.size <= %(message_max)s::bigint THEN c.payload END AS payload,
+       CASE WHEN c.size <= %(message_max)s::bigint AND jsonb_typeof(c.headers) = 'object' THEN
            (SELECT array_agg(pair.text ORDER BY header.n, pair.n)
             FROM jsonb_each_text(c.headers) WITH ORDINALITY AS header (key, value, n)
             CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
             WHERE header.value IS NOT NULL
               AND lower(header.key) NOT IN ('message-id', 'created-at'))
        END AS headers,
-       CASE WHEN c.headers IS NULL OR jsonb_typeof(c.headers) = 'null' THEN NULL
+       -- Why the row cannot be sent as it is (it is dead-lettered with this reason): too
+       -- large to load, a column an own table left NULL, or headers that are no object
+       -- of scalars.
+       CASE WHEN c.size > %(message_max)s::bigint THEN
+                'the row holds ' || c.size || ' bytes of payload, headers and key, over'
+                || ' RELAY_MESSAGE_MAX_BYTES (' || %(message_max)s::bigint || ')'
+            WHEN c.topic IS NULL THEN 'topic is NULL'
+            WHEN c.message_id IS NULL THEN
+                'message_id is NULL, or no id a header can carry (1-255 visible ASCII'
+                || ' characters)'
+            WHEN c.created_at IS NULL THEN 'created_at is NULL'
+            WHEN c.headers IS NULL OR jsonb_typeof(c.headers) = 'null' THEN NULL
+            WHEN jsonb_typeof(c.headers) = 'string' THEN
+                'headers must be a JSON object, got string: ' || left(c.headers #>> '{}', 200)
             WHEN jsonb_typeof(c.headers) <> 'object' THEN
                 'headers must be a JSON object, got ' || jsonb_typeof(c.headers)
             ELSE (SELECT 'header ' || to_jsonb(header.key)::text
@@ -520,8 +555,10 @@ SELECT c.id,
                   WHERE jsonb_typeof(header.value) IN ('object', 'array')
                   LIMIT 1)
        END AS header_error,
-       to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at,
-       extract(epoch FROM greatest(c.created_at, c.available_at))::float8 AS due_epoch,
+       coalesce(to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '')
+           AS created_at,
+       coalesce(extract(epoch FROM greatest(c.created_at, c.available_at)),
+                extract(epoch FROM now()))::float8 AS due_epoch,
        c.attempts,
        true AS ready,
        true AS within,
@@ -553,7 +590,8 @@ ORDER BY id NULLS LAST;
 -- work. With shards, this shard's rows only. Also returns in how many seconds the next
 -- scheduled row is due (NULL: none), so the loop knows when to look again: of any shard,
 -- one probe (filtering on this shard would walk every other shard's schedule, a cost
--- that grows with it); at worst a cheap pass that finds nothing.
+-- that grows with it); at worst a cheap pass that finds nothing. The wait is a
+-- difference of epochs: a row scheduled at 'infinity' is never due, and fails nothing.
 WITH due AS (
     SELECT o.id
     FROM outbox AS o
@@ -575,7 +613,7 @@ promoted AS (
     RETURNING o.id
 )
 SELECT (SELECT count(*) FROM promoted) AS promoted,
-       (SELECT extract(epoch FROM o.available_at - now())::float8
+       (SELECT (extract(epoch FROM o.available_at) - extract(epoch FROM now()))::float8
           FROM outbox AS o
          WHERE o.sent_at IS NULL
            AND o.dead_lettered_at IS NULL
@@ -702,6 +740,8 @@ WHERE id IN (
 -- id's place, so the lowest id is no longer always the longest wait: the oldest age is
 -- the longest wait among the first %(age_window)s rows (a few heap reads, not a walk of
 -- the backlog); a longer wait hidden behind more promoted rows than that is missed.
+-- Ages are differences of epochs, not of timestamps: a row the app stamped 'infinity'
+-- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample.
 SELECT
     least(%(cap)s,
           (SELECT count(*)
@@ -717,14 +757,14 @@ SELECT
                       LIMIT %(cap)s) AS overdue_rows))
         AS unsent,
     greatest(0,
-             (SELECT extract(epoch FROM now() - min(greatest(head.created_at, head.available_at)))
+             (SELECT extract(epoch FROM now()) - extract(epoch FROM min(greatest(head.created_at, head.available_at)))
                 FROM (SELECT created_at, available_at
                         FROM outbox
                        WHERE sent_at IS NULL AND dead_lettered_at IS NULL
                          AND (available_at IS NULL OR promoted_at IS NOT NULL)
                        ORDER BY id
                        LIMIT %(age_window)s) AS head),
-             (SELECT extract(epoch FROM now() - min(available_at))
+             (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
                 FROM outbox
                WHERE sent_at IS NULL AND dead_lettered_at IS NULL
                  AND available_at IS NOT NULL AND promoted_at IS NULL))::float8
@@ -761,7 +801,7 @@ SELECT
                 AND available_at > now()
               LIMIT %(cap)s) AS scheduled_rows)
         AS scheduled,
-    (SELECT extract(epoch FROM min(available_at) - now())::float8
+    (SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
        FROM outbox
       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
         AND available_at IS NOT NULL AND promoted_at IS NULL
@@ -791,14 +831,14 @@ SELECT s.shard,
         AS unsent,
     coalesce(
         greatest(0,
-                 (SELECT extract(epoch FROM now() - greatest(o.created_at, o.available_at))
+                 (SELECT extract(epoch FROM now()) - extract(epoch FROM greatest(o.created_at, o.available_at))
                     FROM outbox AS o
                    WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
                      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                      AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
                    ORDER BY o.id
                    LIMIT 1),
-                 (SELECT extract(epoch FROM now() - o.available_at)
+                 (SELECT extract(epoch FROM now()) - extract(epoch FROM o.available_at)
                     FROM outbox AS o
                    WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
                      AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
@@ -950,9 +990,9 @@ SELECT to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exi
            AS view_reads_table;
 
 -- name: own_table_columns
--- The table's columns, their types, and whether an index leads with each (the settle
--- finds rows by id).
-SELECT a.attname AS name, format_type(a.atttypid, NULL) AS type,
+-- The table's columns, their types, whether an index leads with each (the settle finds
+-- rows by id), and whether it is declared NOT NULL.
+SELECT a.attname AS name, format_type(a.atttypid, NULL) AS type, a.attnotnull AS not_null,
        EXISTS (SELECT 1 FROM pg_index AS i
                WHERE i.indrelid = a.attrelid AND i.indkey[0] = a.attnum) AS indexed
 FROM pg_attribute AS a
