@@ -142,7 +142,9 @@ def test_request_headers_and_signature(make_settings: SettingsFactory) -> None:
         "https://hooks.example",
         http_signing_secret=SECRET,
         http_forward_headers="traceparent, content-type",
-        http_topic_urls={"special": "https://special.example/in"},
+        http_topic_urls={
+            "special": {"url": "https://special.example/in", "share_credentials": True}
+        },
     )
     builder = RequestBuilder(settings)
     msg = message(
@@ -168,18 +170,19 @@ def test_request_headers_and_signature(make_settings: SettingsFactory) -> None:
     fresh = builder.build(msg)
     headers_text = {name: value.decode() for name, value in fresh.headers}
     Webhook(SECRET).verify(fresh.body, headers_text, json_parse=False)
-    assert builder.build(message(topic="special")).url == "https://special.example/in"
+    special = builder.build(message(topic="special"))
+    assert special.url == "https://special.example/in"
+    assert "webhook-signature" in dict(special.headers)  # another origin, opted in
     # A row can neither replace the relay's credentials nor smuggle a bad header.
     everything = RequestBuilder(
         http_settings(make_settings, "https://h", http_auth_header_value="Bearer real")
     )
-    forged = dict(
-        everything.build(
-            message(headers={"Authorization": "Bearer forged", "User-Agent": "x"})
-        ).headers
-    )
-    assert "Authorization" not in forged
-    assert "User-Agent" not in forged
+    forged = everything.build(
+        message(headers={"Authorization": "Bearer forged", "User-Agent": "x"})
+    ).headers
+    # The relay's own header, once: the builder adds each destination's credentials.
+    assert [v for n, v in forged if n.lower() == "authorization"] == [b"Bearer real"]
+    assert "User-Agent" not in dict(forged)
     for bad in ({"café": "x"}, {"x-a": "ab "}, {"x-a": "a\r\nInjected: 1"}, {"x a": "1"}):
         with pytest.raises(MalformedRow):
             everything.build(message(headers=bad))
@@ -217,11 +220,12 @@ def test_settings_reject_bad_http_values(make_settings: SettingsFactory) -> None
         load_settings(Settings, **base, http_url="http://{topic}.h/x")
     assert err.value.name == "RELAY_HTTP_URL"
     # `echo token > file` leaves a newline: stripped. An inner one is refused, unquoted.
-    ok = load_settings(Settings, **base, http_url="http://h", http_auth_header_value="Bearer t\n")
+    # (https: an auth header over http:// to a remote host needs an opt-in.)
+    ok = load_settings(Settings, **base, http_url="https://h", http_auth_header_value="Bearer t\n")
     assert ok.http_auth_header_value is not None
     assert ok.http_auth_header_value.get_secret_value() == "Bearer t"
     with pytest.raises(SettingsError) as err:
-        load_settings(Settings, **base, http_url="http://h", http_auth_header_value="Bea\nrer t")
+        load_settings(Settings, **base, http_url="https://h", http_auth_header_value="Bea\nrer t")
     assert err.value.name == "RELAY_HTTP_AUTH_HEADER_VALUE"
     assert "Bea" not in str(err.value)
 

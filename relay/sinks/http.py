@@ -17,6 +17,11 @@ Outcomes, from the endpoint's answer:
   even when the down one's backlog fills whole batches.
 - Any other status (3xx, 4xx): `DEAD`, with the status and a bounded body snippet.
 
+What a row decides is bounded: its topic fills `{topic}` as one path segment (a topic
+that would make an empty or dot segment, and so another path, is `DEAD`), and the
+credentials a request carries are its destination's (`http_destinations.destinations`),
+never another's.
+
 Long: a sink is one module by design (adding a sink touches its own modules only):
 request building and signing and the classification of answers belong together.
 """
@@ -31,11 +36,11 @@ import re
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 from prometheus_client import Counter, Histogram
@@ -47,12 +52,8 @@ from relay.message import MalformedRow, OutboxMessage
 from relay.metrics import LATENCY_BUCKETS
 from relay.settings import Settings
 from relay.sinks.base import ACKED, Outcome, Result
-from relay.sinks.http_settings import (
-    HEADER_TOKEN,
-    HttpSettings,
-    configured_origins,
-    signing_key,
-)
+from relay.sinks.http_destinations import Destination, configured_origins, destinations
+from relay.sinks.http_settings import HEADER_TOKEN, HttpSettings, signing_key
 from relay.sinks.keyed import KeyedSink
 
 if TYPE_CHECKING:
@@ -105,8 +106,84 @@ _NOT_FORWARDED = frozenset(
 @dataclass(frozen=True, slots=True)
 class Request:
     url: str
-    headers: list[tuple[str, bytes]]
+    headers: list[tuple[str, bytes]] = field(repr=False)  # the credentials among them
     body: bytes
+
+
+_TOPIC = "{topic}"
+# Path segments that are no segment of their own, as written or once decoded: clients
+# and servers resolve "." and ".." away (RFC 3986 5.2.4); an empty one is no topic.
+_NOT_SEGMENTS = frozenset({"", ".", ".."})
+_SHOWN_TOPIC_CHARS = 100
+
+
+class UrlTemplate:
+    """A destination URL with `{topic}` in it, filled so that a row's topic stays one
+    path segment: quoted (no `/`, `?` or `#` of its own), never a segment the client
+    resolves to another path, and checked against the path the client would send."""
+
+    def __init__(self, template: str) -> None:
+        self._template = template
+        self._in_path = tuple(s for s in urlsplit(template).path.split("/") if _TOPIC in s)
+        # The path the client sends for the template, around each `{topic}`.
+        token = _placeholder(template)
+        self._sent_parts = _sent_path(template.replace(_TOPIC, token)).split(token)
+
+    def fill(self, topic: str) -> str:
+        quoted = quote(topic, safe="")
+        url = self._template.replace(_TOPIC, quoted)
+        if self._in_path:
+            self._check_path(topic, quoted, url)
+        return url
+
+    def _check_path(self, topic: str, quoted: str, url: str) -> None:
+        for segment in self._in_path:
+            if unquote(segment.replace(_TOPIC, quoted)) in _NOT_SEGMENTS:
+                raise MalformedRow(
+                    f"topic {_shown(topic)} cannot go in the URL path: it would make an"
+                    " empty, '.' or '..' segment, which changes the path"
+                )
+        if _sent_path(url) != quoted.join(self._sent_parts):
+            raise MalformedRow(f"topic {_shown(topic)} would change the URL path sent")
+
+
+def _placeholder(template: str) -> str:
+    """A stand-in for the topic that the template does not hold, of characters that
+    quoting and the client leave as they are."""
+    n = 0
+    while f"relaytopic{n}" in template:
+        n += 1
+    return f"relaytopic{n}"
+
+
+def _sent_path(url: str) -> str:
+    """The request target the client sends for `url` (dot segments resolved)."""
+    return httpx.URL(url).raw_path.decode("ascii")
+
+
+def _shown(topic: str) -> str:
+    """A topic for a dead-letter reason: a row's topic can be of any length."""
+    if len(topic) <= _SHOWN_TOPIC_CHARS:
+        return repr(topic)
+    return repr(topic[:_SHOWN_TOPIC_CHARS]) + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """A destination ready to send to: its URL, and the credentials that go there."""
+
+    url: UrlTemplate
+    credentials: tuple[tuple[str, bytes], ...]  # the auth header, if any
+    key: bytes | None  # the signing key, if any
+
+
+def _route(destination: Destination) -> _Route:
+    credentials: tuple[tuple[str, bytes], ...] = ()
+    if destination.auth is not None:
+        name, value = destination.auth
+        credentials = ((name, value.get_secret_value().encode()),)
+    key = None if destination.signing_secret is None else signing_key(destination.signing_secret)
+    return _Route(UrlTemplate(destination.url), credentials, key)
 
 
 def sign(key: bytes, message_id: str, timestamp: int, body: bytes) -> str:
@@ -188,27 +265,32 @@ class RequestBuilder:
 
     def __init__(self, settings: HttpSettings, cloudevents: CloudEvents | None = None) -> None:
         self._cloudevents = cloudevents
-        self._default_url = settings.http_url
-        self._topic_urls = settings.http_topic_urls
         self._content_type = settings.http_content_type
         self._allow = settings.http_forward_allowlist
-        # A row may not replace what the relay sends on its own behalf (credentials).
-        self._reserved = _NOT_FORWARDED | {settings.http_auth_header_name.lower(), "user-agent"}
-        self._key = (
-            signing_key(settings.http_signing_secret)
-            if settings.http_signing_secret is not None
-            else None
+        found = destinations(settings)
+        # A row may not replace what the relay sends on its own behalf (credentials),
+        # whichever destination it goes to.
+        auth_names = {d.auth[0].lower() for d in found.values() if d.auth is not None}
+        self._reserved = (
+            _NOT_FORWARDED | auth_names | {settings.http_auth_header_name.lower(), "user-agent"}
         )
+        default = found.pop(None, None)
+        self._default = None if default is None else _route(default)
+        self._routes = {topic: _route(d) for topic, d in found.items() if topic is not None}
 
     def url_for(self, topic: str) -> str:
-        url = self._topic_urls.get(topic, self._default_url)
-        if url is None:
+        return self._route_for(topic).url.fill(topic)
+
+    def _route_for(self, topic: str) -> _Route:
+        route = self._routes.get(topic, self._default)
+        if route is None:
             raise MalformedRow(
-                f"no URL for topic {topic!r} (set RELAY_HTTP_URL or RELAY_HTTP_TOPIC_URLS)"
+                f"no URL for topic {_shown(topic)} (set RELAY_HTTP_URL or RELAY_HTTP_TOPIC_URLS)"
             )
-        return url.replace("{topic}", quote(topic, safe=""))
+        return route
 
     def build(self, message: OutboxMessage, timestamp: int | None = None) -> Request:
+        route = self._route_for(message.topic)
         body = message.payload or b""
         headers: list[tuple[str, bytes]] = []
         content_type = self._content_type
@@ -235,12 +317,13 @@ class RequestBuilder:
         headers.append(("created-at", message.created_at.encode()))
         if self._cloudevents is not None:
             headers.extend(self._cloudevents.http_headers(message))
-        if self._key is not None:
+        headers.extend(route.credentials)
+        if route.key is not None:
             ts = int(time.time()) if timestamp is None else timestamp
             headers.append(("webhook-id", message_id.encode()))
             headers.append(("webhook-timestamp", str(ts).encode()))
-            headers.append(("webhook-signature", sign(self._key, message_id, ts, body).encode()))
-        return Request(self.url_for(message.topic), headers, body)
+            headers.append(("webhook-signature", sign(route.key, message_id, ts, body).encode()))
+        return Request(route.url.fill(message.topic), headers, body)
 
 
 def _is_token(name: str) -> bool:
@@ -270,6 +353,7 @@ class HttpSink(KeyedSink):
         self._also_retry = options.http_retry_status_codes
         self._total_timeout = options.http_timeout_seconds
         # identity: a compressed answer from a hostile endpoint cannot inflate in memory.
+        # Credentials are per destination: RequestBuilder adds them to each request.
         self._static_headers: dict[str, str] = {
             "user-agent": f"relay/{__version__}",
             "accept-encoding": "identity",
@@ -277,10 +361,6 @@ class HttpSink(KeyedSink):
         self._single_endpoint = len(configured_origins(options)) == 1
         if not options.http_tls_verify:
             log.warning("http.tls_verify_disabled", reason="RELAY_HTTP_TLS_VERIFY=false")
-        if options.http_auth_header_value is not None:
-            self._static_headers[options.http_auth_header_name] = (
-                options.http_auth_header_value.get_secret_value()
-            )
         super().__init__(
             max_in_flight=options.http_max_in_flight, batch_seconds=options.http_timeout_seconds
         )

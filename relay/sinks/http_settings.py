@@ -1,6 +1,7 @@
 """The HTTP sink's settings (`RELAY_HTTP_*`): fields, their validation, the secrets
-among them, and the helpers that read them (endpoint origins, the signing key).
-`relay.settings.Settings` is made of these and the other sinks' settings.
+among them, and the signing key; where each URL's credentials go is
+relay/sinks/http_destinations.py. `relay.settings.Settings` is made of these and the
+other sinks' settings.
 """
 
 from __future__ import annotations
@@ -11,13 +12,67 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from relay.errors import SettingsError
 from relay.sinks.base import SinkSpec
+from relay.sinks.http_destinations import (
+    check_credentials_go_somewhere,
+    check_not_plaintext,
+    destinations,
+)
 
-# Webhook URLs often carry a token.
-HTTP_SECRETS = ("http_url", "http_signing_secret", "http_auth_header_value")
+# Webhook URLs often carry a token; a topic URL may hold its own credentials.
+HTTP_SECRETS = ("http_url", "http_topic_urls", "http_signing_secret", "http_auth_header_value")
+
+
+class TopicUrl(BaseModel):
+    """One RELAY_HTTP_TOPIC_URLS entry: its URL and the credentials that go there.
+    Strict (unknown keys refused): a misspelt key would quietly send no credentials."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(repr=False)  # may carry a token, as RELAY_HTTP_URL may
+    share_credentials: bool = Field(default=False, strict=True)
+    auth_header_name: str | None = None
+    auth_header_value: SecretStr | None = None
+    signing_secret: SecretStr | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url_shape(cls, value: str) -> str:
+        _check_http_url(value)
+        return value
+
+    @field_validator("auth_header_name")
+    @classmethod
+    def _header_name_shape(cls, value: str | None) -> str | None:
+        return None if value is None else _header_name(value)
+
+    @field_validator("auth_header_value", "signing_secret", mode="before")
+    @classmethod
+    def _strip_secret(cls, value: Any) -> Any:
+        return _stripped(value)
+
+    @field_validator("auth_header_value")
+    @classmethod
+    def _auth_value_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else _auth_value(value)
+
+    @field_validator("signing_secret")
+    @classmethod
+    def _signing_secret_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            signing_key(value)
+        return value
 
 
 class HttpSettings(BaseModel):
@@ -25,9 +80,14 @@ class HttpSettings(BaseModel):
         default=None,
         description="Default endpoint; `{topic}` in it is replaced by the row's topic.",
     )
-    http_topic_urls: dict[str, str] = Field(
+    http_topic_urls: dict[str, TopicUrl] = Field(
         default_factory=dict,
-        description='JSON: outbox topic -> URL, e.g. {"orders": "https://x/orders"}.',
+        description="JSON: outbox topic -> URL, e.g. "
+        '{"orders": "https://x/orders"}, or -> an object {"url": ..., "share_credentials": '
+        'true, "auth_header_name": ..., "auth_header_value": ..., "signing_secret": ...}. '
+        "RELAY_HTTP_AUTH_HEADER_VALUE and RELAY_HTTP_SIGNING_SECRET go to RELAY_HTTP_URL's "
+        "origin (scheme, host, port) and to topic URLs on that origin; a topic URL on "
+        "another origin gets them only with share_credentials, or has its own.",
     )
     http_max_in_flight: int = Field(default=16, ge=1, le=1024)
     http_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=300)
@@ -51,6 +111,13 @@ class HttpSettings(BaseModel):
     )
     http_auth_header_name: str = "Authorization"
     http_auth_header_value: SecretStr | None = None
+    http_allow_plaintext_credentials: bool = Field(
+        default=False,
+        description="Allow an http:// destination that would get an auth header value, or "
+        "whose URL holds user:password@ (anyone on the path could read them). Loopback "
+        "destinations (localhost, 127.0.0.0/8, ::1) need no opt-in: their traffic never "
+        "leaves the host or pod (a sidecar).",
+    )
 
     @field_validator("http_url")
     @classmethod
@@ -59,15 +126,12 @@ class HttpSettings(BaseModel):
             _check_http_url(value)
         return value
 
-    @field_validator("http_topic_urls")
+    @field_validator("http_topic_urls", mode="before")
     @classmethod
-    def _http_topic_urls_shape(cls, value: dict[str, str]) -> dict[str, str]:
-        for topic, url in value.items():
-            try:
-                _check_http_url(url)
-            except ValueError as exc:
-                raise ValueError(f"topic {topic!r}: {exc}") from None
-        return value
+    def _http_topic_urls_entries(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # the field's own type check says what it must be
+        return {topic: _topic_url(topic, entry) for topic, entry in value.items()}
 
     @field_validator("http_retry_statuses")
     @classmethod
@@ -88,22 +152,17 @@ class HttpSettings(BaseModel):
     @field_validator("http_auth_header_name")
     @classmethod
     def _header_name_shape(cls, value: str) -> str:
-        if not HEADER_TOKEN.fullmatch(value):
-            raise ValueError("must be an HTTP header name")
-        return value
+        return _header_name(value)
 
     @field_validator("http_auth_header_value", "http_signing_secret", mode="before")
     @classmethod
     def _strip_secret(cls, value: Any) -> Any:
-        # `echo token > secret` leaves a newline that would make an illegal header.
-        return value.strip() if isinstance(value, str) else value
+        return _stripped(value)
 
     @field_validator("http_auth_header_value")
     @classmethod
     def _auth_value_shape(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not _HEADER_VALUE.fullmatch(value.get_secret_value()):
-            raise ValueError("must be a non-empty header value of visible ASCII characters")
-        return value
+        return None if value is None else _auth_value(value)
 
     @field_validator("http_content_type")
     @classmethod
@@ -137,6 +196,49 @@ HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?")
 
 
+def _stripped(value: Any) -> Any:
+    """`echo token > secret` leaves a newline that would make an illegal header."""
+    return value.strip() if isinstance(value, str) else value
+
+
+def _header_name(value: str) -> str:
+    if not HEADER_TOKEN.fullmatch(value):
+        raise ValueError("must be an HTTP header name")
+    return value
+
+
+def _auth_value(value: SecretStr) -> SecretStr:
+    if not _HEADER_VALUE.fullmatch(value.get_secret_value()):
+        raise ValueError("must be a non-empty header value of visible ASCII characters")
+    return value
+
+
+_TOPIC_URL_KEYS = ", ".join(TopicUrl.model_fields)
+
+
+def _topic_url(topic: str, entry: Any) -> TopicUrl:
+    """An entry of RELAY_HTTP_TOPIC_URLS, a URL or an object; errors name the topic and
+    never quote a value (it may be a secret)."""
+    if isinstance(entry, str):
+        entry = {"url": entry}
+    if not isinstance(entry, dict):
+        raise ValueError(f"topic {topic!r}: must be a URL or an object with a url")
+    try:
+        return TopicUrl.model_validate(entry)
+    except ValidationError as exc:
+        raise ValueError(f"topic {topic!r}: {_first_problem(exc)}") from None
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors(include_input=False, include_url=False)[0]
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown key {key!r} (known: {_TOPIC_URL_KEYS})"
+    if error["type"] == "missing":
+        return f"{key} is required"
+    return f"{key}: {str(error['msg']).removeprefix('Value error, ')}"
+
+
 def _check_http_url(url: str) -> None:
     parsed = urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -147,20 +249,17 @@ def _check_http_url(url: str) -> None:
         parsed.port  # noqa: B018 - raises on an out-of-range port
     except ValueError:
         raise ValueError("has an invalid port") from None
+    _check_client_parses(url)
 
 
-def url_origin(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of an endpoint URL: what one connection pool talks to."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, parts.hostname or "", port
+def _check_client_parses(url: str) -> None:
+    """What the HTTP client refuses to parse would fail every request to it."""
+    import httpx  # only where an HTTP URL is set: other sinks' start-up does not pay
 
-
-def configured_origins(settings: HttpSettings) -> set[tuple[str, str, int]]:
-    urls = list(settings.http_topic_urls.values())
-    if settings.http_url:
-        urls.append(settings.http_url)
-    return {url_origin(url) for url in urls}
+    try:
+        httpx.URL(url.replace("{topic}", "topic"))
+    except httpx.InvalidURL:
+        raise ValueError("is not a URL the HTTP client accepts") from None
 
 
 def signing_key(secret: SecretStr) -> bytes:
@@ -180,6 +279,11 @@ def _require(settings: HttpSettings) -> None:
         raise SettingsError(
             "RELAY_HTTP_URL", "is required when RELAY_SINK=http (or RELAY_HTTP_TOPIC_URLS)"
         )
+    found = list(destinations(settings).values())
+    check_credentials_go_somewhere(settings, found)
+    if not settings.http_allow_plaintext_credentials:
+        for destination in found:
+            check_not_plaintext(destination)
 
 
 SINK = SinkSpec(
