@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -14,13 +15,15 @@ from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
 from relay.lease import Lease, Shard
 from relay.logging import get_logger
-from relay.metrics import Health, MetricsServer
+from relay.metrics import Health
+from relay.metrics_server import MetricsServer
 from relay.migrate import shard_index_state
 from relay.presence import Presence
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
 from relay.shutdown import Shutdown
 from relay.sinks import Sink, create_sink
+from relay.sinks.kafka_settings import plaintext_sasl_warnings
 from relay.wakeup import Listener, Wakeup
 
 log = get_logger("relay.app")
@@ -39,6 +42,7 @@ class RelayApp:
         )
         shards = [Shard(settings.lease_name, n, settings.shards) for n in range(settings.shards)]
         tracing.configure(settings)  # before the sinks and loops, which take it at birth
+        metrics.TOPIC_LABELS.reset(settings.metrics_topic_labels)
         # One sink per shard: giving way, a deadline cut or a hand-over resets one
         # shard's producer, never another's in-flight messages.
         sinks = [create_sink(settings) for _ in shards]
@@ -160,6 +164,8 @@ class RelayApp:
 
     def run(self) -> int:
         s = self.settings
+        for variable, problem in startup_warnings(s):
+            log.warning("settings.insecure", setting=variable, problem=problem)
         if s.shards > 1:
             self._check_shard_indexes()
         if s.outbox_table is not None:
@@ -233,6 +239,18 @@ class RelayApp:
             self.metrics_server.stop()
         tracing.shutdown()  # export the last spans
         log.info("relay.stopped", replica=self.settings.replica_id)
+
+
+def startup_warnings(settings: Settings) -> list[tuple[str, str]]:
+    """(variable, why) for each setting that works but lets credentials be read in
+    transit: refusing them would stop deployments that run today."""
+    found: list[tuple[str, str]] = []
+    database = db.unverified_password(settings, os.environ)
+    if database is not None:
+        found.append(("RELAY_DATABASE_SSLMODE", database))
+    if settings.sink == "kafka":
+        found += plaintext_sasl_warnings(settings)
+    return found
 
 
 def run(settings: Settings) -> int:

@@ -2,6 +2,8 @@
 
 Metric objects live here so every module records through one vocabulary; the names
 follow Prometheus conventions (`relay_` prefix, base units, `_total` counters).
+
+The server that answers /metrics and the probes is relay/metrics_server.py.
 """
 
 from __future__ import annotations
@@ -12,16 +14,13 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     REGISTRY,
     Counter,
     Gauge,
     Histogram,
     Info,
-    generate_latest,
 )
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -205,6 +204,52 @@ LOOP_HEARTBEAT_AGE = Gauge(
 )
 
 
+OTHER_TOPIC = "_other"
+# Longer topics count under OTHER_TOPIC: the cap bounds /metrics in bytes, not only in
+# series. Kafka's own limit is 249, RabbitMQ's routing keys 255 bytes.
+TOPIC_LABEL_MAX_CHARS = 255
+
+
+class TopicLabels:
+    """The `topic` label value of the per-topic series (RELAY_METRICS_TOPIC_LABELS).
+
+    Topics come from app rows, so an app with a topic per tenant would grow /metrics,
+    and Prometheus, without end: the first `limit` distinct topics keep their own value,
+    every later one counts under OTHER_TOPIC. One per process, like the series it caps.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._kept: set[str] = set()
+        self._limit = limit
+
+    def reset(self, limit: int) -> None:
+        """Start over with `limit` (at start-up: the process's series are new too)."""
+        with self._lock:
+            self._kept, self._limit = set(), limit
+
+    def label(self, topic: str) -> str:
+        # Once per topic per batch on the drain's hot path: a set lookup, no lock (a
+        # membership test and an add are each atomic under the GIL).
+        if topic in self._kept:
+            return topic
+        return self._admit(topic)
+
+    def _admit(self, topic: str) -> str:
+        if topic == OTHER_TOPIC or len(topic) > TOPIC_LABEL_MAX_CHARS:
+            return OTHER_TOPIC
+        if len(self._kept) < self._limit:
+            with self._lock:
+                if len(self._kept) < self._limit:
+                    self._kept.add(topic)
+        # Added, or the set is full and no longer changes: its answer is final.
+        return topic if topic in self._kept else OTHER_TOPIC
+
+
+# RELAY_METRICS_TOPIC_LABELS's default until the relay starts and sets it (relay/app.py).
+TOPIC_LABELS = TopicLabels(100)
+
+
 class Health:
     """Heartbeats the probes read: one per loop, and the last good database round trip.
 
@@ -245,56 +290,3 @@ class Health:
         with self._lock:
             loops = sorted(self._stale_after)
         return " ".join(f"{loop}={self.age(loop):.1f}s" for loop in loops)
-
-
-class MetricsServer:
-    """Serves /metrics, /healthz, /readyz on the configured address only."""
-
-    def __init__(self, host: str, port: int, health: Health) -> None:
-        health_ref = health
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-                elif path == "/healthz":
-                    stalled = health_ref.stalled()
-                    beats = health_ref.describe()
-                    if stalled:
-                        body = f"stalled: {' '.join(stalled)} ({beats})\n"
-                        self._send(503, body.encode())
-                    else:
-                        self._send(200, f"ok ({beats})\n".encode())
-                elif path == "/readyz":
-                    ok = health_ref.db_ok()
-                    self._send(200 if ok else 503, b"ready\n" if ok else b"database unreachable\n")
-                else:
-                    self._send(404, b"not found\n")
-
-            def _send(self, status: int, body: bytes, ctype: str = "text/plain") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                return  # scrapes every few seconds would drown the useful log lines
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="relay-metrics", daemon=True
-        )
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()

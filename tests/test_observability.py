@@ -1,12 +1,15 @@
 """Metrics as an operator reads them: two `relay run` replicas scraped over HTTP, and a real
-Prometheus evaluating the expressions alerts are written with."""
+Prometheus evaluating the expressions alerts are written with; /metrics kept bounded
+whatever the app's topics, and the server answering through a flood of clients."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +21,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from relay.lag import measure
+from relay.metrics import OTHER_TOPIC, TOPIC_LABEL_MAX_CHARS, Health, TopicLabels
+from relay.metrics_server import (
+    CONNECTION_TIMEOUT_SECONDS,
+    HANDLER_THREADS,
+    MAX_CONNECTIONS,
+    MetricsServer,
+)
 from relay.queries import QUERIES
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
@@ -31,6 +41,8 @@ from tests.support import (
     metric,
     running_relay,
     scalar,
+    scrape,
+    unsent_count,
     wait_until,
 )
 
@@ -318,3 +330,181 @@ def test_a_leader_whose_database_freezes_drops_the_lease_gauge_and_readiness_in_
             pg.resume()
     assert gauge_zero <= settings.lease_ttl_seconds - settings.safety_margin + 0.3, gauge_zero
     assert unready <= window + 0.3, unready
+
+
+# --- the topic label cap (RELAY_METRICS_TOPIC_LABELS) ---
+
+
+def test_topic_labels_keep_the_first_topics_and_count_the_rest_as_other() -> None:
+    labels = TopicLabels(2)
+    assert [labels.label(t) for t in ("a", "b", "c", "a", "d", "b")] == [
+        "a", "b", OTHER_TOPIC, "a", OTHER_TOPIC, "b",
+    ]  # fmt: skip
+    # Neither a topic too long for a label nor the bucket's own name takes a slot.
+    labels = TopicLabels(1)
+    assert labels.label("x" * (TOPIC_LABEL_MAX_CHARS + 1)) == OTHER_TOPIC
+    assert labels.label(OTHER_TOPIC) == OTHER_TOPIC
+    assert labels.label("x" * TOPIC_LABEL_MAX_CHARS) == "x" * TOPIC_LABEL_MAX_CHARS
+    labels.reset(0)
+    assert {labels.label(t) for t in ("a", "b", "x" * TOPIC_LABEL_MAX_CHARS)} == {OTHER_TOPIC}
+    labels.reset(1)
+    assert (labels.label("b"), labels.label("a")) == ("b", OTHER_TOPIC)
+
+
+def test_topic_labels_admit_exactly_the_cap_under_concurrent_drains() -> None:
+    """Shard drain threads label at the same time: exactly the cap is kept, and every
+    topic has one label throughout (a kept topic never counts under _other)."""
+    cap, threads, topics = 50, 8, [f"t{n}" for n in range(500)]
+    labels = TopicLabels(cap)
+    start = threading.Barrier(threads)
+    given: list[set[tuple[str, str]]] = [set() for _ in range(threads)]
+
+    def drain(index: int) -> None:
+        start.wait()
+        for _ in range(3):
+            for topic in topics[index:] + topics[:index]:
+                given[index].add((topic, labels.label(topic)))
+
+    workers = [threading.Thread(target=drain, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+    by_topic: dict[str, set[str]] = {}
+    for topic, label in set().union(*given):
+        by_topic.setdefault(topic, set()).add(label)
+    assert all(len(values) == 1 for values in by_topic.values())
+    kept = {topic for topic, values in by_topic.items() if values == {topic}}
+    assert len(kept) == cap
+    assert labels.label("t-new") == OTHER_TOPIC
+
+
+def _series_by_topic(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **match: str
+) -> dict[str, float]:
+    """One counter's values by topic, summed over the series whose labels include `match`."""
+    found: dict[str, float] = {}
+    for (sample, labels), value in samples.items():
+        named = dict(labels)
+        if sample == name and match.items() <= named.items():
+            found[named["topic"]] = found.get(named["topic"], 0.0) + value
+    return found
+
+
+def test_metrics_carry_at_most_the_capped_topics_and_the_counts_add_up(
+    database: str, relay_dsn: str, kafka: TansuBroker, tmp_path: Path
+) -> None:
+    """Six topics delivered and two dead-lettered through a relay capped at three: /metrics
+    names three topics and _other, and every row is counted once."""
+    cap = 3
+    run = uuid.uuid4().hex[:6]
+    rows = {f"tenant-{run}-{n}": n + 1 for n in range(6)}
+    for topic in rows:
+        kafka.create_topic(topic, partitions=1)
+    for topic, count in rows.items():
+        insert_rows(database, topic, [(topic, f"{topic}:{i}".encode()) for i in range(count)])
+    for n in range(2):
+        insert_rows(database, f"no spaces allowed {run} {n}", [(f"bad-{n}", b"x")])
+    port = free_port()
+    env = relay_env(
+        relay_dsn,
+        kafka.bootstrap_servers,
+        RELAY_METRICS_ENABLED="true",
+        RELAY_METRICS_PORT=str(port),
+        RELAY_METRICS_TOPIC_LABELS=str(cap),
+    )
+    proc = start_relay(env, tmp_path / "relay.log")
+    try:
+        wait_until(lambda: unsent_count(database) == 0, timeout=30, message="all rows settled")
+
+        def counted() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+            samples = scrape(port)
+            acked = _series_by_topic(samples, "relay_messages_total", outcome="acked")
+            dead = _series_by_topic(samples, "relay_dead_lettered_total")
+            return samples if sum(acked.values()) == 21 and sum(dead.values()) == 2 else None
+
+        samples = wait_until(counted, timeout=10, message="every row counted")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    messages = _series_by_topic(samples, "relay_messages_total")
+    acked = _series_by_topic(samples, "relay_messages_total", outcome="acked")
+    dead = _series_by_topic(samples, "relay_dead_lettered_total")
+    assert OTHER_TOPIC in messages
+    assert len(set(messages) | set(dead)) <= cap + 1, sorted(set(messages) | set(dead))
+    kept = set(acked) - {OTHER_TOPIC}
+    assert kept <= set(rows)
+    for topic in kept:
+        assert acked[topic] == rows[topic], topic
+    assert acked[OTHER_TOPIC] == sum(rows.values()) - sum(rows[t] for t in kept)
+    assert sum(_series_by_topic(samples, "relay_messages_total", outcome="dead").values()) == 2
+
+
+# --- the metrics server under slow and many clients ---
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # open, nothing to read
+    except ConnectionResetError:
+        return True
+
+
+def test_the_metrics_server_answers_through_a_flood_of_idle_and_dribbling_clients() -> None:
+    """More idle connections than the server keeps, a few half request lines and a
+    client dribbling bytes: a scrape and a probe from another client still answer at
+    once, the threads stay bounded, and the server drops every idle client itself."""
+    health = Health()
+    health.register("main", 60.0)
+    server = MetricsServer("127.0.0.1", 0, health)
+    server.start()
+    address = ("127.0.0.1", server.port)
+    base = f"http://127.0.0.1:{server.port}"
+    clients: list[socket.socket] = []
+    try:
+        wait_until(lambda: http_get(f"{base}/healthz")[0] == 200, timeout=5)
+        threads = threading.active_count()
+        opened = time.monotonic()
+        clients += [socket.create_connection(address) for _ in range(MAX_CONNECTIONS + 50)]
+        half = [socket.create_connection(address) for _ in range(5)]
+        for sock in half:
+            sock.sendall(b"GET /metr")
+        dribbler = socket.create_connection(address)
+        dribbler.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+        clients += [*half, dribbler]
+
+        for path in ("/metrics", "/healthz"):
+            asked = time.monotonic()
+            status, body = http_get(f"{base}{path}", timeout=3)  # the kubelet probe's
+            assert status == 200 and body, path
+            assert time.monotonic() - asked < 2.0, path
+        assert threading.active_count() <= threads + HANDLER_THREADS
+
+        # A client that finishes its request within the deadline is answered.
+        half[0].sendall(b"ics HTTP/1.1\r\nHost: relay\r\n\r\n")
+        half[0].settimeout(2)
+        assert half[0].makefile("rb").read().startswith(b"HTTP/1.1 200 OK")
+
+        def dribbled_until_dropped() -> bool:
+            try:
+                dribbler.send(b"x")
+            except OSError:
+                return True
+            return _closed_by_server(dribbler)
+
+        wait_until(dribbled_until_dropped, timeout=CONNECTION_TIMEOUT_SECONDS + 2, interval=0.2)
+        wait_until(
+            lambda: all(_closed_by_server(sock) for sock in clients),
+            timeout=CONNECTION_TIMEOUT_SECONDS + 2,
+            interval=0.1,
+            message="the server to drop every idle client",
+        )
+        assert time.monotonic() - opened >= CONNECTION_TIMEOUT_SECONDS - 0.5
+        assert threading.active_count() <= threads + HANDLER_THREADS
+        assert http_get(f"{base}/metrics", timeout=2)[0] == 200
+    finally:
+        for sock in clients:
+            sock.close()
+        server.stop()
