@@ -5,9 +5,18 @@
 --
 --   CREATE ROLE relay LOGIN PASSWORD '...';
 --
--- The relay reads unsent rows, marks them sent (UPDATE) or deletes them, and records
--- retry/dead-letter bookkeeping (UPDATE). It never inserts outbox rows.
-GRANT SELECT, UPDATE, DELETE ON outbox TO relay;
+-- The relay reads unsent rows, deletes them once sent, and writes its bookkeeping: sent
+-- marks (retention), attempts and the next attempt, the last error, dead letters and
+-- their requeue (`relay dead-letter requeue`), scheduled rows let in (promoted_at). It
+-- never inserts outbox rows, and never changes what the app wrote (topic, key,
+-- payload, headers, ids, times): UPDATE reaches the bookkeeping columns only.
+-- The REVOKE takes back the table-wide UPDATE that earlier versions of this file gave
+-- (it must come first: revoking a table privilege revokes its column grants too).
+GRANT SELECT, DELETE ON outbox TO relay;
+REVOKE UPDATE ON outbox FROM relay;
+GRANT UPDATE (sent_at, attempts, next_attempt_at, last_error, dead_lettered_at,
+              dead_letter_reason, promoted_at)
+    ON outbox TO relay;
 
 -- The lease row for RELAY_LEASE_NAME (one per shard) is created on first use, hence
 -- INSERT; so is its group's row, which every acquisition updates.

@@ -292,6 +292,10 @@ def cmd_check(_args: argparse.Namespace) -> int:
         f"settings: ok (sink={settings.sink}, lease={settings.lease_name},"
         f" replica={settings.replica_id})"
     )
+    from relay.app import startup_warnings
+
+    for variable, problem in startup_warnings(settings):
+        print(f"settings: warning: {variable}: {problem}")
     try:
         with db.connect(settings, purpose="check") as conn:
             try:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from relay.errors import SettingsError
 from relay.queries import QUERIES
+from relay.setting_checks import is_loopback
 from relay.settings import CommonSettings, Settings
 
 # What every relay session is: autocommit, rows as dicts (see `connect`).
@@ -37,6 +39,49 @@ def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
     if settings.database_sslrootcert is not None:
         kwargs["sslrootcert"] = settings.database_sslrootcert
     return kwargs
+
+
+# What each sslmode short of verify-ca does to a password sent over it.
+_UNVERIFIED = {
+    "disable": "sends it in plaintext",
+    "allow": "sends it in plaintext unless the server insists on TLS",
+    "prefer": "falls back to plaintext if TLS fails, and checks no certificate",
+    "require": "encrypts, but checks no certificate: whoever answers gets it",
+}
+
+
+def unverified_password(settings: CommonSettings, environ: Mapping[str, str]) -> str | None:
+    """Why the database password could be read in transit, or None: a password is sent
+    (the URL's, RELAY_DATABASE_PASSWORD or PGPASSWORD) to a host not on this machine,
+    and the effective sslmode (the setting, the URL's, PGSSLMODE, else libpq's prefer)
+    does not verify the server. require with a root certificate verifies it as verify-ca
+    does (libpq's rule)."""
+    params = conninfo_to_dict(settings.database_url.get_secret_value())
+    if not (settings.database_password or params.get("password") or environ.get("PGPASSWORD")):
+        return None
+    hosts = str(params.get("hostaddr") or params.get("host") or environ.get("PGHOST") or "")
+    if all(_on_this_machine(host) for host in hosts.split(",")):
+        return None
+    mode = settings.database_sslmode or params.get("sslmode") or environ.get("PGSSLMODE")
+    mode = str(mode or "prefer")
+    rootcert = (
+        settings.database_sslrootcert or params.get("sslrootcert") or environ.get("PGSSLROOTCERT")
+    )
+    exposure = _UNVERIFIED.get(mode)
+    if exposure is None or (mode == "require" and rootcert):
+        return None
+    return (
+        f"the database password goes to a remote server with sslmode={mode}, which"
+        f" {exposure}; set RELAY_DATABASE_SSLMODE=verify-full and RELAY_DATABASE_SSLROOTCERT"
+        " to the server's CA file"
+    )
+
+
+def _on_this_machine(host: str) -> bool:
+    """A Unix socket (a directory, or an abstract one: @name), or a loopback host. No
+    host at all is libpq's default socket."""
+    host = host.strip()
+    return not host or host.startswith(("/", "@")) or is_loopback(host)
 
 
 def connect(

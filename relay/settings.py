@@ -13,13 +13,13 @@ environment serves every command and a misspelt variable of any sink is caught.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import socket
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast, get_args, get_origin
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -40,11 +40,15 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from relay.errors import SettingsError
+from relay.setting_checks import read_secret, unreadable
 from relay.sinks import sink_specs
 
 __all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
 
 ENV_PREFIX = "RELAY_"
+
+# Files libpq reads that RELAY_DATABASE_URL may name.
+_URL_TLS_FILES = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
 
 # The relay's fields an own table's columns can be mapped to (RELAY_OUTBOX_COLUMNS).
 OWN_TABLE_FIELDS = (
@@ -69,23 +73,50 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _FileSecretsSource(PydanticBaseSettingsSource):
-    """Reads `RELAY_<NAME>_FILE` for the secret fields."""
+    """Reads `RELAY_<NAME>_FILE` for the secret fields: a map as a JSON object. A secret
+    given both ways is refused: whichever won, the other was meant to."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
+        environ = {name.upper(): value for name, value in os.environ.items()}
         values: dict[str, Any] = {}
         for name in SECRET_FIELDS:
-            env_name = f"{ENV_PREFIX}{name.upper()}_FILE"
-            path = os.environ.get(env_name)
+            file_variable = f"{ENV_PREFIX}{name.upper()}_FILE"
+            path = environ.get(file_variable)
             if not path:
                 continue
-            try:
-                values[name] = Path(path).read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise SettingsError(env_name, f"cannot read file: {exc.strerror}") from None
+            _refuse_both_sources(environ, f"{ENV_PREFIX}{name.upper()}", file_variable)
+            text = read_secret(file_variable, path)
+            values[name] = _json_object(file_variable, text) if _is_map(name) else text
         return values
+
+
+def _refuse_both_sources(environ: Mapping[str, str], variable: str, file_variable: str) -> None:
+    """A map may also come in parts (RELAY_HTTP_TOPIC_URLS__ORDERS): those count too."""
+    given = sorted(name for name in environ if name == variable or name.startswith(variable + "__"))
+    if given:
+        raise SettingsError(
+            file_variable, f"{given[0]} is set too: give the secret one way, not both"
+        )
+
+
+def _is_map(name: str) -> bool:
+    annotation = Settings.model_fields[name].annotation
+    return any(get_origin(t) is dict or t is dict for t in (annotation, *get_args(annotation)))
+
+
+def _json_object(variable: str, text: str) -> dict[str, Any]:
+    """A map secret's file, parsed here: the env source's JSON errors would not name the
+    file variable, and must not quote the content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise SettingsError(variable, "the file must hold a JSON object (not shown: a secret)")
+    return value
 
 
 def default_replica_id() -> str:
@@ -215,6 +246,34 @@ class CommonSettings(BaseSettings):
         if "@" in str(parsed.get("host", "")):
             raise ValueError("has an '@' in the host part: write an '@' in the password as %40")
         return SecretStr(raw)
+
+    @field_validator("database_sslrootcert")
+    @classmethod
+    def _sslrootcert_readable(cls, value: str | None) -> str | None:
+        """A CA missing from its mount is a setting to fix, not a connection failure that
+        every retry repeats."""
+        if value is not None and value != "system":  # libpq 16+: the system's CAs
+            problem = unreadable(value)
+            if problem:
+                raise ValueError(f"cannot read {value}: {problem}")
+        return value
+
+    @model_validator(mode="after")
+    def _url_tls_files_readable(self) -> CommonSettings:
+        """The certificate files RELAY_DATABASE_URL itself names (?sslrootcert=...)."""
+        params = conninfo_to_dict(self.database_url.get_secret_value())
+        for key in _URL_TLS_FILES:
+            path = str(params.get(key) or "")
+            if not path or (key == "sslrootcert" and path == "system"):
+                continue
+            problem = unreadable(path)
+            if problem:
+                raise SettingsError(
+                    "RELAY_DATABASE_URL",
+                    f"cannot read its {key} file: {problem} (the path is not shown: the URL"
+                    " is a secret)",
+                )
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -353,9 +412,10 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         default=100,
         ge=0,
         le=10_000,
-        description="Distinct topic label values the relay's per-topic series carry; topics "
-        'past them count under topic="_other", so an app writing a topic per tenant cannot '
-        "grow /metrics without end. 0: no per-topic series at all.",
+        description="Distinct topic label values the per-topic series (relay_messages_total, "
+        "relay_dead_lettered_total) carry, counted from process start; later topics, and "
+        'topics longer than 255 characters, count under topic="_other", so an app writing a '
+        'topic per tenant cannot grow /metrics without end. 0: every topic counts as "_other".',
     )
 
     @field_validator("sink")
@@ -519,6 +579,26 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
     carries the offending value: it might be a password.
     """
     check_unknown_variables(os.environ)
+    settings = _build(cls, **overrides)
+    if isinstance(settings, Settings):
+        check_sink_files(settings)
+    return settings
+
+
+def check_sink_files(settings: Settings) -> None:
+    """Every file the chosen sink reads at start (its settings named *_file: CA,
+    client certificate and key, credentials) is readable now, or a setting to fix."""
+    for field in sink_specs()[settings.sink].settings.model_fields:
+        path = getattr(settings, field)
+        if field.endswith("_file") and isinstance(path, str):
+            problem = unreadable(path)
+            if problem:
+                raise SettingsError(
+                    f"{ENV_PREFIX}{field.upper()}", f"cannot read {path}: {problem}"
+                )
+
+
+def _build(cls: type[S], **overrides: Any) -> S:
     try:
         return cls(**overrides)
     except SettingsError:

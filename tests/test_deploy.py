@@ -139,7 +139,8 @@ def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
             except kubernetes_validate.ValidationError as exc:
                 raise AssertionError(f"{path.relative_to(REPO)}: {exc.message}") from None
             checked += 1
-    assert checked >= 7  # sa, configmap, deployment, service, pdb, job, 2 example secrets
+    # sa, configmap, deployment, service, pdb, networkpolicy, job, 2 example secrets
+    assert checked >= 9
 
 
 def test_every_kustomization_lists_exactly_its_manifests() -> None:
@@ -277,6 +278,36 @@ def test_example_secrets_hold_placeholders_only() -> None:
             assert ":" not in value.split("@")[0].removeprefix("postgresql://"), key
 
 
+def _pod_env(kind: str, name: str) -> dict[str, str]:
+    """The RELAY_* values a pod's container gets: its ConfigMaps, then its own env."""
+    (container,) = _pod_spec(kind, name)["containers"]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env |= _manifest("ConfigMap", source["configMapRef"]["name"])["data"]
+    env |= {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    return env
+
+
+@pytest.mark.parametrize(("kind", "name"), [("Deployment", "relay"), ("Job", "relay-migrate")])
+def test_pods_verify_the_database_server_against_a_mounted_ca(kind: str, name: str) -> None:
+    """verify-full, with RELAY_DATABASE_SSLROOTCERT a file of a mounted volume. Before:
+    sslmode require, which checks no certificate: the password went to whoever answered."""
+    env = _pod_env(kind, name)
+    assert env["RELAY_DATABASE_SSLMODE"] == "verify-full"
+    folder, file_name = env["RELAY_DATABASE_SSLROOTCERT"].rsplit("/", 1)
+    spec = _pod_spec(kind, name)
+    (container,) = spec["containers"]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts[folder]["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mounts[folder]["name"]]
+    source = volume.get("configMap") or volume.get("secret")
+    assert source is not None, volume
+    assert [item["path"] for item in source["items"]] == [file_name]
+    # The relay and its migration trust the same CA.
+    relay_ca = _pod_spec("Deployment", "relay")["volumes"]
+    assert volume in relay_ca
+
+
 def test_disruption_budget_and_service_select_the_relay_pods() -> None:
     pod_labels = _manifest("Deployment", "relay")["spec"]["template"]["metadata"]["labels"]
     pdb = _manifest("PodDisruptionBudget", "relay")
@@ -302,6 +333,42 @@ def test_service_monitor_scrapes_the_relay_service() -> None:
     # The alert rules select job="relay": the operator names the job after the Service.
     assert service["metadata"]["name"] == "relay"
     assert "jobLabel" not in monitor["spec"]
+
+
+def _container_port_number(container: dict[str, Any], port: int | str) -> int:
+    """A port as a Service or a NetworkPolicy names it (number or name), as a number."""
+    for declared in container["ports"]:
+        if port in (declared["name"], declared["containerPort"]):
+            return int(declared["containerPort"])
+    raise AssertionError(f"the container declares no port {port!r}")
+
+
+def test_network_policy_admits_only_prometheus_to_the_metrics_port() -> None:
+    """The relay pods, exactly; ingress from Prometheus pods of one namespace (both
+    selectors in one peer: a second list item would admit either), on the port the
+    Service and the ServiceMonitor scrape; egress left open (networkpolicy.yaml says why)."""
+    policy = _manifest("NetworkPolicy", "relay")
+    deployment = _manifest("Deployment", "relay")
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}
+    assert peer["namespaceSelector"]["matchLabels"]
+    assert peer["podSelector"]["matchLabels"]
+
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    service = _manifest("Service", "relay")
+    (scraped,) = _load_all(K8S / "prometheus-operator" / "servicemonitor.yaml")
+    scraped_names = {endpoint["port"] for endpoint in scraped["spec"]["endpoints"]}
+    targets = {
+        _container_port_number(container, p["targetPort"])
+        for p in service["spec"]["ports"]
+        if p["name"] in scraped_names | {"metrics"}
+    }
+    admitted = {_container_port_number(container, p["port"]) for p in rule["ports"]}
+    assert all(p["protocol"] == "TCP" for p in rule["ports"])
+    assert admitted == targets == {_container_port_number(container, "metrics")}
 
 
 # --- settings named anywhere in deploy/ exist ---

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from relay.settings import Settings, SettingsError, load_settings
+import relay.settings
+from relay.settings import (
+    SECRET_FIELDS,
+    Settings,
+    SettingsError,
+    is_setting_variable,
+    load_settings,
+)
+from relay.sinks.kafka import producer_config
+from relay.sinks.kafka_settings import LIBRDKAFKA_SECRETS
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker
 
@@ -66,18 +76,20 @@ def test_secret_from_file_and_librdkafka_passthrough(
 ) -> None:
     secret = tmp_path / "url"
     secret.write_text(URL + "\n")
+    ca = tmp_path / "ca.pem"  # a CA librdkafka must be able to open (checked at start)
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
     env_for(
         monkeypatch,
         RELAY_DATABASE_URL_FILE=str(secret),
         RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092",
-        RELAY_KAFKA__SSL_CA_LOCATION="/etc/ca.pem",
+        RELAY_KAFKA__SSL_CA_LOCATION=str(ca),
         RELAY_KAFKA__QUEUE_BUFFERING_MAX_MESSAGES="5000",
     )
     settings = load_settings(Settings)
     assert settings.database_url.get_secret_value() == URL
     assert "s3cr3t-pw" not in repr(settings)
     assert settings.librdkafka_config() == {
-        "ssl.ca.location": "/etc/ca.pem",
+        "ssl.ca.location": str(ca),
         "queue.buffering.max.messages": "5000",
     }
 
@@ -210,3 +222,295 @@ def test_kubernetes_service_links_never_stop_a_replica(relay_dsn: str, kafka: Ta
         relay_command("check"), env=env, capture_output=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr.decode()
+
+
+# --- secrets from files: every one, and never two sources for one ---
+
+
+def map_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RELAY_HTTP_TOPIC_URLS among the secrets, as the HTTP sink declares it (its URLs
+    may carry tokens), whether or not its declaration is in this checkout yet."""
+    if "http_topic_urls" not in SECRET_FIELDS:
+        monkeypatch.setattr(relay.settings, "SECRET_FIELDS", (*SECRET_FIELDS, "http_topic_urls"))
+
+
+HTTP = {"RELAY_DATABASE_URL": URL, "RELAY_SINK": "http"}
+TOPIC_URLS = {"orders": "https://hooks.example/orders?token=s3cr3t-tok"}
+
+
+def test_a_map_secret_is_read_from_its_file_as_json(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before: the file's text was handed over as a string, which no map accepts."""
+    map_secret(monkeypatch)
+    urls = tmp_path / "topic-urls"
+    urls.write_text(json.dumps(TOPIC_URLS) + "\n")
+    env_for(monkeypatch, **HTTP, RELAY_HTTP_TOPIC_URLS_FILE=str(urls))
+    settings = load_settings(Settings)
+    urls_read = {
+        topic: getattr(entry, "url", entry) for topic, entry in settings.http_topic_urls.items()
+    }
+    assert urls_read == TOPIC_URLS
+    assert "s3cr3t-tok" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    "content", ['{"orders": "https://hooks.example/s3cr3t-tok"', '["s3cr3t-tok"]', "s3cr3t-tok"]
+)
+def test_a_map_secret_file_that_is_no_json_object_is_named_and_not_quoted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str
+) -> None:
+    map_secret(monkeypatch)
+    urls = tmp_path / "topic-urls"
+    urls.write_text(content)
+    env_for(monkeypatch, **HTTP, RELAY_HTTP_TOPIC_URLS_FILE=str(urls))
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == "RELAY_HTTP_TOPIC_URLS_FILE"
+    assert "JSON object" in caught.value.message
+    assert "s3cr3t-tok" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "file_variable"),
+    [
+        ("RELAY_DATABASE_PASSWORD", "RELAY_DATABASE_PASSWORD_FILE"),
+        ("RELAY_DATABASE_URL", "RELAY_DATABASE_URL_FILE"),
+        ("RELAY_HTTP_TOPIC_URLS", "RELAY_HTTP_TOPIC_URLS_FILE"),
+        ("RELAY_HTTP_TOPIC_URLS__ORDERS", "RELAY_HTTP_TOPIC_URLS_FILE"),  # a map, in parts
+        ("RELAY_KAFKA_SASL_PASSWORD", "RELAY_KAFKA_SASL_PASSWORD_FILE"),
+        ("RELAY_KAFKA__SASL_PASSWORD", "RELAY_KAFKA__SASL_PASSWORD_FILE"),
+        ("RELAY_KAFKA_SASL_PASSWORD", "RELAY_KAFKA__SASL_PASSWORD_FILE"),
+        ("RELAY_KAFKA_SASL_PASSWORD", "RELAY_KAFKA__SASL_PASSWORD"),
+    ],
+)
+def test_a_secret_given_two_ways_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str, file_variable: str
+) -> None:
+    """Before: the variable won without a word, and a rotated file was never read."""
+    map_secret(monkeypatch)
+    secret = tmp_path / "secret"
+    is_map = "TOPIC_URLS" in file_variable
+    secret.write_text(json.dumps(TOPIC_URLS) if is_map else "s3cr3t-file")
+    values = {
+        "RELAY_DATABASE_URL": URL,
+        "RELAY_KAFKA_BOOTSTRAP_SERVERS": "k:9092",
+        variable: json.dumps(TOPIC_URLS) if variable.endswith("TOPIC_URLS") else "s3cr3t-env",
+        file_variable: str(secret) if file_variable.endswith("_FILE") else "s3cr3t-env2",
+    }
+    if "DATABASE_URL" in variable:
+        values[variable] = URL
+    env_for(monkeypatch, **values)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    message = str(caught.value)
+    assert variable in message and file_variable in message, message
+    assert "s3cr3t" not in message
+
+
+def test_run_with_a_secret_given_two_ways_exits_2_naming_both(tmp_path: Path) -> None:
+    password = tmp_path / "password"
+    password.write_text("s3cr3t-file")
+    env = relay_env(
+        URL,
+        "127.0.0.1:1",
+        RELAY_DATABASE_PASSWORD="s3cr3t-env",
+        RELAY_DATABASE_PASSWORD_FILE=str(password),
+    )
+    done = subprocess.run(
+        relay_command("run"), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "RELAY_DATABASE_PASSWORD_FILE" in done.stderr
+    assert "RELAY_DATABASE_PASSWORD is set too" in done.stderr
+    assert "s3cr3t" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", sorted(LIBRDKAFKA_SECRETS))
+def test_every_librdkafka_secret_is_read_from_a_file_and_never_shown(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    """RELAY_KAFKA__SASL_PASSWORD_FILE for sasl.password, and so on. Before: passed to
+    librdkafka as the unknown property sasl.password.file, and a secret given directly
+    showed in the settings' repr."""
+    variable = f"RELAY_KAFKA__{name.upper().replace('.', '_')}_FILE"
+    secret = tmp_path / "secret"
+    secret.write_text("s3cr3t-from-file\n")
+    env_for(
+        monkeypatch,
+        RELAY_DATABASE_URL=URL,
+        RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092",
+        **{variable: str(secret)},
+    )
+    assert is_setting_variable(variable)
+    settings = load_settings(Settings)
+    assert settings.librdkafka_config()[name] == "s3cr3t-from-file"
+    assert producer_config(settings)[name] == "s3cr3t-from-file"
+    assert name + ".file" not in producer_config(settings)
+    for shown in (repr(settings), str(settings), settings.model_dump_json()):
+        assert "s3cr3t" not in shown
+
+
+def test_a_librdkafka_secret_given_directly_is_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    env_for(
+        monkeypatch,
+        RELAY_DATABASE_URL=URL,
+        RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092",
+        RELAY_KAFKA__SASL_PASSWORD="s3cr3t-direct",
+        RELAY_KAFKA__SASL_USERNAME="relay",
+    )
+    settings = load_settings(Settings)
+    assert settings.librdkafka_config()["sasl.password"] == "s3cr3t-direct"
+    assert settings.librdkafka_config()["sasl.username"] == "relay"
+    assert "s3cr3t" not in repr(settings) + settings.model_dump_json()
+
+
+def test_librdkafkas_own_file_properties_stay_paths(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """sasl.oauthbearer.assertion.private.key.file is librdkafka's: a path it reads."""
+    key = tmp_path / "assertion.key"
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    env_for(
+        monkeypatch,
+        RELAY_DATABASE_URL=URL,
+        RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092",
+        RELAY_KAFKA__SASL_OAUTHBEARER_ASSERTION_PRIVATE_KEY_FILE=str(key),
+    )
+    config = load_settings(Settings).librdkafka_config()
+    assert config["sasl.oauthbearer.assertion.private.key.file"] == str(key)
+
+
+# --- files the settings name: a missing one is a setting to fix ---
+
+MISSING = "/nonexistent/relay-test/ca.pem"
+KAFKA = {"RELAY_KAFKA_BOOTSTRAP_SERVERS": "k:9092"}
+HTTPS = {"RELAY_SINK": "http", "RELAY_HTTP_URL": "https://hooks.example/in"}
+NATS = {"RELAY_SINK": "nats", "RELAY_NATS_URL": "tls://nats.example:4222"}
+RABBITMQ = {"RELAY_SINK": "rabbitmq", "RELAY_RABBITMQ_URL": "amqps://u:s3cr3t-pw@mq.example/"}
+FILE_SETTINGS = [
+    ("RELAY_DATABASE_SSLROOTCERT", KAFKA),
+    ("RELAY_HTTP_CA_FILE", HTTPS),
+    ("RELAY_HTTP_CLIENT_CERT_FILE", HTTPS),
+    ("RELAY_HTTP_CLIENT_KEY_FILE", {**HTTPS, "RELAY_HTTP_CLIENT_CERT_FILE": "{cert}"}),
+    ("RELAY_KAFKA__SSL_CA_LOCATION", KAFKA),
+    ("RELAY_KAFKA__SSL_CERTIFICATE_LOCATION", KAFKA),
+    ("RELAY_KAFKA__SSL_KEY_LOCATION", KAFKA),
+    ("RELAY_KAFKA__SSL_KEYSTORE_LOCATION", KAFKA),
+    ("RELAY_KAFKA__SSL_CRL_LOCATION", KAFKA),
+    ("RELAY_NATS_TLS_CA_FILE", NATS),
+    ("RELAY_NATS_TLS_CERT_FILE", NATS),
+    ("RELAY_NATS_TLS_KEY_FILE", {**NATS, "RELAY_NATS_TLS_CERT_FILE": "{cert}"}),
+    ("RELAY_NATS_CREDS_FILE", NATS),
+    ("RELAY_RABBITMQ_TLS_CA_FILE", RABBITMQ),
+    ("RELAY_RABBITMQ_TLS_CERT_FILE", RABBITMQ),
+    ("RELAY_RABBITMQ_TLS_KEY_FILE", {**RABBITMQ, "RELAY_RABBITMQ_TLS_CERT_FILE": "{cert}"}),
+]
+
+
+def file_env(tmp_path: Path, extra: dict[str, str], **values: str) -> dict[str, str]:
+    cert = tmp_path / "client.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {"RELAY_DATABASE_URL": URL, **extra, **values}
+    return {name: value.replace("{cert}", str(cert)) for name, value in env.items()}
+
+
+@pytest.mark.parametrize(("variable", "extra"), FILE_SETTINGS)
+def test_a_missing_tls_file_is_a_settings_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str, extra: dict[str, str]
+) -> None:
+    """Before: a traceback when the sink or the connection first opened it (exit 1), or
+    a database connection failing on every retry."""
+    env_for(monkeypatch, **file_env(tmp_path, extra, **{variable: MISSING}))
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == variable
+    assert caught.value.message == f"cannot read {MISSING}: No such file or directory"
+
+
+def test_a_directory_where_a_file_belongs_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env_for(monkeypatch, **file_env(tmp_path, HTTPS, RELAY_HTTP_CA_FILE=str(tmp_path)))
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == "RELAY_HTTP_CA_FILE"
+    assert "Is a directory" in caught.value.message
+
+
+@pytest.mark.parametrize("key", ["sslrootcert", "sslcert", "sslkey"])
+def test_a_missing_file_the_database_url_names_is_refused_without_quoting_the_url(
+    monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    env_for(monkeypatch, **KAFKA, RELAY_DATABASE_URL=f"{URL}?{key}={MISSING}")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == "RELAY_DATABASE_URL"
+    assert key in caught.value.message
+    assert MISSING not in str(caught.value) and "s3cr3t" not in str(caught.value)
+
+
+def test_the_special_locations_are_no_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """libpq's sslrootcert=system, librdkafka's ssl.ca.location=probe or a directory."""
+    env_for(
+        monkeypatch,
+        **KAFKA,
+        RELAY_DATABASE_URL=URL,
+        RELAY_DATABASE_SSLMODE="verify-full",
+        RELAY_DATABASE_SSLROOTCERT="system",
+        RELAY_KAFKA__SSL_CA_LOCATION="probe",
+        RELAY_KAFKA__HTTPS_CA_LOCATION=str(tmp_path),
+    )
+    assert load_settings(Settings).database_sslrootcert == "system"
+
+
+def test_the_files_of_a_sink_not_chosen_are_not_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL, **KAFKA, RELAY_HTTP_CA_FILE=MISSING)
+    assert load_settings(Settings).http_ca_file == MISSING
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "extra"),
+    [
+        ("run", "RELAY_DATABASE_SSLROOTCERT", KAFKA),
+        ("check", "RELAY_DATABASE_SSLROOTCERT", KAFKA),
+        ("migrate", "RELAY_DATABASE_SSLROOTCERT", {}),
+        ("run", "RELAY_HTTP_CA_FILE", HTTPS),
+        ("check", "RELAY_HTTP_CA_FILE", HTTPS),
+        ("run", "RELAY_KAFKA__SSL_CA_LOCATION", KAFKA),
+        ("run", "RELAY_NATS_TLS_CA_FILE", NATS),
+        ("run", "RELAY_RABBITMQ_TLS_CA_FILE", RABBITMQ),
+    ],
+)
+def test_a_missing_ca_file_exits_2_naming_it(
+    tmp_path: Path, command: str, variable: str, extra: dict[str, str]
+) -> None:
+    """Before: `relay run` with a missing HTTP or Kafka CA died with a traceback (exit
+    1); with a missing database CA it ran, failing every connection."""
+    env = relay_env(URL, **file_env(tmp_path, extra, **{variable: MISSING}))
+    done = subprocess.run(
+        relay_command(command), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"relay: configuration error: {variable}: cannot read {MISSING}: No such file or directory"
+    )
+    assert "s3cr3t" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("variable", ["RELAY_RABBITMQ_TLS_CA_FILE", "RELAY_RABBITMQ_TLS_CERT_FILE"])
+def test_rabbitmq_tls_settings_with_an_amqp_url_are_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str
+) -> None:
+    """Before: ignored without a word, and the connection went in plaintext."""
+    plain = {**RABBITMQ, "RELAY_RABBITMQ_URL": "amqp://u:s3cr3t-pw@mq.example/"}
+    env_for(monkeypatch, **file_env(tmp_path, plain, **{variable: "{cert}"}))
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == variable
+    assert "amqps://" in caught.value.message
+    assert "s3cr3t" not in str(caught.value)
+    env_for(monkeypatch, **file_env(tmp_path, RABBITMQ, **{variable: "{cert}"}))
+    assert load_settings(Settings).rabbitmq_url is not None

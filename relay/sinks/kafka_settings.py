@@ -8,12 +8,51 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 
 from relay.errors import SettingsError
+from relay.setting_checks import is_loopback, read_secret, unreadable
 from relay.sinks.base import SinkSpec
 
 KAFKA_SECRETS = ("kafka_sasl_password",)
+
+# librdkafka properties whose values are secrets (of those it flags sensitive, the ones
+# that are no path or name): kept out of `kafka`, so no repr or log shows them, and
+# each may be read from a file, RELAY_KAFKA__SASL_PASSWORD_FILE for sasl.password.
+LIBRDKAFKA_SECRETS = frozenset(
+    {
+        "sasl.password",
+        "sasl.oauthbearer.client.secret",
+        "sasl.oauthbearer.config",
+        "sasl.oauthbearer.assertion.private.key.passphrase",
+        "sasl.oauthbearer.assertion.private.key.pem",
+        "ssl.key.password",
+        "ssl.key.pem",
+        "ssl.keystore.password",
+    }
+)
+
+# Paths librdkafka opens when the producer is created: checked at start-up. The CA
+# locations may also be a directory of certificates, or `probe` (the system's).
+_CA_LOCATIONS = frozenset({"ssl.ca.location", "https.ca.location"})
+_LIBRDKAFKA_PATHS = _CA_LOCATIONS | {
+    "ssl.certificate.location",
+    "ssl.key.location",
+    "ssl.keystore.location",
+    "ssl.crl.location",
+    "sasl.kerberos.keytab",
+    "sasl.oauthbearer.assertion.file",
+    "sasl.oauthbearer.assertion.jwt.template.file",
+    "sasl.oauthbearer.assertion.private.key.file",
+}
+
+# SASL mechanisms whose credentials an eavesdropper on a plaintext connection can use.
+_EXPOSED_MECHANISMS = {
+    "PLAIN": "sends the password in clear",
+    "SCRAM-SHA-256": "exposes the exchange to offline password guessing",
+    "SCRAM-SHA-512": "exposes the exchange to offline password guessing",
+    "OAUTHBEARER": "sends a bearer token anyone who reads it can replay",
+}
 
 
 class KafkaSettings(BaseModel):
@@ -39,17 +78,79 @@ class KafkaSettings(BaseModel):
     )
     kafka: dict[str, str] = Field(
         default_factory=dict,
-        description="librdkafka pass-through: RELAY_KAFKA__SSL_CA_LOCATION sets ssl.ca.location.",
+        description="librdkafka pass-through: RELAY_KAFKA__SSL_CA_LOCATION sets ssl.ca.location;"
+        " a secret property may come from a file: RELAY_KAFKA__SASL_PASSWORD_FILE.",
     )
+    # The pass-through's secret properties (LIBRDKAFKA_SECRETS), by their dotted names.
+    _kafka_secrets: dict[str, SecretStr] = PrivateAttr(default_factory=dict)
 
     def librdkafka_config(self) -> dict[str, str]:
-        """Pass-through librdkafka settings with their dotted names restored."""
-        return {key.lower().replace("_", "."): value for key, value in self.kafka.items()}
+        """Pass-through librdkafka settings with their dotted names restored, secrets in."""
+        config = {_property(key): value for key, value in self.kafka.items()}
+        config.update(
+            (name, value.get_secret_value()) for name, value in self._kafka_secrets.items()
+        )
+        return config
 
     @model_validator(mode="after")
-    def _guarantees_kept(self) -> KafkaSettings:
+    def _pass_through_checked(self) -> KafkaSettings:
+        given = _secret_variables(self.kafka)
+        self._kafka_secrets = _take_secrets(self.kafka)
+        if self.kafka_sasl_password is not None and "sasl.password" in given:
+            raise SettingsError(
+                given["sasl.password"],
+                "RELAY_KAFKA_SASL_PASSWORD (or its _FILE) is set too: give the password one"
+                " way, not both",
+            )
         _check_guarantees(self.librdkafka_config())
         return self
+
+
+def _property(key: str) -> str:
+    return key.lower().replace("_", ".")
+
+
+def _variable(name: str) -> str:
+    return f"RELAY_KAFKA__{name.upper().replace('.', '_')}"
+
+
+def _secret_of(name: str) -> str | None:
+    """The secret property `name` sets, directly or as its file form (`<secret>.file`)."""
+    secret = name.removesuffix(".file")
+    return secret if secret in LIBRDKAFKA_SECRETS else None
+
+
+def _secret_variables(kafka: dict[str, str]) -> dict[str, str]:
+    """Each secret property given, by the variable that gives it."""
+    found: dict[str, str] = {}
+    for key, value in kafka.items():
+        name = _property(key)
+        secret = _secret_of(name)
+        if secret is None or (name != secret and not value):  # an empty _FILE: unset
+            continue
+        if secret in found:
+            raise SettingsError(
+                _variable(secret + ".file"),
+                f"{_variable(secret)} is set too: give the secret one way, not both",
+            )
+        found[secret] = _variable(name)
+    return found
+
+
+def _take_secrets(kafka: dict[str, str]) -> dict[str, SecretStr]:
+    """Moves the secret properties out of `kafka`, reading those given as files."""
+    secrets: dict[str, SecretStr] = {}
+    for key in list(kafka):
+        name = _property(key)
+        secret = _secret_of(name)
+        if secret is None:
+            continue
+        value = kafka.pop(key)
+        if secret == name:
+            secrets[secret] = SecretStr(value)
+        elif value:
+            secrets[secret] = SecretStr(read_secret(_variable(name), value))
+    return secrets
 
 
 # librdkafka settings the delivery guarantees rest on: the pass-through may tune
@@ -101,9 +202,67 @@ def _check_guarantees(config: dict[str, str]) -> None:
             raise SettingsError(env, rule[1])
 
 
+def _message_max_bytes(settings: KafkaSettings) -> int:
+    """The producer's own limit, message.max.bytes (librdkafka's default 1,000,000):
+    a larger row would only come back from the client as too large."""
+    value = settings.librdkafka_config().get("message.max.bytes", "")
+    return int(value) if value.strip().isdigit() else 1_000_000
+
+
 def _require(settings: KafkaSettings) -> None:
     if not settings.kafka_bootstrap_servers:
         raise SettingsError("RELAY_KAFKA_BOOTSTRAP_SERVERS", "is required when RELAY_SINK=kafka")
+    _check_paths(settings.librdkafka_config())
+
+
+def _check_paths(config: dict[str, str]) -> None:
+    """The files librdkafka would fail to open when the producer is created (a
+    traceback then, with no setting named)."""
+    for name, path in config.items():
+        if name not in _LIBRDKAFKA_PATHS or (name in _CA_LOCATIONS and path == "probe"):
+            continue
+        problem = unreadable(path, directory_ok=name in _CA_LOCATIONS)
+        if problem:
+            raise SettingsError(_variable(name), f"cannot read {path}: {problem}")
+
+
+def plaintext_sasl_warnings(settings: KafkaSettings) -> list[tuple[str, str]]:
+    """(variable, why) when SASL credentials go over plaintext to a broker that is not
+    on this machine: they work, and anyone on the path can use them."""
+    config = settings.librdkafka_config()
+    protocol = config.get("security.protocol") or settings.kafka_security_protocol or ""
+    if protocol.lower() != "sasl_plaintext":
+        return []
+    mechanism = (
+        config.get("sasl.mechanism")
+        or config.get("sasl.mechanisms")  # librdkafka's alias
+        or settings.kafka_sasl_mechanism
+        or "GSSAPI"  # librdkafka's default, made for untrusted networks
+    ).upper()
+    exposure = _EXPOSED_MECHANISMS.get(mechanism)
+    servers = config.get("bootstrap.servers") or settings.kafka_bootstrap_servers or ""
+    if exposure is None or all(is_loopback(_broker_host(s)) for s in servers.split(",")):
+        return []
+    variable = (
+        _variable("security.protocol")
+        if "security.protocol" in config
+        else "RELAY_KAFKA_SECURITY_PROTOCOL"
+    )
+    return [
+        (
+            variable,
+            f"SASL {mechanism} over sasl_plaintext {exposure}, and every message travels"
+            " unencrypted: use sasl_ssl",
+        )
+    ]
+
+
+def _broker_host(server: str) -> str:
+    """The host of `host:port`, `[v6]:port` or `PROTOCOL://host:port`."""
+    address = server.strip().rpartition("://")[2]
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    return address.rpartition(":")[0] if address.count(":") == 1 else address
 
 
 SINK = SinkSpec(
@@ -112,4 +271,5 @@ SINK = SinkSpec(
     implementation="relay.sinks.kafka:KafkaSink",
     secrets=KAFKA_SECRETS,
     require=_require,
+    message_max_bytes=_message_max_bytes,
 )

@@ -70,6 +70,26 @@ class RabbitmqSettings(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tls_needs_amqps(self) -> RabbitmqSettings:
+        """An amqp:// URL never uses TLS: its TLS settings would be ignored, and the
+        connection (credentials included) would go in plaintext while they suggest not."""
+        if self.rabbitmq_url is None or _uses_tls(self.rabbitmq_url):
+            return self
+        for name in ("rabbitmq_tls_ca_file", "rabbitmq_tls_cert_file", "rabbitmq_tls_key_file"):
+            if getattr(self, name):
+                raise SettingsError(
+                    f"RELAY_{name.upper()}",
+                    "takes effect with an amqps:// RELAY_RABBITMQ_URL only, and this one is"
+                    " amqp:// (plaintext): use amqps://",
+                )
+        return self
+
+
+def _uses_tls(url: SecretStr) -> bool:
+    """Whether the sink connects over TLS: the test relay/sinks/rabbitmq.py makes."""
+    return url.get_secret_value().strip().startswith("amqps://")
+
 
 def _require(settings: RabbitmqSettings) -> None:
     if settings.rabbitmq_url is None:

@@ -1,0 +1,188 @@
+"""The runtime role's grants (migrations/grants.sql): the relay writes its bookkeeping
+and nothing the app wrote, in its own outbox and, with the column grants the README
+gives, in an own table read through its view. Every statement that writes outbox rows
+runs here as that role, on real rows."""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from relay import db, repository
+from relay.queries import QUERIES
+from relay.settings import CommonSettings
+from tests.conftest import RELAY_ROLE
+from tests.test_own_table import DEBEZIUM_TABLE, TABLE, VIEW_SCHEMA, migrate_own_table
+
+BOOKKEEPING = (
+    "sent_at",
+    "attempts",
+    "next_attempt_at",
+    "last_error",
+    "dead_lettered_at",
+    "dead_letter_reason",
+    "promoted_at",
+)
+# What the app wrote, each with a value of its type.
+APP_COLUMNS = {
+    "topic": "'elsewhere'",
+    "key": "'someone-else'",
+    "payload": "'\\x00'::bytea",
+    "headers": "'{}'::jsonb",
+    "message_id": "gen_random_uuid()",
+    "created_at": "now()",
+    "available_at": "now()",
+}
+# The statements of queries.sql that write outbox rows (UPDATE, or lock them FOR UPDATE).
+WRITES = {
+    "promote_due",
+    "record_failures",
+    "dead_letter",
+    "dead_letter_requeue",
+    "settle_mark_sent",
+    "mark_sent",
+    "purge_sent",
+}
+LEASE = "grants"
+
+# The README's grants for an own table, the view's bookkeeping columns only.
+OWN_TABLE_GRANTS = f"""
+GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE};
+GRANT SELECT, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
+GRANT UPDATE ({", ".join(BOOKKEEPING)}) ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
+"""
+
+
+def _writes_outbox(text: str) -> bool:
+    return bool(
+        re.search(r"\bUPDATE\s+outbox\b", text)
+        or ("FOR UPDATE" in text and re.search(r"\bFROM\s+outbox\b", text))
+    )
+
+
+def test_every_statement_that_writes_outbox_rows_is_run_here() -> None:
+    """A new one would need its columns granted: this list makes it run below."""
+    found = {name for name in QUERIES.names() if _writes_outbox(QUERIES.get(name).sql)}
+    assert found == WRITES
+
+
+def test_the_relay_role_cannot_change_what_the_app_wrote(database: str, relay_dsn: str) -> None:
+    """Before: UPDATE on the whole table, payload and topic included."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', 'p')")
+    with psycopg.connect(relay_dsn, autocommit=True) as conn:
+        for column, value in APP_COLUMNS.items():
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(sql.SQL(f"UPDATE outbox SET {column} = {value}"))
+        for column in BOOKKEEPING:
+            conn.execute(sql.SQL(f"UPDATE outbox SET {column} = {column}"))
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute("SELECT topic, key, payload FROM outbox").fetchone()
+    assert row == ("t", "k", b"p")
+
+
+def test_the_relay_role_runs_every_outbox_write(database: str, relay_dsn: str) -> None:
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " VALUES ('t', 'due', 'x', now() - interval '1 second')"
+        )
+    ids = _insert(
+        database, "INSERT INTO outbox (topic, key, payload) VALUES ('t', %s, 'x') RETURNING id"
+    )
+    settings = CommonSettings(database_url=relay_dsn)
+    with db.connect(settings, purpose="grants") as conn:
+        assert repository.promote_due(conn, 10).rows == 1
+        _run_every_write(conn, ids)
+    _assert_written(database, "outbox", "sent_at", ids)
+
+
+@pytest.fixture
+def own_table(database: str) -> str:
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(DEBEZIUM_TABLE)
+    done = migrate_own_table(database)
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(OWN_TABLE_GRANTS)
+    return database
+
+
+def test_an_own_tables_column_grants_let_the_relay_write_its_columns_only(
+    own_table: str, relay_dsn: str
+) -> None:
+    """The README's grant text for RELAY_OUTBOX_TABLE, column by column, is enough."""
+    ids = _insert(
+        own_table,
+        "INSERT INTO inventory.outboxevent (id, aggregatetype, aggregateid, type, payload)"
+        " VALUES (gen_random_uuid(), 't', %s, 'Created', '{}') RETURNING relay_id",
+    )
+    settings = CommonSettings(database_url=relay_dsn, outbox_table=TABLE, lease_name=LEASE)
+    with db.connect(settings, purpose="grants") as conn:
+        _run_every_write(conn, ids)
+        # The view's other app columns are expressions (casts), never updatable; this
+        # one is the table's relay_created_at as it is.
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("UPDATE outbox SET created_at = now()")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("UPDATE inventory.outboxevent SET aggregatetype = 'elsewhere'")
+    _assert_written(own_table, TABLE, "relay_sent_at", ids)
+
+
+def _insert(dsn: str, statement: str) -> list[int]:
+    """Four rows, keys a-d, written by the owner (the app), and the lease row the settle
+    fences on, held by "test" at epoch 1; the rows' ids."""
+    ids = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO leases (name, holder, epoch, expires_at)"
+            " VALUES (%s, 'test', 1, now() + interval '1 minute')",
+            (LEASE,),
+        )
+        for key in "abcd":
+            row = conn.execute(statement, (key,)).fetchone()
+            assert row is not None
+            ids.append(int(row[0]))
+    return ids
+
+
+def _run_every_write(conn: db.Conn, ids: list[int]) -> None:
+    """Row a fails once, b is dead-lettered and requeued, c settles under a held lease,
+    d is marked sent; then c and d are purged."""
+    a, b, c, d = ids
+    with conn.transaction():
+        conn.execute(
+            QUERIES.record_failures, {"ids": [a], "delays": [60.0], "errors": ["no broker"]}
+        )
+        conn.execute(QUERIES.dead_letter, {"ids": [b], "attempted": [1], "reasons": ["bad"]})
+    assert repository.requeue_dead_letters(conn, ids=[b]) == [b]
+    conn.execute(QUERIES.mark_sent, {"ids": [d]})
+    settled = conn.execute(
+        QUERIES.settle_mark_sent,
+        {"name": LEASE, "holder": "test", "epoch": 1, "ttl": 60.0, "ids": [c]},
+    ).fetchone()
+    assert settled is not None, "the settle's fence did not hold"
+    assert repository.purge_sent(conn, 0.0, 10) == 2
+
+
+def _assert_written(dsn: str, table: str, sent_at: str, ids: list[int]) -> None:
+    prefix = "relay_" if sent_at.startswith("relay_") else ""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT {attempts}, {error}, {dead}, {sent} FROM {table} WHERE {id} = ANY(%s)"
+                " ORDER BY {id}"
+            ).format(
+                attempts=sql.Identifier(prefix + "attempts"),
+                error=sql.Identifier(prefix + "last_error"),
+                dead=sql.Identifier(prefix + "dead_lettered_at"),
+                sent=sql.Identifier(sent_at),
+                table=sql.Identifier(*table.split(".")),
+                id=sql.Identifier(prefix + "id"),
+            ),
+            (ids,),
+        ).fetchall()
+    assert rows == [(1, "no broker", None, None), (0, "bad", None, None)]  # c and d purged

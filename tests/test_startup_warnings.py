@@ -1,0 +1,235 @@
+"""Settings that work but let credentials be read in transit: a password to PostgreSQL
+over a connection whose server is not verified, SASL credentials to Kafka over
+plaintext. `relay run` says so at start-up, naming the setting to change; loopback
+hosts and verified connections pass in silence."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay import db
+from relay.app import startup_warnings
+from relay.settings import CommonSettings, Settings
+from relay.sinks.kafka_settings import plaintext_sasl_warnings
+from tests.conftest import relay_command, relay_env, start_relay
+from tests.support import wait_until
+
+REMOTE = "postgresql://relay:s3cr3t-pw@db.example.internal:5432/app"
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> str:
+    path = tmp_path / "ca.pem"
+    path.write_text("-----BEGIN CERTIFICATE-----\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("url", "values", "environ", "mode"),
+    [
+        (REMOTE, {}, {}, "prefer"),  # libpq's default: plaintext if TLS fails
+        (REMOTE + "?sslmode=require", {}, {}, "require"),
+        (REMOTE, {"database_sslmode": "require"}, {}, "require"),
+        (REMOTE, {"database_sslmode": "disable"}, {}, "disable"),
+        (REMOTE, {}, {"PGSSLMODE": "allow"}, "allow"),
+        # The setting wins over the URL's sslmode.
+        (REMOTE + "?sslmode=verify-full", {"database_sslmode": "prefer"}, {}, "prefer"),
+        ("postgresql://relay@db.example.internal/app", {"database_password": "pw"}, {}, "prefer"),
+        ("postgresql://relay@db.example.internal/app", {}, {"PGPASSWORD": "pw"}, "prefer"),
+        ("host=127.0.0.1,db.example.internal user=relay password=pw", {}, {}, "prefer"),
+    ],
+)
+def test_a_password_over_an_unverified_connection_is_warned_about(
+    url: str, values: dict[str, Any], environ: dict[str, str], mode: str
+) -> None:
+    settings = CommonSettings(database_url=url, **values)
+    warning = db.unverified_password(settings, environ)
+    assert warning is not None
+    assert f"sslmode={mode}" in warning
+    assert "RELAY_DATABASE_SSLMODE=verify-full" in warning
+    assert "s3cr3t" not in warning
+
+
+@pytest.mark.parametrize(
+    ("url", "values", "environ"),
+    [
+        (REMOTE + "?sslmode=verify-full", {}, {}),
+        (REMOTE, {"database_sslmode": "verify-ca"}, {}),
+        (REMOTE, {}, {"PGSSLMODE": "verify-full"}),
+        # require with a root certificate verifies as verify-ca does (libpq's rule).
+        (REMOTE, {"database_sslmode": "require", "database_sslrootcert": "{ca}"}, {}),
+        ("postgresql://relay:pw@127.0.0.1:5432/app", {}, {}),
+        ("postgresql://relay:pw@localhost/app", {}, {}),
+        ("postgresql://relay:pw@[::1]:5432/app", {}, {}),
+        ("host=/var/run/postgresql user=relay password=pw", {}, {}),
+        ("postgresql://relay:pw@/app", {}, {}),  # libpq's default socket
+        ("postgresql://relay@db.example.internal/app", {}, {}),  # no password: a client cert
+    ],
+)
+def test_no_warning_for_a_verified_or_local_connection(
+    url: str, values: dict[str, Any], environ: dict[str, str], ca: str
+) -> None:
+    values = {k: v.replace("{ca}", ca) if isinstance(v, str) else v for k, v in values.items()}
+    settings = CommonSettings(database_url=url, **values)
+    assert db.unverified_password(settings, environ) is None
+
+
+def kafka_settings(**values: Any) -> Settings:
+    return Settings(database_url="postgresql://relay@/app", **values)
+
+
+@pytest.mark.parametrize(
+    ("values", "variable", "mechanism"),
+    [
+        (
+            {"kafka_security_protocol": "sasl_plaintext", "kafka_sasl_mechanism": "PLAIN"},
+            "RELAY_KAFKA_SECURITY_PROTOCOL",
+            "PLAIN",
+        ),
+        (
+            {"kafka": {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512"}},
+            "RELAY_KAFKA__SECURITY_PROTOCOL",
+            "SCRAM-SHA-512",
+        ),
+        (
+            {"kafka_security_protocol": "sasl_plaintext", "kafka": {"sasl_mechanisms": "plain"}},
+            "RELAY_KAFKA_SECURITY_PROTOCOL",
+            "PLAIN",
+        ),
+        (
+            {"kafka": {"security_protocol": "sasl_plaintext", "sasl_mechanism": "OAUTHBEARER"}},
+            "RELAY_KAFKA__SECURITY_PROTOCOL",
+            "OAUTHBEARER",
+        ),
+    ],
+)
+def test_sasl_credentials_over_plaintext_are_warned_about(
+    values: dict[str, Any], variable: str, mechanism: str
+) -> None:
+    settings = kafka_settings(
+        kafka_bootstrap_servers="127.0.0.1:9092,kafka-1.example.internal:9092",
+        kafka_sasl_password="s3cr3t-pw",
+        **values,
+    )
+    ((named, warning),) = plaintext_sasl_warnings(settings)
+    assert named == variable
+    assert f"SASL {mechanism} over sasl_plaintext" in warning and "sasl_ssl" in warning
+    assert "s3cr3t" not in warning
+
+
+@pytest.mark.parametrize(
+    ("bootstrap", "values"),
+    [
+        ("kafka.example.internal:9092", {"kafka_security_protocol": "sasl_ssl"}),
+        ("kafka.example.internal:9092", {"kafka_security_protocol": "plaintext"}),
+        ("kafka.example.internal:9092", {"kafka_security_protocol": "sasl_plaintext"}),  # GSSAPI
+        (
+            "kafka.example.internal:9092",
+            {"kafka_security_protocol": "sasl_plaintext", "kafka_sasl_mechanism": "GSSAPI"},
+        ),
+        (
+            "localhost:9092,127.0.0.1:9093,[::1]:9094,SASL_PLAINTEXT://127.0.0.2:9095",
+            {"kafka_security_protocol": "sasl_plaintext", "kafka_sasl_mechanism": "PLAIN"},
+        ),
+    ],
+)
+def test_no_sasl_warning_over_tls_for_kerberos_or_on_loopback(
+    bootstrap: str, values: dict[str, Any]
+) -> None:
+    settings = kafka_settings(kafka_bootstrap_servers=bootstrap, **values)
+    assert plaintext_sasl_warnings(settings) == []
+
+
+def test_only_the_kafka_sinks_warnings_apply_to_the_kafka_sink() -> None:
+    settings = Settings(
+        database_url="postgresql://relay@/app",
+        sink="http",
+        http_url="https://hooks.example/in",
+        kafka_security_protocol="sasl_plaintext",
+        kafka_sasl_mechanism="PLAIN",
+        kafka_bootstrap_servers="kafka.example.internal:9092",
+    )
+    assert startup_warnings(settings) == []
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    events = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue  # a library's own line
+    return events
+
+
+def _run_until(env: dict[str, str], log: Path, event: str) -> list[dict[str, Any]]:
+    """`relay run` until it logs `event`, then SIGTERM; every JSON event it logged."""
+    process = start_relay(env, log)
+    try:
+        wait_until(
+            lambda: any(e.get("event") == event for e in _events(log)),
+            timeout=30,
+            message=f"{event} in {log}",
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return _events(log)
+
+
+def test_relay_run_warns_at_start_up_naming_the_settings(tmp_path: Path) -> None:
+    """Before: nothing said that the password could be read on the way to PostgreSQL,
+    nor that SASL PLAIN sends the Kafka password in clear. The hosts are .invalid: no
+    connection is ever made, the warnings come from the settings alone."""
+    password = tmp_path / "kafka-password"
+    password.write_text("s3cr3t-kafka\n")
+    env = relay_env(
+        "postgresql://relay:s3cr3t-pw@db.invalid:5432/app?connect_timeout=1",
+        "kafka.invalid:9092",
+        RELAY_KAFKA_SECURITY_PROTOCOL="sasl_plaintext",
+        RELAY_KAFKA_SASL_MECHANISM="PLAIN",
+        RELAY_KAFKA_SASL_USERNAME="relay",
+        RELAY_KAFKA__SASL_PASSWORD_FILE=str(password),
+    )
+    log = tmp_path / "relay.log"
+    events = _run_until(env, log, "relay.started")
+    warned = {e["setting"]: e for e in events if e.get("event") == "settings.insecure"}
+    assert set(warned) == {"RELAY_DATABASE_SSLMODE", "RELAY_KAFKA_SECURITY_PROTOCOL"}
+    assert all(e["level"] == "warning" for e in warned.values())
+    assert "sslmode=prefer" in warned["RELAY_DATABASE_SSLMODE"]["problem"]
+    assert "in clear" in warned["RELAY_KAFKA_SECURITY_PROTOCOL"]["problem"]
+    assert "s3cr3t" not in log.read_text(errors="replace")
+
+
+def test_relay_run_says_nothing_for_a_loopback_database(tmp_path: Path) -> None:
+    env = relay_env(
+        "postgresql://relay:s3cr3t-pw@127.0.0.1:1/app?connect_timeout=1",
+        RELAY_SINK="http",
+        RELAY_HTTP_URL="https://hooks.invalid/in",
+    )
+    log = tmp_path / "relay.log"
+    events = _run_until(env, log, "relay.started")
+    assert not [e for e in events if e.get("event") == "settings.insecure"]
+
+
+def test_relay_check_prints_the_same_warnings(tmp_path: Path) -> None:
+    env = relay_env(
+        "postgresql://relay:s3cr3t-pw@db.invalid:5432/app?connect_timeout=1",
+        RELAY_SINK="http",
+        RELAY_HTTP_URL="https://hooks.invalid/in",
+    )
+    done = subprocess.run(
+        relay_command("check"), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert "settings: warning: RELAY_DATABASE_SSLMODE: " in done.stdout, done.stdout
+    assert "s3cr3t" not in done.stdout + done.stderr
