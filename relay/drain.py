@@ -19,33 +19,36 @@ rows of its key only: the fetch query skips them once the failure is written, an
 then the loop holds the key back itself. The lease check inside the settle is what makes
 a paused or partitioned ex-leader harmless.
 
-Long: the loop reads like the protocol above only if its steps (fetch rounds, publish,
-settle, stragglers' bookkeeping, backing off, giving way) sit together; the policy
-(relay/outcomes.py), the settle (relay/settler.py) and the stragglers' list
-(relay/stragglers.py) are out already.
+Its parts, each the one owner of its state: the reading (relay/reader.py: fetch rounds,
+read-ahead, scheduled rows let in), what each outcome means (relay/outcomes.py), the
+settle on its own session (relay/settler.py), the stragglers (relay/stragglers.py), the
+give-way decision (relay/give_way.py), and what is recorded (relay/recorder.py: metrics,
+dead-letter lines, spans). What stays here is the loop and the settle pipeline's state
+(the batch being settled, the keys held back).
+
+Long: the settle pipeline (the batch in flight, the stragglers' hand-off, the keys held
+back from the read-ahead) is still part of the loop; it is the next part to come out.
 """
 
 from __future__ import annotations
 
-import operator
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
 
 import psycopg
 
-from relay import db, failpoints, lease_metrics, metrics, repository, screen, tracing
+from relay import db, failpoints, lease_metrics, repository, screen, tracing
 from relay.backoff import Backoff, Retrying
+from relay.give_way import GiveWay
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
-from relay.message import DUE_EPOCH, ID, OutboxMessage
+from relay.message import ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
 from relay.presence import Presence, Progress
-from relay.queries import QUERIES
+from relay.reader import Reader
+from relay.recorder import Recorder
 from relay.repository import BatchLimits, Settlement
 from relay.settings import Settings
 from relay.settler import InFlight, Settler
@@ -55,22 +58,7 @@ from relay.sinks.base import ACKED
 from relay.stragglers import Stragglers
 from relay.wakeup import Wakeup
 
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
 log = get_logger("relay.drain")
-
-
-def _without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessage]:
-    """`rows` minus those of the keys held back."""
-    if not held:
-        return rows
-    return [m for m in rows if m.key is None or m.key not in held]
-
-
-# While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
-# head for other keys: the fair statement costs a few times the plain one.
-LOOK_FOR_OTHERS_SECONDS = 0.1
 
 
 def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
@@ -85,26 +73,6 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         fill=not sink.serial_per_key,
         message_bytes=message_max_bytes(settings),
     )
-
-
-@dataclass(slots=True)
-class Prefetched:
-    """The next batch, read while the previous one was being acknowledged."""
-
-    rows: list[OutboxMessage]
-    # Keys whose failures may not be written yet: the batches in flight at the read.
-    held: frozenset[str]
-
-
-def drain_session_setup(shards: int) -> list[str]:
-    """How the drain session plans: with its actual parameters (custom plans); with
-    shards, also never by bitmap scan, which would read every unsent row of the shard
-    to return one batch (the shard index leads with the hash, so the planner prices
-    its ordered walk as random reads)."""
-    setup = [QUERIES.force_custom_plans]
-    if shards > 1:
-        setup.append(QUERIES.walk_shard_indexes_in_order)
-    return setup
 
 
 class Drainer:
@@ -129,14 +97,20 @@ class Drainer:
         # With shards: True while this replica holds more than its fair share and this
         # shard is one to hand over (relay/lanes.py).
         self._surplus = surplus
-        self._presence = presence
         self._progress = progress or Progress(clock)
+        self._give_way_policy = GiveWay(settings.give_way_seconds, presence, self._progress)
         self._sink = sink
         self._lease = lease
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
-        self._session = db.Session(self._open_drain_session)
+        self._reader = Reader(
+            lambda: db.connect(settings, purpose="drain"),
+            lease.shard,
+            batch_limits(settings, sink),
+            settings.poll_interval_max_seconds,
+            clock,
+        )
         self._settler = Settler(
             lambda: db.connect(settings, purpose="settle"),
             lease,
@@ -145,58 +119,12 @@ class Drainer:
             clock=clock,
         )
         self._in_flight: InFlight | None = None  # published, being settled
-        self._prefetched: Prefetched | None = None  # fetched, not published yet
         self._stragglers = Stragglers()  # published, no outcome yet
-        # Times we gave way since the sink last answered us: each doubles the window,
-        # so a sink that peers' probes reach but nobody can deliver to moves the lease
-        # ever more rarely (a probe is weaker than a delivery).
-        self._give_way_streak = 0
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
         self._idle_polls = 0
-        self._limits = batch_limits(settings, sink)
-        self._after_key: str | None = None  # where the next round over keys starts
-        self._look_for_others_at = 0.0
-        self._promote_at = 0.0  # when to look for scheduled rows that are due
-        self._tracing = tracing.current()  # RELAY_TRACING (relay/tracing.py), else None
-        self._span: Span | None = None  # the batch being published, when tracing
-
-    def _open_drain_session(self) -> db.Conn:
-        conn = db.connect(self._settings, purpose="drain")
-        try:
-            for statement in drain_session_setup(self._lease.shard.shards):
-                conn.execute(statement)
-        except BaseException:
-            conn.close()  # never leak a session whose set-up failed
-            raise
-        return conn
-
-    def _fetch(
-        self, conn: db.Conn, in_flight: str, held: frozenset[str] = frozenset()
-    ) -> list[OutboxMessage]:
-        # A round over keys that met only held-back keys comes back empty: go on from
-        # where it stopped at once (a few rounds) rather than idle-wait between them.
-        for _ in range(4):
-            fetched = repository.fetch_batch(
-                conn,
-                self._limits,
-                in_flight,
-                self._after_key,
-                held=sorted(held),
-                share_busy_keys=self._clock() >= self._look_for_others_at,
-                shards=self._lease.shard.shards,
-                shard=self._lease.shard.shard,
-            )
-            if fetched.fair:  # a head that needed no sharing says nothing of the round
-                self._after_key = fetched.walked_to
-            if fetched.alone:
-                # A key drains alone: look for others only every so often, so a lone
-                # hot key keeps the cheap fetch (they wait this much longer at most).
-                self._look_for_others_at = self._clock() + LOOK_FOR_OTHERS_SECONDS
-            if fetched.messages or not fetched.fair or fetched.walked_to is None:
-                break
-        return fetched.messages
+        self._recorder = Recorder(sink.name, tracing.current())
 
     # --- the loop ---
 
@@ -215,22 +143,22 @@ class Drainer:
                     elif self._surplus is not None and self._surplus():
                         self._hand_over(token)
                 except psycopg.Error as exc:
-                    self._end_span(failed=True)
+                    self._recorder.end(failed=True)
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
                     self._settle_in_flight_quietly()
-                    self._prefetched = None
+                    self._reader.forget()
                     delay = self._db_retry.next_delay()
                     log.warning(
                         "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
                     )
-                    self._session.close()
+                    self._reader.session_failed()
                     self._shutdown.wait(delay)
                 token = self._lease.token()
         finally:
-            self._end_span()
+            self._recorder.end()
             self._settle_in_flight_quietly()
-            self._prefetched = None
+            self._reader.forget()
             if len(self._stragglers):
                 # Forgotten, so not left to be retried forever and land after the next
                 # holder's later rows of their keys.
@@ -239,7 +167,6 @@ class Drainer:
             self._progress.reset()
 
     def _step(self, token: LeaseToken) -> None:
-        conn = self._session.get()
         in_flight = self._in_flight
         # Landed already (say, during a pause): no need to leave its rows out.
         if (
@@ -248,9 +175,10 @@ class Drainer:
             and not self._settle_in_flight(in_flight)
         ):
             return
-        self._promote_due(conn)
-        taken_ns = time.time_ns() if self._tracing is not None else 0
-        batch = self._next_batch(conn)
+        if self._reader.promote_due():
+            self._idle_polls = 0
+        fetched_ns = self._recorder.fetch_started()
+        batch = self._reader.next_batch(*self._unsettled())
         if not batch:
             answered, answers = self._stragglers.answered()
             if answered:
@@ -266,27 +194,21 @@ class Drainer:
         self._idle_polls = 0
         if self._lease.token() != token:
             return  # our deadline passed while we read: publish nothing
-        metrics.BATCH_SIZE.observe(len(batch))
 
         started = self._clock()
         self._progress.publishing()
-        span = None if self._tracing is None else self._tracing.start_batch(batch, taken_ns)
-        self._span = span
+        self._recorder.publishing(batch, fetched_ns)
         publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
         batch_text = repository.id_text(map(ID, batch))
         if not self._abandon(token):
-            self._prefetch(conn, batch_text)
+            self._reader.prefetch(*self._unsettled(), batch_text)
         prefetching = self._clock() - prefetch_started
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
-        room = len(self._stragglers) + len(batch) <= self._limits.rows
+        room = len(self._stragglers) + len(batch) <= self._reader.limits.rows
         results = publishing.wait(leave_stragglers=room)
-        metrics.PUBLISH_SECONDS.labels(self._sink.name).observe(
-            self._clock() - started - prefetching
-        )
+        self._recorder.published(self._clock() - started - prefetching, results.count(ACKED))
         failpoints.hit("after_publish")
-        if span is not None:
-            span.add_event("acknowledged", {"messaging.acknowledged": results.count(ACKED)})
 
         rows: list[OutboxMessage] = batch
         outcomes: list[Result] = results
@@ -303,9 +225,7 @@ class Drainer:
         unavailable = self._settle(
             token, rows + answered, outcomes + answers, batch_text if whole else None
         )
-        if span is not None:  # the settle runs on, on the settler's session
-            span.add_event("settle")
-            self._end_span()
+        self._recorder.settling()
         if unavailable is not None:
             # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
             delay = max(
@@ -318,7 +238,7 @@ class Drainer:
                 error=unavailable.error or "sink unavailable",
                 retry_in=round(delay, 3),
             )
-            self._prefetched = None  # read again when the sink is back
+            self._reader.forget()  # read again when the sink is back
             self._pause(delay, token)
         else:
             self._sink_retry.reset()
@@ -340,7 +260,7 @@ class Drainer:
             reached = False  # asked, and still no answer
         self._progress.published(reached=reached)
         if reached:
-            self._give_way_streak = 0
+            self._give_way_policy.sink_answered()
         unacked = self._stragglers.keys()
         if len(settlement.sent) != len(rows):  # not every row acknowledged
             unacked |= frozenset(
@@ -348,10 +268,7 @@ class Drainer:
                 for message, result in zip(rows, results, strict=True)
                 if message.key is not None and result.outcome is not Outcome.ACKED
             )
-        if self._prefetched is not None:
-            # The prefetched rows were read before these failures are written (and
-            # before these stragglers straggled): hold those keys back from them too.
-            self._prefetched.held |= unacked
+        self._reader.hold(unacked)
         if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
             return None  # fenced out: these rows stay unsent (published: duplicates later)
         if settlement:
@@ -368,34 +285,6 @@ class Drainer:
             held |= self._in_flight.held_keys
         return ids, held
 
-    def _next_batch(self, conn: db.Conn) -> list[OutboxMessage]:
-        """The prefetched batch, or a fresh fetch; minus the keys held back."""
-        prefetched, self._prefetched = self._prefetched, None
-        ids, held = self._unsettled()
-        if prefetched is not None:
-            batch = _without(prefetched.rows, held | prefetched.held)
-            if batch:
-                return batch
-        return _without(self._fetch(conn, repository.join_literal(ids), held), held)
-
-    def _prefetch(self, conn: db.Conn, publishing: str) -> None:
-        """Read the batch after `publishing` (its ids, as `repository.id_text`) while
-        its acknowledgements come back.
-
-        It leaves out every row not yet settled (this batch, the one the settler has,
-        the stragglers), and remembers the keys held back: when the prefetched rows are
-        published, the failures of those batches may still be unwritten.
-        """
-        failpoints.stall("read_ahead")
-        ids, held = self._unsettled()
-        try:
-            rows = self._fetch(conn, repository.join_literal([*ids, publishing]), held)
-        except psycopg.Error:
-            # The next step's own fetch will meet (and report) the same trouble.
-            self._session.close()
-            return
-        self._prefetched = Prefetched(rows, held)
-
     def _settle_in_flight(self, in_flight: InFlight) -> bool:
         """Wait for the previous batch's settle; False if a newer lease holder fenced
         it out (raises what the database raised)."""
@@ -403,7 +292,7 @@ class Drainer:
         settled_at = in_flight.future.result()
         token, settlement = in_flight.token, in_flight.settlement
         if settled_at is None:
-            self._prefetched = None
+            self._reader.forget()
             self._lease.fenced(token)
             return False
         # Debug level: one line a batch is history for tests/chaos, noise in production.
@@ -451,15 +340,7 @@ class Drainer:
     # --- giving way ---
 
     def _cannot_deliver(self) -> bool:
-        """Nothing delivered for the give-way window while rows wait, and a live peer
-        says it reaches the sink. Nobody able: keep the lease, nothing is lost."""
-        window = self._settings.give_way_seconds * 2 ** min(self._give_way_streak, 4)
-        return (
-            window > 0
-            and self._presence is not None
-            and self._progress.stalled_for() >= window
-            and self._presence.able_peers() > 0
-        )
+        return self._give_way_policy.due()
 
     def _give_way(self, token: LeaseToken) -> None:
         """Hand the lease over for want of the sink: the peer that reaches it takes it at
@@ -467,11 +348,7 @@ class Drainer:
         after the peer starts: librdkafka would retry a request stuck on a silent
         connection later (bytes already written to the socket can still land: a
         possible duplicate)."""
-        assert self._presence is not None
-        stalled = self._progress.stalled_for()
-        peers = self._presence.able_peers()
-        self._give_way_streak += 1
-        self._presence.gave_way()  # and so we do not campaign while a peer can deliver
+        stalled, peers = self._give_way_policy.giving_way()
         if self._let_go(token, "gave_way", reset_sink=True):
             log.warning(
                 "lease.gave_way",
@@ -503,7 +380,7 @@ class Drainer:
         settle lands first (it is fenced on our epoch), then what the sink holds is
         dropped (`reset_sink`, or stragglers left). False if the token was gone."""
         self._settle_in_flight_quietly()
-        self._prefetched = None
+        self._reader.forget()
         if reset_sink or len(self._stragglers):
             self._sink.reset()
         self._stragglers.clear()
@@ -526,13 +403,7 @@ class Drainer:
             max_attempts=self._settings.max_attempts,
             retry_delay=self._retry_delay,
         )
-        ages = map(partial(operator.sub, time.time()), map(DUE_EPOCH, decision.acked))
-        metrics.END_TO_END_SECONDS.observe_many(self._sink.name, ages)
-        for message, reason in decision.dead:
-            self._dead_lettered(message, reason)
-        for (topic, outcome_name), count in decision.counts.items():
-            topic_label = metrics.TOPIC_LABELS.label(topic)
-            metrics.MESSAGES.labels(self._sink.name, topic_label, outcome_name).inc(count)
+        self._recorder.decided(decision)
         return decision.settlement, decision.unavailable, decision.reached
 
     def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
@@ -543,47 +414,7 @@ class Drainer:
             return backoff
         return min(retry_after * random.uniform(1.0, 1.2), self._settings.retry_max_seconds)
 
-    def _dead_lettered(self, message: OutboxMessage, reason: str) -> None:
-        topic_label = metrics.TOPIC_LABELS.label(message.topic)
-        metrics.DEAD_LETTERED.labels(self._sink.name, topic_label).inc()
-        log.warning(
-            "outbox.dead_lettered",
-            id=message.id,
-            message_id=message.message_id,
-            topic=message.topic,
-            key=message.key,
-            attempts=message.attempts + 1,
-            reason=reason,
-        )
-
     # --- idle and housekeeping ---
-
-    def _end_span(self, *, failed: bool = False) -> None:
-        span, self._span = self._span, None
-        if span is not None:
-            if failed and self._tracing is not None:
-                self._tracing.failed(span, "a database error cut the batch short", "database")
-            span.end()
-
-    def _promote_due(self, conn: db.Conn) -> None:
-        """Scheduled delivery: let the rows that are due into the drain, at most a batch
-        a pass, then note when to look again: at once if a batch was due, at the next
-        row's time, and at most a longest idle poll away (the app may schedule an
-        earlier row meanwhile). Before the fetch, so a row due now is in the next one read."""
-        if self._clock() < self._promote_at:
-            return
-        promoted = repository.promote_due(
-            conn, self._limits.rows, shards=self._lease.shard.shards, shard=self._lease.shard.shard
-        )
-        wait = self._settings.poll_interval_max_seconds
-        if promoted.rows >= self._limits.rows:
-            wait = 0.0
-        elif promoted.next_due_in is not None:
-            wait = min(wait, max(0.0, promoted.next_due_in))
-        self._promote_at = self._clock() + wait
-        if promoted.rows:
-            metrics.SCHEDULED_PROMOTED.inc(promoted.rows)
-            self._idle_polls = 0
 
     def _idle_wait(self) -> None:
         # Adaptive polling: right after traffic we look again within milliseconds; a
@@ -592,17 +423,17 @@ class Drainer:
         delay = min(
             self._settings.poll_interval_max_seconds,
             self._settings.poll_interval_min_seconds * (2 ** min(self._idle_polls, 16)),
-            max(0.0, self._promote_at - self._clock()),
+            self._reader.next_due_in(),
         )
         self._idle_polls += 1
         if self._wakeup is not None:
             # A NOTIFY, the poll, or shutdown: whichever first. A NOTIFY may announce a
             # row scheduled sooner than any we knew of: look for due rows too.
             if self._wakeup.wait(delay):
-                self._promote_at = 0.0
+                self._reader.look_for_due_rows()
         else:
             self._shutdown.wait(delay)
 
     def close(self) -> None:
         self._settler.close()
-        self._session.close()
+        self._reader.close()

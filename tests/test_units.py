@@ -187,3 +187,64 @@ def test_the_batch_histogram_skips_ages_that_are_not_finite() -> None:
     histogram.observe_many("kafka", [float("inf"), float("-inf"), float("nan"), 0.1])
     assert histogram.registry.get_sample_value("h_count", {"sink": "kafka"}) == 1.0
     assert histogram.registry.get_sample_value("h_sum", {"sink": "kafka"}) == 0.1
+
+
+# --- the give-way decision, on a fake clock ----------------------------------------
+
+
+class _FakePeers:
+    def __init__(self, able: int) -> None:
+        self.able, self.gave = able, 0
+
+    def able_peers(self) -> int:
+        return self.able
+
+    def gave_way(self) -> None:
+        self.gave += 1
+
+
+def test_give_way_is_due_after_the_window_only_when_a_peer_can_deliver() -> None:
+    from relay.give_way import GiveWay
+    from relay.presence import Progress
+
+    now = [100.0]
+    progress = Progress(lambda: now[0])
+    peers = _FakePeers(able=0)
+    policy = GiveWay(30.0, peers, progress)
+    progress.publishing()  # rows went out; the sink has not answered since
+    now[0] += 29.9
+    assert not policy.due()
+    now[0] += 0.2
+    assert not policy.due()  # nobody able: keep the lease, nothing is lost
+    peers.able = 1
+    assert policy.due()
+    progress.published(reached=True)  # an answer about any row ends the wait
+    assert not policy.due()
+    assert not GiveWay(0.0, peers, progress).due()  # 0: never
+    assert not GiveWay(30.0, None, progress).due()  # no presence: never
+
+
+def test_each_give_way_doubles_the_window_until_the_sink_answers() -> None:
+    from relay.give_way import MAX_DOUBLINGS, GiveWay
+    from relay.presence import Progress
+
+    now = [0.0]
+    progress = Progress(lambda: now[0])
+    peers = _FakePeers(able=2)
+    policy = GiveWay(10.0, peers, progress)
+    for streak in range(MAX_DOUBLINGS + 2):
+        progress.reset()  # a new term as leader (the loop resets it on giving way)
+        progress.publishing()
+        window = 10.0 * 2 ** min(streak, MAX_DOUBLINGS)
+        now[0] += window - 0.1
+        assert not policy.due(), streak
+        now[0] += 0.1
+        assert policy.due(), streak
+        stalled, able = policy.giving_way()
+        assert stalled == pytest.approx(window) and able == 2
+    assert peers.gave == MAX_DOUBLINGS + 2
+    policy.sink_answered()
+    progress.reset()
+    progress.publishing()
+    now[0] += 10.0
+    assert policy.due()  # the window is back to its first length

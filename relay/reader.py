@@ -1,0 +1,190 @@
+"""The drain's reading side (docs/DESIGN.md, "Draining"): the next batch in id order,
+fair across keys, read ahead while the previous batch is being acknowledged, and the
+scheduled rows let in when due. It owns the drain's session and where the rounds over
+keys stand; the loop tells it which rows are unsettled and which keys are held back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+
+from relay import db, failpoints, metrics, repository
+from relay.lease import Shard
+from relay.message import OutboxMessage
+from relay.queries import QUERIES
+from relay.repository import BatchLimits
+
+# While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
+# head for other keys: the fair statement costs a few times the plain one.
+LOOK_FOR_OTHERS_SECONDS = 0.1
+
+
+def drain_session_setup(shards: int) -> list[str]:
+    """How the drain session plans: with its actual parameters (custom plans); with
+    shards, also never by bitmap scan, which would read every unsent row of the shard
+    to return one batch (the shard index leads with the hash, so the planner prices
+    its ordered walk as random reads)."""
+    setup = [QUERIES.force_custom_plans]
+    if shards > 1:
+        setup.append(QUERIES.walk_shard_indexes_in_order)
+    return setup
+
+
+def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessage]:
+    """`rows` minus those of the keys held back."""
+    if not held:
+        return rows
+    return [m for m in rows if m.key is None or m.key not in held]
+
+
+@dataclass(slots=True)
+class Prefetched:
+    """The next batch, read while the previous one was being acknowledged."""
+
+    rows: list[OutboxMessage]
+    # Keys whose failures may not be written yet: the batches in flight at the read.
+    held: frozenset[str]
+
+
+class Reader:
+    """Owned by the drain loop's thread alone."""
+
+    def __init__(
+        self,
+        connect: Callable[[], db.Conn],
+        shard: Shard,
+        limits: BatchLimits,
+        poll_max_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._connect = connect
+        self._shard = shard
+        self._session = db.Session(self._open)
+        self.limits = limits
+        self._poll_max = poll_max_seconds
+        self._clock = clock
+        self._prefetched: Prefetched | None = None  # fetched, not published yet
+        self._after_key: str | None = None  # where the next round over keys starts
+        self._look_for_others_at = 0.0
+        self._promote_at = 0.0  # when to look for scheduled rows that are due
+
+    def _open(self) -> db.Conn:
+        conn = self._connect()
+        try:
+            for statement in drain_session_setup(self._shard.shards):
+                conn.execute(statement)
+        except BaseException:
+            conn.close()  # never leak a session whose set-up failed
+            raise
+        return conn
+
+    # --- the batches ---
+
+    def next_batch(self, unsettled: list[str], held: frozenset[str]) -> list[OutboxMessage]:
+        """The prefetched batch, or a fresh fetch; minus the keys held back.
+        `unsettled`: the ids every fetch leaves out, as `repository.id_text` parts."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            batch = without(prefetched.rows, held | prefetched.held)
+            if batch:
+                return batch
+        return without(self._fetch(repository.join_literal(unsettled), held), held)
+
+    def prefetch(self, unsettled: list[str], held: frozenset[str], publishing: str) -> None:
+        """Read the batch after `publishing` (its ids, as `repository.id_text`) while
+        its acknowledgements come back.
+
+        It leaves out every row not yet settled, and remembers the keys held back: when
+        the prefetched rows are published, the failures of those batches may still be
+        unwritten.
+        """
+        failpoints.stall("read_ahead")
+        try:
+            rows = self._fetch(repository.join_literal([*unsettled, publishing]), held)
+        except psycopg.Error:
+            # The next step's own fetch will meet (and report) the same trouble.
+            self._session.close()
+            return
+        self._prefetched = Prefetched(rows, held)
+
+    def hold(self, keys: frozenset[str]) -> None:
+        """The prefetched rows were read before these keys' failures are written (or
+        before their rows straggled): hold those keys back from them too."""
+        if self._prefetched is not None:
+            self._prefetched.held |= keys
+
+    def forget(self) -> None:
+        """Drop the read-ahead: it is read again once the loop goes on."""
+        self._prefetched = None
+
+    def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
+        # A round over keys that met only held-back keys comes back empty: go on from
+        # where it stopped at once (a few rounds) rather than idle-wait between them.
+        conn = self._session.get()
+        for _ in range(4):
+            fetched = repository.fetch_batch(
+                conn,
+                self.limits,
+                in_flight,
+                self._after_key,
+                held=sorted(held),
+                share_busy_keys=self._clock() >= self._look_for_others_at,
+                shards=self._shard.shards,
+                shard=self._shard.shard,
+            )
+            if fetched.fair:  # a head that needed no sharing says nothing of the round
+                self._after_key = fetched.walked_to
+            if fetched.alone:
+                # A key drains alone: look for others only every so often, so a lone
+                # hot key keeps the cheap fetch (they wait this much longer at most).
+                self._look_for_others_at = self._clock() + LOOK_FOR_OTHERS_SECONDS
+            if fetched.messages or not fetched.fair or fetched.walked_to is None:
+                break
+        return fetched.messages
+
+    # --- scheduled rows ---
+
+    def promote_due(self) -> int:
+        """Scheduled delivery: let the rows that are due into the drain, at most a batch
+        a pass, then note when to look again: at once if a batch was due, at the next
+        row's time, and at most a longest idle poll away (the app may schedule an
+        earlier row meanwhile). Before the fetch, so a row due now is in the next one
+        read. How many were let in."""
+        if self._clock() < self._promote_at:
+            return 0
+        promoted = repository.promote_due(
+            self._session.get(),
+            self.limits.rows,
+            shards=self._shard.shards,
+            shard=self._shard.shard,
+        )
+        wait = self._poll_max
+        if promoted.rows >= self.limits.rows:
+            wait = 0.0
+        elif promoted.next_due_in is not None:
+            wait = min(wait, max(0.0, promoted.next_due_in))
+        self._promote_at = self._clock() + wait
+        if promoted.rows:
+            metrics.SCHEDULED_PROMOTED.inc(promoted.rows)
+        return promoted.rows
+
+    def next_due_in(self) -> float:
+        """Seconds until the next look for due rows (0: now)."""
+        return max(0.0, self._promote_at - self._clock())
+
+    def look_for_due_rows(self) -> None:
+        """A NOTIFY may announce a row scheduled sooner than any we knew of."""
+        self._promote_at = 0.0
+
+    # --- the session ---
+
+    def session_failed(self) -> None:
+        """A statement failed: the next one starts on a fresh session."""
+        self._session.close()
+
+    def close(self) -> None:
+        self._session.close()
