@@ -21,13 +21,13 @@ a paused or partitioned ex-leader harmless.
 
 Its parts, each the one owner of its state: the reading (relay/reader.py: fetch rounds,
 read-ahead, scheduled rows let in), what each outcome means (relay/outcomes.py), the
-settle on its own session (relay/settler.py), the stragglers (relay/stragglers.py), the
-give-way decision (relay/give_way.py), and what is recorded (relay/recorder.py: metrics,
-dead-letter lines, spans). What stays here is the loop and the settle pipeline's state
-(the batch being settled, the keys held back).
+settle pipeline (relay/pipeline.py: the batch being settled on the settler's session,
+relay/settler.py, and the stragglers, relay/stragglers.py), the give-way decision
+(relay/give_way.py), and what is recorded (relay/recorder.py: metrics, dead-letter
+lines, spans). What stays here is the loop that ties them together, and the actions
+that touch several of them (giving way, handing a shard over, backing off).
 
-Long: the settle pipeline (the batch in flight, the stragglers' hand-off, the keys held
-back from the read-ahead) is still part of the loop; it is the next part to come out.
+Long: the loop and those actions read best side by side with the protocol above.
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ from relay.logging import get_logger
 from relay.message import ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
+from relay.pipeline import SettlePipeline
 from relay.presence import Presence, Progress
 from relay.reader import Reader
 from relay.recorder import Recorder
 from relay.repository import BatchLimits, Settlement
 from relay.settings import Settings
-from relay.settler import InFlight, Settler
+from relay.settler import Settler
 from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink, message_max_bytes
 from relay.sinks.base import ACKED
-from relay.stragglers import Stragglers
 from relay.wakeup import Wakeup
 
 log = get_logger("relay.drain")
@@ -111,15 +111,14 @@ class Drainer:
             settings.poll_interval_max_seconds,
             clock,
         )
-        self._settler = Settler(
+        settler = Settler(
             lambda: db.connect(settings, purpose="settle"),
             lease,
             settings.lease_ttl_seconds,
             delete_sent=not settings.keep_sent_rows,
             clock=clock,
         )
-        self._in_flight: InFlight | None = None  # published, being settled
-        self._stragglers = Stragglers()  # published, no outcome yet
+        self._pipeline = SettlePipeline(settler, lease)
         self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
@@ -146,7 +145,7 @@ class Drainer:
                     self._recorder.end(failed=True)
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
-                    self._settle_in_flight_quietly()
+                    self._pipeline.land_quietly()
                     self._reader.forget()
                     delay = self._db_retry.next_delay()
                     log.warning(
@@ -157,44 +156,53 @@ class Drainer:
                 token = self._lease.token()
         finally:
             self._recorder.end()
-            self._settle_in_flight_quietly()
+            self._pipeline.land_quietly()
             self._reader.forget()
-            if len(self._stragglers):
+            if self._pipeline.drop_stragglers():
                 # Forgotten, so not left to be retried forever and land after the next
                 # holder's later rows of their keys.
                 self._sink.reset()
-            self._stragglers.clear()
             self._progress.reset()
 
     def _step(self, token: LeaseToken) -> None:
-        in_flight = self._in_flight
         # Landed already (say, during a pause): no need to leave its rows out.
-        if (
-            in_flight is not None
-            and in_flight.future.done()
-            and not self._settle_in_flight(in_flight)
-        ):
+        if self._pipeline.landed and not self._land():
             return
         if self._reader.promote_due():
             self._idle_polls = 0
         fetched_ns = self._recorder.fetch_started()
-        batch = self._reader.next_batch(*self._unsettled())
+        batch = self._reader.next_batch(*self._pipeline.unsettled())
         if not batch:
-            answered, answers = self._stragglers.answered()
-            if answered:
-                unavailable = self._settle(token, answered, answers)
-                if unavailable is not None:  # stragglers expired with the sink down
-                    self._pause(self._sink_retry.next_delay(), token)
-            elif self._in_flight is not None:
-                self._settle_in_flight(self._in_flight)  # then look again at once
-            else:
-                self._progress.idle()
-                self._idle_wait()
+            self._nothing_to_publish(token)
             return
         self._idle_polls = 0
         if self._lease.token() != token:
             return  # our deadline passed while we read: publish nothing
+        unavailable = self._publish(token, batch, fetched_ns)
+        if unavailable is not None:
+            self._back_off(token, unavailable)
+        else:
+            self._sink_retry.reset()
 
+    def _nothing_to_publish(self, token: LeaseToken) -> None:
+        """No new rows: settle the stragglers that were answered, else let the batch
+        being settled land, else wait for rows."""
+        answered, answers = self._pipeline.stragglers.answered()
+        if answered:
+            unavailable = self._settle(token, answered, answers)
+            if unavailable is not None:  # stragglers expired with the sink down
+                self._pause(self._sink_retry.next_delay(), token)
+        elif self._pipeline.settling:
+            self._land()  # then look again at once
+        else:
+            self._progress.idle()
+            self._idle_wait()
+
+    def _publish(
+        self, token: LeaseToken, batch: list[OutboxMessage], fetched_ns: int
+    ) -> Result | None:
+        """Publish `batch`, read the next one meanwhile, and hand the outcomes to the
+        settle; the sink's "unavailable" verdict, if any."""
         started = self._clock()
         self._progress.publishing()
         self._recorder.publishing(batch, fetched_ns)
@@ -202,10 +210,10 @@ class Drainer:
         prefetch_started = self._clock()
         batch_text = repository.id_text(map(ID, batch))
         if not self._abandon(token):
-            self._reader.prefetch(*self._unsettled(), batch_text)
+            self._reader.prefetch(*self._pipeline.unsettled(), batch_text)
         prefetching = self._clock() - prefetch_started
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
-        room = len(self._stragglers) + len(batch) <= self._reader.limits.rows
+        room = len(self._pipeline.stragglers) + len(batch) <= self._reader.limits.rows
         results = publishing.wait(leave_stragglers=room)
         self._recorder.published(self._clock() - started - prefetching, results.count(ACKED))
         failpoints.hit("after_publish")
@@ -216,32 +224,33 @@ class Drainer:
             rows, outcomes = [], []
             for index, (message, result) in enumerate(zip(batch, results, strict=True)):
                 if result.outcome is Outcome.IN_FLIGHT:
-                    self._stragglers.add(message, publishing, index)
+                    self._pipeline.stragglers.add(message, publishing, index)
                 else:
                     rows.append(message)
                     outcomes.append(result)
-        answered, answers = self._stragglers.answered()
+        answered, answers = self._pipeline.stragglers.answered()
         whole = len(rows) == len(batch) and not answered  # the batch's ids, as fetched
         unavailable = self._settle(
             token, rows + answered, outcomes + answers, batch_text if whole else None
         )
         self._recorder.settling()
-        if unavailable is not None:
-            # The sink's own hint (HTTP 503 Retry-After) wins over our backoff when longer.
-            delay = max(
-                self._sink_retry.next_delay(),
-                min(unavailable.retry_after or 0.0, self._settings.retry_max_seconds),
-            )
-            log.warning(
-                "sink.unavailable",
-                sink=self._sink.name,
-                error=unavailable.error or "sink unavailable",
-                retry_in=round(delay, 3),
-            )
-            self._reader.forget()  # read again when the sink is back
-            self._pause(delay, token)
-        else:
-            self._sink_retry.reset()
+        return unavailable
+
+    def _back_off(self, token: LeaseToken, unavailable: Result) -> None:
+        """The sink is down as a whole: wait, then read again. Its own hint (HTTP 503
+        Retry-After) wins over our backoff when longer."""
+        delay = max(
+            self._sink_retry.next_delay(),
+            min(unavailable.retry_after or 0.0, self._settings.retry_max_seconds),
+        )
+        log.warning(
+            "sink.unavailable",
+            sink=self._sink.name,
+            error=unavailable.error or "sink unavailable",
+            retry_in=round(delay, 3),
+        )
+        self._reader.forget()  # read again when the sink is back
+        self._pause(delay, token)
 
     def _settle(
         self,
@@ -256,68 +265,25 @@ class Drainer:
         settlement, unavailable, reached = self._plan(rows, results)
         if ids_text is not None and len(settlement.sent) == len(rows):
             settlement.sent_text = ids_text
-        if reached is None and len(self._stragglers):
+        if reached is None and len(self._pipeline.stragglers):
             reached = False  # asked, and still no answer
         self._progress.published(reached=reached)
         if reached:
             self._give_way_policy.sink_answered()
-        unacked = self._stragglers.keys()
-        if len(settlement.sent) != len(rows):  # not every row acknowledged
-            unacked |= frozenset(
-                message.key
-                for message, result in zip(rows, results, strict=True)
-                if message.key is not None and result.outcome is not Outcome.ACKED
-            )
+        unacked = self._pipeline.unacked(rows, results, settlement)
         self._reader.hold(unacked)
-        if self._in_flight is not None and not self._settle_in_flight(self._in_flight):
+        if not self._pipeline.submit(token, rows, settlement, unacked, ids_text):
+            self._reader.forget()
             return None  # fenced out: these rows stay unsent (published: duplicates later)
-        if settlement:
-            self._in_flight = self._settler.submit(token, rows, settlement, unacked, ids_text)
         return unavailable
 
-    def _unsettled(self) -> tuple[list[str], frozenset[str]]:
-        """Ids every fetch leaves out (as `repository.id_text` parts) and keys held back
-        from it: the batch being settled, and the stragglers."""
-        ids = [repository.id_text(self._stragglers.ids())]
-        held = self._stragglers.keys()
-        if self._in_flight is not None:
-            ids.append(self._in_flight.ids_text)
-            held |= self._in_flight.held_keys
-        return ids, held
-
-    def _settle_in_flight(self, in_flight: InFlight) -> bool:
-        """Wait for the previous batch's settle; False if a newer lease holder fenced
-        it out (raises what the database raised)."""
-        self._in_flight = None
-        settled_at = in_flight.future.result()
-        token, settlement = in_flight.token, in_flight.settlement
-        if settled_at is None:
-            self._reader.forget()
-            self._lease.fenced(token)
-            return False
-        # Debug level: one line a batch is history for tests/chaos, noise in production.
-        log.debug(
-            "batch.settled",
-            lease=token.name,
-            holder=token.holder,
-            epoch=token.epoch,
-            db_time=settled_at.isoformat(),
-            sent=len(settlement.sent),
-            retried=len(settlement.retry_ids),
-            dead=len(settlement.dead_ids),
-            first_id=in_flight.first_id,
-            last_id=in_flight.last_id,
-        )
-        return True
-
-    def _settle_in_flight_quietly(self) -> None:
-        """Before the loop stops or starts over: the last settle lands or fails, and
-        nothing is fetched while it might still run."""
-        if self._in_flight is not None:
-            try:
-                self._settle_in_flight(self._in_flight)
-            except psycopg.Error as exc:
-                log.warning("drain.settle_failed", error=db.describe_error(exc))
+    def _land(self) -> bool:
+        """The batch being settled lands; False if it was fenced out (the read-ahead,
+        made for a term that is over, is dropped)."""
+        if self._pipeline.land():
+            return True
+        self._reader.forget()
+        return False
 
     def _pause(self, delay: float, token: LeaseToken) -> None:
         """Wait out a sink outage in short slices: the liveness probe keeps seeing a
@@ -379,11 +345,10 @@ class Drainer:
         """Stop publishing under `token` and have the elector expire its row: the last
         settle lands first (it is fenced on our epoch), then what the sink holds is
         dropped (`reset_sink`, or stragglers left). False if the token was gone."""
-        self._settle_in_flight_quietly()
+        self._pipeline.land_quietly()
         self._reader.forget()
-        if reset_sink or len(self._stragglers):
+        if self._pipeline.drop_stragglers() or reset_sink:
             self._sink.reset()
-        self._stragglers.clear()
         given = self._lease.give_up(token)
         if given:
             lease_metrics.lease_transition(
@@ -435,5 +400,5 @@ class Drainer:
             self._shutdown.wait(delay)
 
     def close(self) -> None:
-        self._settler.close()
+        self._pipeline.close()
         self._reader.close()
