@@ -9,7 +9,7 @@ The protocol (docs/DESIGN.md, "The lease"):
 4. The holder trusts its lease only until a LOCAL monotonic deadline: the moment before
    the acquiring (or renewing) transaction began, plus ttl, minus a safety margin.
 5. Every transaction that settles rows re-checks holder and epoch first (`lease_renew`
-   in queries.sql, used by the repository); no match means roll back and stand by.
+   in lease.sql, used by the repository); no match means roll back and stand by.
 6. On shutdown the holder expires its lease at once so a standby takes over quickly.
 7. A leader that cannot deliver (cut off from the sink, not from the database) gives
    the lease up the same way, once a live replica reports it can reach the sink

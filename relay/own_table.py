@@ -5,7 +5,7 @@ router layout) without changing the app's columns or its inserts.
 indexes to the table, and a view `relay_<schema>_<table>.outbox` that shows it in the
 relay's layout (RELAY_OUTBOX_COLUMNS names which column is which field). The daemon's
 sessions put that schema first on their search_path (`db.connect`), so every
-statement in queries.sql runs unchanged: the view is simple, so PostgreSQL plans
+statement in relay/sql/ runs unchanged: the view is simple, so PostgreSQL plans
 through it to the table's indexes, and UPDATEs and DELETEs reach the table's rows.
 """
 

@@ -3,7 +3,7 @@
 A leader cut off from the broker (or the endpoint) but not from PostgreSQL keeps renewing
 its lease; by the lease alone it would hold it forever while a standby that could
 deliver waits. So each replica beats every RELAY_HEARTBEAT_SECONDS into the `replicas`
-table (`replica_beat` in queries.sql):
+table (`replica_beat` in lease.sql):
 
 - a standby probes the sink (`Sink.check`: broker metadata, a TCP/TLS connect to the
   endpoint) and writes whether it answered;

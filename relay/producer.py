@@ -2,7 +2,7 @@
 
 The helper never commits: the outbox row must land in the same transaction as the
 business write it announces, or not at all. It is the `enqueue` statement of
-queries.sql, which apps on other stacks can run as plain SQL (README, "Writing to the
+producer.sql, which apps on other stacks can run as plain SQL (README, "Writing to the
 outbox").
 """
 

@@ -1,4 +1,4 @@
-"""The drain loop's database operations, each one named statement from queries.sql."""
+"""The drain loop's database operations, each one named statement from relay/sql/."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Typed rows for what operators read: `relay status` and `relay dead-letter list`.
 
-Field names and order are the columns of the named statements in queries.sql (psycopg
+Field names and order are the columns of the named statements in relay/sql/ (psycopg
 builds these by name with `class_row`, so a renamed column fails loudly, not as a
 missing dict key in a table printer); `--json` prints them as they are.
 """

@@ -36,7 +36,7 @@ APP_COLUMNS = {
     "created_at": "now()",
     "available_at": "now()",
 }
-# The statements of queries.sql that write outbox rows (UPDATE, or lock them FOR UPDATE).
+# The statements of relay/sql/ that write outbox rows (UPDATE, or lock them FOR UPDATE).
 WRITES = {
     "promote_due",
     "record_failures",

@@ -11,7 +11,7 @@ from confluent_kafka import KafkaError
 from relay.backoff import Backoff
 from relay.metrics import Health
 from relay.presence import Progress
-from relay.queries import QUERIES
+from relay.queries import QUERIES, load, parse
 from relay.sinks.base import Outcome
 from relay.sinks.kafka import classify
 
@@ -23,6 +23,64 @@ def test_every_query_the_code_names_exists() -> None:
     used -= {"names", "get"}
     assert used <= set(QUERIES.names()), used - set(QUERIES.names())
     assert set(QUERIES.names()) <= used, f"unused queries: {set(QUERIES.names()) - used}"
+
+
+def test_every_sql_file_is_loaded_with_its_fragments_filled_in() -> None:
+    queries = [QUERIES.get(name) for name in QUERIES.names()]
+    assert {q.source for q in queries} == {p.name for p in Path("relay/sql").glob("*.sql")}
+    assert not [q.name for q in queries if "{{" in q.sql]
+
+
+def test_a_fragment_fills_its_markers_lined_up_under_them() -> None:
+    text = """
+-- fragment: due
+-- The rule.
+o.sent_at IS NULL
+AND o.ok
+
+-- name: one
+-- Uses it twice.
+SELECT 1 FROM outbox AS o WHERE {{due}}
+  AND NOT ({{due}});
+"""
+    query = parse(text, "x.sql")["one"]
+    assert query.description == "Uses it twice."
+    assert query.sql == (
+        "SELECT 1 FROM outbox AS o WHERE o.sent_at IS NULL\n"
+        "                                AND o.ok\n"
+        "  AND NOT (o.sent_at IS NULL\n"
+        "           AND o.ok);"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("-- name: q\nSELECT {{nope}};", r"x\.sql: query 'q' uses \{\{nope\}\}: no such fragment"),
+        ("-- fragment: f\n1\n-- name: q\nSELECT 2;", r"x\.sql: fragments no query uses: f"),
+        ("-- fragment: f\n1  -- one\n-- name: q\nSELECT {{f}};", "ends in a comment"),
+        ("-- fragment: f\n1\n-- fragment: g\n{{f}}\n-- name: q\nSELECT {{g}};", "do not nest"),
+        ("-- name: q\nSELECT 1;\n-- name: q\nSELECT 2;", "'q' is defined twice"),
+        ("-- name: q\n-- Only words.\n", "'q' has no SQL"),
+    ],
+)
+def test_the_loader_refuses_what_it_cannot_fill_in(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        parse(text, "x.sql")
+
+
+def test_a_name_two_files_define_is_an_error_naming_both(tmp_path: Path) -> None:
+    (tmp_path / "a.sql").write_text("-- name: q\nSELECT 1;\n")
+    (tmp_path / "b.sql").write_text("-- name: q\nSELECT 2;\n")
+    with pytest.raises(ValueError, match=r"'q' is defined in both a\.sql and b\.sql"):
+        load(tmp_path.glob("*.sql"))
+
+
+def test_the_settles_fence_is_lease_renew_word_for_word() -> None:
+    """The one-statement settles fence as the elector renews: one rule, two files."""
+    renew = " ".join(QUERIES.lease_renew.removesuffix(";").split())
+    for settle in (QUERIES.settle_delete_sent, QUERIES.settle_mark_sent):
+        assert f"WITH fence AS ( {renew} )," in " ".join(settle.split())
 
 
 def test_backoff_grows_is_jittered_and_capped() -> None:

@@ -1,0 +1,501 @@
+-- The drain's hot path (relay/repository.py for relay/drain.py): the drain session's
+-- planner settings, the fetch, the promotion of scheduled rows and the settles.
+-- Parameters are named, %(name)s; nothing here is built by string concatenation.
+
+------------------------------------------------------------------------------------
+-- Drain session
+------------------------------------------------------------------------------------
+
+-- name: force_custom_plans
+-- For the drain and lag sessions: plan with the actual parameters, so the in-flight
+-- exclusion is a hashed lookup, the key cursor and the shard count constants (the
+-- shard indexes match); and no JIT: compiling a millisecond query would cost more
+-- than it saves, on every execution.
+SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
+       set_config('jit', 'off', false);
+
+-- name: walk_shard_indexes_in_order
+-- For a shard's drain session (RELAY_SHARDS > 1): no bitmap scans. outbox_shards_N_due_idx
+-- leads with the shard hash, which has no correlation with the table's order, so the
+-- planner prices the ordered walk of one shard's rows as random reads and, once a
+-- batch is a percent or so of the shard's backlog, would rather read ALL of the
+-- shard's unsent rows through a bitmap and sort them: a fetch whose cost grows with
+-- the backlog. Every statement of this session is meant as an ordered, LIMITed index
+-- walk; the ordered walk stops at the batch.
+SELECT set_config('enable_bitmapscan', 'off', false);
+
+------------------------------------------------------------------------------------
+-- Fetching
+--
+-- A rule the fetches (and the promotion) share is written once, as a fragment: a
+-- statement's {{name}} is the text under `-- fragment: name`, put in its place when
+-- relay/queries.py loads this file, so the server plans it as if it were written out.
+-- The fragments read the candidate row as `o`, the fetched row as `m`.
+------------------------------------------------------------------------------------
+
+-- fragment: this_shard
+-- With %(shards)s > 1 (RELAY_SHARDS, migration 0007), shard %(shard)s's rows only, read
+-- through the per-count indexes `relay migrate --shards N` creates
+-- (outbox_shards_N_due_idx, outbox_shards_N_due_key_idx): under a custom plan the count
+-- is a constant, so the expression matches theirs. With one shard the test folds away.
+(%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
+
+-- fragment: row_size
+-- A row's size as %(max_bytes)s and %(message_max)s count it: payload, headers and key.
+coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.headers::text), 0)
++ coalesce(octet_length(o.key), 0)
+
+-- fragment: ready
+-- Whether a row may be sent now: it is not waiting out a retry backoff, its key is not
+-- in %(held)s (the relay holds a key back while an earlier row of it is in flight, say
+-- in a sick partition), and no earlier row of its key is waiting: neither in a backoff
+-- (one probe of the tiny outbox_backoff_idx) nor scheduled and not yet promoted (one
+-- probe of the tiny outbox_scheduled_key_idx).
+(o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
+AND NOT EXISTS (
+    SELECT 1
+    FROM outbox AS blocker
+    WHERE blocker.key = o.key
+      AND blocker.id < o.id
+      AND blocker.sent_at IS NULL
+      AND blocker.dead_lettered_at IS NULL
+      AND blocker.next_attempt_at IS NOT NULL
+      AND blocker.next_attempt_at > now()
+)
+AND NOT EXISTS (
+    SELECT 1
+    FROM outbox AS scheduled
+    WHERE scheduled.key = o.key
+      AND scheduled.id < o.id
+      AND scheduled.sent_at IS NULL
+      AND scheduled.dead_lettered_at IS NULL
+      AND scheduled.available_at IS NOT NULL
+      AND scheduled.promoted_at IS NULL
+)
+
+-- fragment: header_array
+-- A fetched row's headers as one flat text array [name, value, ...], exactly as
+-- PostgreSQL prints each value (headers->>'name'), nulls and the relay's own names left
+-- out: never parsed by Python (a value Python's json cannot load cannot hurt the relay).
+(SELECT array_agg(pair.text ORDER BY header.n, pair.n)
+ FROM jsonb_each_text(m.headers) WITH ORDINALITY AS header (key, value, n)
+ CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
+ WHERE header.value IS NOT NULL
+   AND lower(header.key) NOT IN ('message-id', 'created-at'))
+
+-- fragment: header_error
+-- Why a fetched row cannot be sent as it is (it is dead-lettered with this reason): too
+-- large to load, a column an own table left NULL, or headers that are no object of
+-- scalars. NULL: it can be sent.
+CASE WHEN m.size > %(message_max)s::bigint THEN
+         'the row holds ' || m.size || ' bytes of payload, headers and key, over'
+         || ' RELAY_MESSAGE_MAX_BYTES (' || %(message_max)s::bigint || ')'
+     WHEN m.topic IS NULL THEN 'topic is NULL'
+     WHEN m.message_id IS NULL THEN
+         'message_id is NULL, or no id a header can carry (1-255 visible ASCII'
+         || ' characters)'
+     WHEN m.created_at IS NULL THEN 'created_at is NULL'
+     WHEN m.headers IS NULL OR jsonb_typeof(m.headers) = 'null' THEN NULL
+     WHEN jsonb_typeof(m.headers) = 'string' THEN
+         'headers must be a JSON object, got string: ' || left(m.headers #>> '{}', 200)
+     WHEN jsonb_typeof(m.headers) <> 'object' THEN
+         'headers must be a JSON object, got ' || jsonb_typeof(m.headers)
+     ELSE (SELECT 'header ' || to_jsonb(header.key)::text
+                  || ' must be a string or scalar, got ' || jsonb_typeof(header.value)
+           FROM jsonb_each(m.headers) AS header
+           WHERE jsonb_typeof(header.value) IN ('object', 'array')
+           LIMIT 1)
+END
+
+-- fragment: message_times
+-- created_at as text, made here in C; due_epoch, when the row became due, for the
+-- latency histogram: its available_at if it had a later one, else its created_at.
+coalesce(to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '')
+    AS created_at,
+coalesce(extract(epoch FROM greatest(m.created_at, m.available_at)),
+         extract(epoch FROM now()))::float8 AS due_epoch
+
+-- name: fetch_head
+-- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
+-- order through outbox_due_idx, whatever they are, each with its size and whether it
+-- is `ready`. No "id > last seen" cursor: a row that commits late with a lower id is
+-- still found. `within`: the row fits %(max_bytes)s counting the ready rows before it
+-- (the first ready row always does); rows past it come without their payload, so a
+-- head of large rows never crosses the wire whole. When these rows need no sharing out
+-- (the relay decides: see fetch_batch, step 2), the ready ones are the batch; otherwise
+-- the relay runs fetch_batch. The projection is fetch_batch's (a test pins both to
+-- OutboxMessage), the message id as text and the fragments above. With %(shards)s > 1,
+-- only rows of shard %(shard)s; fetch_batch likewise. Scheduled rows (migration 0008)
+-- are left out until promote_due lets them in, and hold back the later rows of their
+-- key meanwhile (`ready`).
+SELECT m.id,
+       coalesce(m.message_id::text, '') AS message_id,
+       coalesce(m.topic, '') AS topic,
+       m.key,
+       CASE WHEN m.within AND m.size <= %(message_max)s::bigint THEN m.payload END AS payload,
+       CASE WHEN m.within AND m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
+           {{header_array}}
+       END AS headers,
+       {{header_error}} AS header_error,
+       {{message_times}},
+       m.attempts,
+       m.ready,
+       m.within
+FROM (SELECT head.*,
+             head.ready
+             AND (sum(CASE WHEN head.ready AND head.size <= %(message_max)s::bigint
+                           THEN head.size ELSE 0 END)
+                      OVER (ORDER BY head.id) <= %(max_bytes)s
+                  OR count(*) FILTER (WHERE head.ready)
+                      OVER (ORDER BY head.id) = 1) AS within
+      FROM (SELECT o.*,
+                   {{row_size}} AS size,
+                   {{ready}} AS ready
+            FROM outbox AS o
+            WHERE o.sent_at IS NULL
+              AND o.dead_lettered_at IS NULL
+              -- Not scheduled, or due and promoted (promote_due): outbox_due_idx.
+              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+              -- The batches published and not yet settled. The parameter is sent
+              -- untyped, so the cast makes it a bigint[] constant of the custom plan:
+              -- a hash lookup.
+              AND o.id <> ALL(%(in_flight)s::bigint[])
+              AND {{this_shard}}
+            ORDER BY o.id
+            LIMIT %(limit)s) AS head) AS m
+ORDER BY m.id;
+
+-- name: fetch_batch
+-- The fetch when the head needs sharing out (the relay runs fetch_head first): fair
+-- across keys, bounded in rows and bytes, at a cost that does not grow with any key's
+-- backlog (README "Fetching: fair and bounded").
+--
+-- 1. head: fetch_head's rows again (the first %(limit)s unsent rows in id order).
+-- 2. crowded: the head is full and holds rows it may not send, or more ready rows of
+--    one key than %(key_cap)s. Only then does the fetch look further (the relay runs
+--    this statement when either holds, or when a key passes the cap in a head that is
+--    not full):
+-- 3. keys: up to %(limit)s keys with unsent rows, in key order from just after
+--    %(after_key)s, wrapping around once (a loose index scan of outbox_due_key_idx: one
+--    descent per key), leaving out keys that already have their share in a head full
+--    of ready rows; beyond: each key's next rows after the head, an equal share of the
+--    batch each, and the next rows without a key.
+-- 4. chosen: every key's first %(key_cap)s ready rows come first, in id order; the
+--    batch is then filled, in id order, with the further rows of busy keys (only if
+--    %(fill)s: a sink that sends a key's rows one at a time gains nothing from them);
+--    cut at %(limit)s rows, then at %(max_bytes)s bytes in (place, id) order (at least
+--    one row). Each key gets a prefix of its rows, so per-key order holds.
+--
+-- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
+-- 2 x %(limit)s rows beyond the head. Rows come in id order, in fetch_head's projection
+-- plus walked_to, NULL on every row but a last one that carries where the round over
+-- keys stopped.
+WITH RECURSIVE head AS MATERIALIZED (
+    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+           o.available_at, o.attempts,
+           {{row_size}} AS size,
+           {{ready}} AS ready
+    FROM outbox AS o
+    WHERE o.sent_at IS NULL
+      AND o.dead_lettered_at IS NULL
+      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)  -- outbox_due_idx
+      -- The batches published and not yet settled. The parameter is sent untyped, so
+      -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
+      AND o.id <> ALL(%(in_flight)s::bigint[])
+      AND {{this_shard}}  -- this shard's rows only
+    ORDER BY o.id
+    LIMIT %(limit)s
+),
+head_keys AS (
+    -- Ready rows per key in the head.
+    SELECT h.key, count(*) AS n
+    FROM head AS h
+    WHERE h.ready AND h.key IS NOT NULL
+    GROUP BY h.key
+),
+crowded AS (
+    SELECT count(*) = %(limit)s
+           AND (bool_or(NOT h.ready)
+                OR EXISTS (SELECT 1 FROM head_keys WHERE n > %(key_cap)s)) AS yes,
+           -- Full of ready rows: a key with its share in the head gets nothing beyond
+           -- it (those rows could never outrank a head row).
+           count(*) = %(limit)s AND bool_and(h.ready) AS filled,
+           max(h.id) AS last_id
+    FROM head AS h
+),
+keys_after (key) AS (
+    SELECT s.key
+    FROM (SELECT min(o.key) AS key
+          FROM outbox AS o
+          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+            AND {{this_shard}}
+            AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
+    WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
+    UNION ALL
+    SELECT (SELECT min(o.key)
+            FROM outbox AS o
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+              AND o.key > k.key
+              AND {{this_shard}})
+    FROM keys_after AS k
+    WHERE k.key IS NOT NULL
+),
+keys_before (key) AS (
+    SELECT s.key
+    FROM (SELECT min(o.key) AS key
+          FROM outbox AS o
+          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+            AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+            AND {{this_shard}}) AS s
+    WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
+    UNION ALL
+    SELECT (SELECT min(o.key)
+            FROM outbox AS o
+            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+              AND o.key > k.key
+              AND {{this_shard}})
+    FROM keys_before AS k
+    WHERE k.key < %(after_key)s::text
+),
+keys AS MATERIALIZED (
+    SELECT u.key, row_number() OVER () AS walk
+    FROM (SELECT key FROM keys_after WHERE key IS NOT NULL
+          UNION ALL
+          SELECT key FROM keys_before WHERE key <= %(after_key)s::text) AS u
+    WHERE NOT ((SELECT filled FROM crowded)
+               AND EXISTS (SELECT 1 FROM head_keys AS hk
+                           WHERE hk.key = u.key AND hk.n >= %(key_cap)s))
+    LIMIT %(limit)s
+),
+beyond AS (
+    SELECT p.*
+    FROM keys AS k
+    CROSS JOIN LATERAL (
+        SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+               o.available_at, o.attempts,
+               {{row_size}} AS size,
+               {{ready}} AS ready
+        FROM outbox AS o
+        -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
+        -- and not "key = k" ordered by id. With equality the planner may walk
+        -- outbox_due_idx in id order and filter on the key (it did, when the
+        -- statistics saw one key), reading a hot key's whole backlog to find a rare
+        -- key's rows. This way only outbox_due_key_idx yields the order without reading
+        -- every candidate row first; "id > last head id" is checked in the index.
+        WHERE o.key >= k.key
+          AND o.key <= k.key
+          AND o.id > (SELECT last_id FROM crowded)
+          AND o.sent_at IS NULL
+          AND o.dead_lettered_at IS NULL
+          AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+          AND o.id <> ALL(%(in_flight)s::bigint[])
+        ORDER BY o.key, o.id
+        LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
+    ) AS p
+    UNION ALL
+    (SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+            o.available_at, o.attempts,
+            {{row_size}},
+            o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
+     FROM outbox AS o
+     WHERE (SELECT yes FROM crowded)
+       AND o.key IS NULL
+       AND o.id > (SELECT last_id FROM crowded)
+       AND o.sent_at IS NULL
+       AND o.dead_lettered_at IS NULL
+       AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+       AND o.id <> ALL(%(in_flight)s::bigint[])
+       AND {{this_shard}}
+     ORDER BY o.key, o.id  -- the (key, id) order of outbox_due_key_idx: see above
+     LIMIT %(limit)s)
+),
+ranked AS (
+    -- place: 1 for a key's first ready row, 2 for its second, ...; rows without a key
+    -- have no order to keep and are each their own first.
+    SELECT pool.*,
+           CASE WHEN pool.key IS NULL THEN 1
+                ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
+           END AS place
+    FROM (SELECT * FROM head WHERE ready
+          UNION ALL
+          SELECT * FROM beyond WHERE ready) AS pool
+),
+chosen AS (
+    SELECT r.*
+    FROM ranked AS r
+    WHERE %(fill)s OR r.place <= %(key_cap)s
+    ORDER BY r.place > %(key_cap)s, r.id
+    LIMIT %(limit)s
+),
+kept AS (
+    -- The byte bound cuts in (place, id) order: every key's first row before any key's
+    -- second, so one key's large rows cannot take the whole budget; each key still
+    -- keeps a prefix of its rows. The first row goes even if larger.
+    SELECT w.*
+    FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.place, c.id) AS bytes
+          FROM (SELECT chosen.*,
+                       CASE WHEN chosen.size > %(message_max)s::bigint THEN 0
+                            ELSE chosen.size END AS carried
+                FROM chosen) AS c) AS w
+    WHERE w.bytes <= %(max_bytes)s OR w.bytes = w.carried
+)
+SELECT m.id,
+       coalesce(m.message_id::text, '') AS message_id,
+       coalesce(m.topic, '') AS topic,
+       m.key,
+       CASE WHEN m.size <= %(message_max)s::bigint THEN m.payload END AS payload,
+       CASE WHEN m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
+           {{header_array}}
+       END AS headers,
+       {{header_error}} AS header_error,
+       {{message_times}},
+       m.attempts,
+       true AS ready,
+       true AS within,
+       NULL::text AS walked_to
+FROM kept AS m
+UNION ALL
+-- Last, a row of its own: where the next fetch's round over keys starts (%(after_key)s):
+-- after the last key of this round that got rows, so keys it reached but had no room
+-- for come first next time; after the whole round if none got rows (all held back); or
+-- NULL, from the start, when this round went all the way round.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
+            THEN coalesce((SELECT k.key
+                           FROM keys AS k
+                           WHERE EXISTS (SELECT 1 FROM kept AS c WHERE c.key = k.key)
+                           ORDER BY k.walk DESC
+                           LIMIT 1),
+                          (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
+       END
+ORDER BY id NULLS LAST;
+
+-- name: promote_due
+-- Scheduled delivery (migration 0008): let up to %(limit)s scheduled rows whose
+-- available_at has passed (database clock) into the drain, soonest due first, by
+-- setting promoted_at: from then on they are ordinary unsent rows, in their id's place.
+-- One descent of outbox_scheduled_idx finds them, or that there are none. Rows another
+-- session has locked wait for the next pass. Needs no fence: letting a due row in is
+-- right whoever does it, and a deposed leader's promotion only saves the next one the
+-- work. With shards, this shard's rows only. Also returns in how many seconds the next
+-- scheduled row is due (NULL: none), so the loop knows when to look again: of any shard,
+-- one probe (filtering on this shard would walk every other shard's schedule, a cost
+-- that grows with it); at worst a cheap pass that finds nothing. The wait is a
+-- difference of epochs: a row scheduled at 'infinity' is never due, and fails nothing.
+WITH due AS (
+    SELECT o.id
+    FROM outbox AS o
+    WHERE o.sent_at IS NULL
+      AND o.dead_lettered_at IS NULL
+      AND o.available_at IS NOT NULL
+      AND o.promoted_at IS NULL
+      AND o.available_at <= now()
+      AND {{this_shard}}
+    ORDER BY o.available_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+promoted AS (
+    UPDATE outbox AS o
+    SET promoted_at = now()
+    FROM due
+    WHERE o.id = due.id
+    RETURNING o.id
+)
+SELECT (SELECT count(*) FROM promoted) AS promoted,
+       (SELECT (extract(epoch FROM o.available_at) - extract(epoch FROM now()))::float8
+          FROM outbox AS o
+         WHERE o.sent_at IS NULL
+           AND o.dead_lettered_at IS NULL
+           AND o.available_at IS NOT NULL
+           AND o.promoted_at IS NULL
+           AND o.available_at > now()
+         ORDER BY o.available_at
+         LIMIT 1) AS next_due_in_seconds;
+
+------------------------------------------------------------------------------------
+-- Settling
+------------------------------------------------------------------------------------
+
+-- fragment: fence
+-- The settles' fence: lease_renew (lease.sql) word for word (a test holds them to it).
+-- It matches no row once a newer holder took the lease, and then the settle writes
+-- nothing.
+UPDATE leases
+SET expires_at = now() + make_interval(secs => %(ttl)s),
+    renewed_at = now(),
+    updated_at = now()
+WHERE name = %(name)s
+  AND holder = %(holder)s
+  AND epoch = %(epoch)s
+  AND released_at IS NULL
+RETURNING epoch, clock_timestamp() AS at
+
+-- name: settle_delete_sent
+-- The usual settle, every row of the batch acknowledged: lease_renew then delete_sent,
+-- as ONE statement: one round trip, no transaction left open between them. The rows
+-- are touched only if the fence held (the EXISTS runs the fence first, once); no row
+-- back means a newer holder exists and nothing was written. (Two statements, not one
+-- with a switch: a DELETE anywhere in it would need the DELETE privilege in retention
+-- mode too.)
+WITH fence AS (
+    {{fence}}
+),
+settled AS (
+    DELETE FROM outbox
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND EXISTS (SELECT FROM fence)
+)
+SELECT epoch, at FROM fence;
+
+-- name: settle_mark_sent
+-- settle_delete_sent for retention mode: lease_renew then mark_sent, as one statement.
+WITH fence AS (
+    {{fence}}
+),
+settled AS (
+    UPDATE outbox
+    SET sent_at = now(),
+        next_attempt_at = NULL
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND sent_at IS NULL
+      AND EXISTS (SELECT FROM fence)
+)
+SELECT epoch, at FROM fence;
+
+-- name: mark_sent
+-- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).
+UPDATE outbox
+SET sent_at = now(),
+    next_attempt_at = NULL
+WHERE id = ANY(%(ids)s::bigint[])
+  AND sent_at IS NULL;
+
+-- name: delete_sent
+-- Acknowledged rows, deleted at once (default: no history to bloat).
+DELETE FROM outbox
+WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: record_failures
+-- Transient failures: count the attempt and schedule the next one.
+UPDATE outbox AS o
+SET attempts        = o.attempts + 1,
+    next_attempt_at = now() + make_interval(secs => f.delay),
+    last_error      = f.error
+FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS f (id, delay, error)
+WHERE o.id = f.id;
+
+-- name: dead_letter
+-- Permanent failures and rows out of attempts: out of the drain, kept with the reason.
+UPDATE outbox AS o
+SET attempts           = o.attempts + f.attempted,
+    dead_lettered_at   = now(),
+    dead_letter_reason = f.reason,
+    last_error         = f.reason,
+    next_attempt_at    = NULL
+FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]) AS f (id, attempted, reason)
+WHERE o.id = f.id;

@@ -1,0 +1,91 @@
+-- What `relay migrate` runs (relay/migrate.py) beside the migrations/ files themselves.
+-- {placeholders} are composed by psycopg.sql (identifiers and literals), never pasted
+-- in as text.
+-- Parameters are named, %(name)s; nothing here is built by string concatenation.
+
+------------------------------------------------------------------------------------
+-- Migrations (relay/migrate.py)
+------------------------------------------------------------------------------------
+
+-- name: migrations_no_timeout
+-- DDL may queue behind the application's traffic: the hot-path statement timeout
+-- must not cut a migration short.
+SET statement_timeout = 0;
+
+-- name: migrations_lock
+-- Session advisory lock: N replicas running `relay migrate` at once apply each file once.
+SELECT pg_advisory_lock(hashtext('relay.schema_migrations'));
+
+-- name: migrations_unlock
+SELECT pg_advisory_unlock(hashtext('relay.schema_migrations'));
+
+-- name: migrations_table
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version    text        PRIMARY KEY,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_applied
+SELECT version, checksum FROM schema_migrations ORDER BY version;
+
+-- name: migrations_record
+INSERT INTO schema_migrations (version, checksum) VALUES (%(version)s, %(checksum)s);
+
+------------------------------------------------------------------------------------
+-- Shard indexes (`relay migrate --shards N`)
+------------------------------------------------------------------------------------
+
+-- name: shard_index_unsent
+-- `relay migrate --shards N`: with N shards, each shard's fetch reads its own unsent
+-- rows in id order from this index. {shards} is N and {index} the index's name, both
+-- composed by psycopg.sql (a literal and an identifier), never pasted in as text.
+-- CONCURRENTLY: the app's inserts go on while it builds.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
+    ON outbox (outbox_shard(key, id, {shards}), id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+
+-- name: shard_index_keys
+-- ... and walks its keys (the fair fetch) from this one.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
+    ON outbox (outbox_shard(key, id, {shards}), key, id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+
+-- name: shard_index_state
+-- Whether each of these indexes exists and is valid (a CONCURRENTLY build that failed
+-- leaves an invalid index behind, which IF NOT EXISTS would then skip).
+SELECT c.relname AS name, i.indisvalid AS valid
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE c.relname = ANY(%(names)s::text[])
+  AND i.indrelid = 'outbox'::regclass;
+
+-- name: shard_index_drop
+-- An invalid leftover, dropped before it is built again.
+DROP INDEX CONCURRENTLY IF EXISTS {index};
+
+------------------------------------------------------------------------------------
+-- NOTIFY trigger (`relay migrate --notify-trigger`)
+------------------------------------------------------------------------------------
+
+-- name: notify_trigger_create
+-- `relay migrate --notify-trigger CHANNEL`: one NOTIFY on CHANNEL per INSERT statement
+-- into the outbox, for apps that write it with plain SQL (relay.enqueue can NOTIFY by
+-- itself). Statement-level: a multi-row INSERT notifies once. {channel} is a literal.
+CREATE OR REPLACE FUNCTION relay_outbox_notify() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_ARGV[0], '');
+    RETURN NULL;
+END
+$$;
+CREATE OR REPLACE TRIGGER outbox_notify
+    AFTER INSERT ON outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION relay_outbox_notify({channel});
+
+-- name: notify_trigger_drop
+-- `relay migrate --drop-notify-trigger`.
+DROP TRIGGER IF EXISTS outbox_notify ON outbox;
+DROP FUNCTION IF EXISTS relay_outbox_notify();

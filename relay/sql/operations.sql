@@ -1,0 +1,224 @@
+-- What operators see and do, through the CLI or the daemon's side threads: `relay
+-- status` and `relay check`, the lag gauges (relay/lag.py), `relay dead-letter`, and the
+-- retention purge (relay/purge.py, `relay purge`).
+-- Parameters are named, %(name)s; nothing here is built by string concatenation.
+
+------------------------------------------------------------------------------------
+-- Lag
+------------------------------------------------------------------------------------
+
+-- name: lag_sample
+-- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
+-- outbox (README "Lag metrics: cost"): counts stop at the cap; the oldest unsent row is
+-- the lowest id in outbox_due_idx (one index probe); "blocked" counts, among at most
+-- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the
+-- rows that have failed (next_attempt_at set) and the later rows of their key, which
+-- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
+-- Scheduled rows (migration 0008) are not lag until due: "unsent" and the oldest age
+-- count the rows due, let in or not yet (an age counts from available_at, if later than
+-- created_at); rows not due yet are counted apart, with when the next one is due. The
+-- scheduled rows are read through outbox_scheduled_idx: counts stop at the cap, the
+-- oldest and next due are one probe each. Once promoted, a scheduled row sits in its
+-- id's place, so the lowest id is no longer always the longest wait: the oldest age is
+-- the longest wait among the first %(age_window)s rows (a few heap reads, not a walk of
+-- the backlog); a longer wait hidden behind more promoted rows than that is missed.
+-- Ages are differences of epochs, not of timestamps: a row the app stamped 'infinity'
+-- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample.
+SELECT
+    least(%(cap)s,
+          (SELECT count(*)
+             FROM (SELECT 1 FROM outbox
+                    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                      AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                    LIMIT %(cap)s) AS unsent_rows)
+          + (SELECT count(*)  -- due, not let in yet (no leader, or between its passes)
+               FROM (SELECT 1 FROM outbox
+                      WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                        AND available_at IS NOT NULL AND promoted_at IS NULL
+                        AND available_at <= now()
+                      LIMIT %(cap)s) AS overdue_rows))
+        AS unsent,
+    greatest(0,
+             (SELECT extract(epoch FROM now()) - extract(epoch FROM min(greatest(head.created_at, head.available_at)))
+                FROM (SELECT created_at, available_at
+                        FROM outbox
+                       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                         AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                       ORDER BY id
+                       LIMIT %(age_window)s) AS head),
+             (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
+                FROM outbox
+               WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                 AND available_at IS NOT NULL AND promoted_at IS NULL))::float8
+        AS oldest_unsent_age_seconds,
+    (SELECT count(*)
+       FROM (SELECT o.id, o.key, o.next_attempt_at
+               FROM outbox AS o
+              WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                AND o.id >= (SELECT f.id FROM outbox AS f
+                              WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+                                AND f.attempts > 0  -- outbox_failing_rows_idx
+                                AND f.next_attempt_at IS NOT NULL
+                              ORDER BY f.id
+                              LIMIT 1)
+              ORDER BY o.id
+              LIMIT %(cap)s) AS w
+      WHERE w.next_attempt_at IS NOT NULL
+         OR EXISTS (SELECT 1 FROM outbox AS f
+                     WHERE f.key = w.key
+                       AND f.id < w.id
+                       AND f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+                       AND f.next_attempt_at IS NOT NULL))
+        AS blocked,
+    (SELECT count(*)
+       FROM (SELECT 1 FROM outbox
+              WHERE dead_lettered_at IS NOT NULL
+              LIMIT %(cap)s) AS dead_rows)
+        AS dead_lettered,
+    (SELECT count(*)
+       FROM (SELECT 1 FROM outbox
+              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                AND available_at IS NOT NULL AND promoted_at IS NULL
+                AND available_at > now()
+              LIMIT %(cap)s) AS scheduled_rows)
+        AS scheduled,
+    (SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
+       FROM outbox
+      WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+        AND available_at IS NOT NULL AND promoted_at IS NULL
+        AND available_at > now())
+        AS next_due_in_seconds;
+
+-- name: lag_sample_shards
+-- The backlog and oldest unsent age of each of %(shards)s shards (RELAY_SHARDS > 1):
+-- one walk of that count's outbox_shards_N_due_idx per shard, each count stopping at
+-- %(cap)s (the cap divided among the shards, so a sample costs what it did without
+-- shards). Needs a custom plan (shard count a constant) to match the index expression.
+SELECT s.shard,
+    least(%(cap)s,
+          (SELECT count(*)
+             FROM (SELECT 1 FROM outbox AS o
+                    WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                      AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                    LIMIT %(cap)s) AS unsent_rows)
+          + (SELECT count(*)  -- due, not let in yet (as in lag_sample)
+               FROM (SELECT 1 FROM outbox AS o
+                      WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                        AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
+                        AND o.available_at <= now()
+                        AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                      LIMIT %(cap)s) AS overdue_rows))
+        AS unsent,
+    coalesce(
+        greatest(0,
+                 (SELECT extract(epoch FROM now()) - extract(epoch FROM greatest(o.created_at, o.available_at))
+                    FROM outbox AS o
+                   WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                     AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                     AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                   ORDER BY o.id
+                   LIMIT 1),
+                 (SELECT extract(epoch FROM now()) - extract(epoch FROM o.available_at)
+                    FROM outbox AS o
+                   WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
+                     AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
+                     AND o.available_at <= now()
+                     AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                   ORDER BY o.available_at
+                   LIMIT 1))::float8,
+        0) AS oldest_unsent_age_seconds
+FROM generate_series(0, %(shards)s::integer - 1) AS s(shard)
+ORDER BY s.shard;
+
+------------------------------------------------------------------------------------
+-- Status
+------------------------------------------------------------------------------------
+
+-- name: lease_status
+-- All lease rows with the database's view of their expiry.
+SELECT name, coalesce(lease_group, name) AS lease_group, shards, shard,
+       holder, epoch, expires_at, expires_at > now() AS live,
+       extract(epoch FROM expires_at - now())::float8 AS seconds_to_expiry,
+       acquired_at, renewed_at, released_at
+FROM leases
+ORDER BY name;
+
+-- name: replica_status
+-- Every replica's last heartbeat, for `relay status`.
+SELECT lease_name, replica_id, started_at, seen_at, sink_ok, sink_error,
+       extract(epoch FROM now() - seen_at)::float8 AS seconds_since_seen
+FROM replicas
+ORDER BY lease_name, replica_id;
+
+-- name: lease_group_shards
+-- The shard count in force for each lease group (migration 0007's table), for status.
+SELECT name, shards FROM lease_groups ORDER BY name;
+
+-- name: schema_version
+-- Latest applied migration, for `relay check` and `relay status`.
+SELECT max(version) AS version FROM schema_migrations;
+
+------------------------------------------------------------------------------------
+-- Dead letters
+------------------------------------------------------------------------------------
+
+-- name: dead_letter_list
+-- Dead-lettered rows, oldest first, optionally for one topic or key.
+SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+  AND (%(key)s::text IS NULL OR key = %(key)s::text)
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: dead_letter_requeue
+-- Put dead letters back in the drain with fresh attempts. They keep their id, so they
+-- are sent in their original order relative to each other.
+UPDATE outbox
+SET dead_lettered_at   = NULL,
+    dead_letter_reason = NULL,
+    attempts           = 0,
+    next_attempt_at    = NULL
+WHERE dead_lettered_at IS NOT NULL
+  AND (%(all)s OR id = ANY(%(ids)s::bigint[]) OR key = %(key)s::text)
+RETURNING id;
+
+-- name: dead_letters_left_behind
+-- Keys of just-requeued rows that still have an earlier dead letter: the requeued rows
+-- will be delivered before it, out of per-key order (relay dead-letter requeue warns).
+SELECT DISTINCT r.key
+FROM outbox AS r
+WHERE r.id = ANY(%(ids)s::bigint[])
+  AND r.key IS NOT NULL
+  AND EXISTS (
+      SELECT 1
+      FROM outbox AS d
+      WHERE d.key = r.key
+        AND d.id < r.id
+        AND d.dead_lettered_at IS NOT NULL
+  )
+ORDER BY r.key;
+
+------------------------------------------------------------------------------------
+-- Retention
+------------------------------------------------------------------------------------
+
+-- name: purge_sent
+-- Retention: delete one small batch of rows sent before the cutoff, oldest sent first,
+-- through outbox_sent_idx: finding them (or that there are none) is one index descent,
+-- however many sent rows are kept. Small batches keep locks and WAL bursts short; call
+-- repeatedly until it deletes fewer than the limit. Rows another session has locked
+-- are skipped, not waited for.
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id
+    FROM outbox
+    WHERE sent_at IS NOT NULL
+      AND sent_at < now() - make_interval(secs => %(older_than)s)
+    ORDER BY sent_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+);

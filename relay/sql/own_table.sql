@@ -1,0 +1,132 @@
+-- What only `relay migrate --own-table` runs (relay/own_table.py).
+--
+-- The relay reads an existing table (RELAY_OUTBOX_TABLE) through a view named outbox in
+-- a schema of its own, relay_<schema>_<table>, that renames its columns to the relay's
+-- (RELAY_OUTBOX_COLUMNS); the relay's sessions put that schema first on their
+-- search_path (session.sql), so every statement of the other files runs unchanged
+-- against it. The view is simple, so PostgreSQL plans through it to the table's own
+-- partial indexes, and the relay's UPDATEs and DELETEs reach the table's rows. The app's
+-- columns are never changed: the relay's bookkeeping lives in columns of its own,
+-- relay_*. {placeholders} are composed by psycopg.sql (identifiers and the column
+-- expressions the mapping names).
+-- Parameters are named, %(name)s; nothing here is built by string concatenation.
+
+-- name: own_table_columns
+-- The table's columns, their types, whether an index leads with each (the settle finds
+-- rows by id), and whether it is declared NOT NULL.
+SELECT a.attname AS name, format_type(a.atttypid, NULL) AS type, a.attnotnull AS not_null,
+       EXISTS (SELECT 1 FROM pg_index AS i
+               WHERE i.indrelid = a.attrelid AND i.indkey[0] = a.attnum) AS indexed
+FROM pg_attribute AS a
+WHERE a.attrelid = to_regclass(%(table)s)
+  AND a.attnum > 0
+  AND NOT a.attisdropped
+ORDER BY a.attnum;
+
+-- name: own_table_indexes
+-- The indexes an earlier run made (their names carry a digest of their definition):
+-- those the current mapping does not make any more are dropped.
+SELECT c.relname AS name
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass(%(table)s)
+  AND c.relname LIKE %(prefix)s;
+
+-- name: own_table_bookkeeping
+-- The relay's columns, added to the app's table (no rewrite: all NULL or a constant).
+ALTER TABLE {table}
+    ADD COLUMN IF NOT EXISTS relay_sent_at             timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_attempts            integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS relay_next_attempt_at     timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_last_error          text,
+    ADD COLUMN IF NOT EXISTS relay_dead_lettered_at    timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_dead_letter_reason  text,
+    ADD COLUMN IF NOT EXISTS relay_promoted_at         timestamptz
+
+-- name: own_table_add_id
+-- Without an integer id of its own: the relay's order, assigned at insert as the
+-- relay's own outbox does. Fills the existing rows: rewrites the table under an
+-- exclusive lock (run it at a quiet time on a large table).
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_id bigint GENERATED ALWAYS AS IDENTITY
+
+-- name: own_table_add_message_id
+-- Without a message id: a uuid per row (rewrites the table, like relay_id).
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_message_id uuid NOT NULL DEFAULT gen_random_uuid()
+
+-- name: own_table_add_created_at
+-- Without a creation time: existing rows get the time of this statement.
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_created_at timestamptz NOT NULL DEFAULT now()
+
+-- name: own_table_schema
+CREATE SCHEMA IF NOT EXISTS {schema}
+
+-- name: own_table_index_drop
+DROP INDEX IF EXISTS {index}
+
+-- name: own_table_view
+-- The table in the relay's layout. Columns the mapping does not name are NULL. OR
+-- REPLACE keeps the grants on it; its columns keep their types whatever the mapping (the
+-- message id as text), except an integer id changed for one of another width.
+CREATE OR REPLACE VIEW {view} AS
+SELECT {id} AS id,
+       {message_id} AS message_id,
+       {topic} AS topic,
+       {key} AS key,
+       {payload} AS payload,
+       {headers} AS headers,
+       {created_at} AS created_at,
+       {available_at} AS available_at,
+       t.relay_sent_at AS sent_at,
+       t.relay_attempts AS attempts,
+       t.relay_next_attempt_at AS next_attempt_at,
+       t.relay_last_error AS last_error,
+       t.relay_dead_lettered_at AS dead_lettered_at,
+       t.relay_dead_letter_reason AS dead_letter_reason,
+       t.relay_promoted_at AS promoted_at
+FROM {table} AS t
+
+------------------------------------------------------------------------------------
+-- Indexes: the drain indexes of migrations 0001-0008, on the table's own columns
+------------------------------------------------------------------------------------
+
+-- name: own_table_index_id
+-- The rows by id, for the settle, the failures and the purge, when no index leads with
+-- the id column (relay_id, say).
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+
+-- name: own_table_index_unsent
+-- The drain indexes of migrations 0001-0008, on the table's own columns: unsent rows
+-- that are due, in id order ({due} is `true` without an available_at column).
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
+
+-- name: own_table_index_key
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
+
+-- name: own_table_index_backoff
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
+      AND relay_next_attempt_at IS NOT NULL
+
+-- name: own_table_index_failing
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND relay_attempts > 0
+
+-- name: own_table_index_dead_letter
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
+    WHERE relay_dead_lettered_at IS NOT NULL
+
+-- name: own_table_index_sent
+CREATE INDEX IF NOT EXISTS {index} ON {table} (relay_sent_at)
+    WHERE relay_sent_at IS NOT NULL
+
+-- name: own_table_index_scheduled
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({available_at})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
+      AND {available_at} IS NOT NULL AND relay_promoted_at IS NULL
+
+-- name: own_table_index_scheduled_key
+CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
+      AND {available_at} IS NOT NULL AND relay_promoted_at IS NULL
