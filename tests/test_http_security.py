@@ -98,6 +98,8 @@ def test_a_topic_fills_one_path_segment_and_no_other() -> None:
     assert query.fill("a&b=c") == "https://h.example/in?topic=a%26b%3Dc"
     long = "x" * 500 + "/.."
     assert UrlTemplate("https://h.example/{topic}").fill(long).endswith("x%2F..")
+    with pytest.raises(MalformedRow, match="the URL for this topic is invalid"):
+        UrlTemplate("https://h.example/{topic}").fill("x" * 70_000)  # the client refuses it
 
 
 def test_a_path_the_client_would_send_otherwise_is_refused(

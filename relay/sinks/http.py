@@ -157,8 +157,12 @@ def _placeholder(template: str) -> str:
 
 
 def _sent_path(url: str) -> str:
-    """The request target the client sends for `url` (dot segments resolved)."""
-    return httpx.URL(url).raw_path.decode("ascii")
+    """The request target the client sends for `url` (dot segments resolved); a URL
+    the client refuses (a topic tens of kilobytes long) is the row's fault."""
+    try:
+        return httpx.URL(url).raw_path.decode("ascii")
+    except httpx.InvalidURL as exc:
+        raise MalformedRow(f"the URL for this topic is invalid: {exc}") from None
 
 
 def _shown(topic: str) -> str:
