@@ -11,6 +11,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from relay.errors import SettingsError
+from relay.own_table_layout import OWN_TABLE_LAYOUT
 from relay.queries import QUERIES
 from relay.setting_checks import is_loopback
 from relay.settings import CommonSettings, Settings
@@ -145,6 +146,13 @@ def read_own_table(conn: Conn, settings: CommonSettings) -> None:
             "RELAY_OUTBOX_TABLE",
             f"the view {settings.outbox_view_schema}.outbox reads another table than"
             f" {settings.outbox_table} (two tables whose names map to one view schema)",
+        )
+    if check["layout"] != OWN_TABLE_LAYOUT:
+        raise SettingsError(
+            "RELAY_OUTBOX_TABLE",
+            f"the view {settings.outbox_view_schema}.outbox was made by an earlier release"
+            " of relay (it lacks checks the drain relies on): run `relay migrate"
+            " --own-table` again",
         )
     conn.execute(QUERIES.own_table_session, params)
 

@@ -21,7 +21,7 @@ from psycopg import sql
 from relay import db
 from relay.errors import MigrationError, SettingsError
 from relay.logging import get_logger
-from relay.own_table_layout import Layout, plan_layout
+from relay.own_table_layout import JSONB_OR_REASON, OWN_TABLE_LAYOUT, Layout, plan_layout
 from relay.queries import QUERIES
 from relay.settings import CommonSettings
 
@@ -65,7 +65,11 @@ def statements(
         out.append(sql.SQL(QUERIES.own_table_bookkeeping).format(table=table))
     out += [sql.SQL(add).format(table=table) for add in layout.adds]
     out.append(sql.SQL(QUERIES.own_table_schema).format(schema=sql.Identifier(schema)))
+    function = sql.Identifier(schema, JSONB_OR_REASON)
+    out.append(sql.SQL(QUERIES.own_table_jsonb).format(function=function))
     out.append(sql.SQL(QUERIES.own_table_view).format(view=view, table=table, **layout.fields))
+    layout_name = sql.Literal(OWN_TABLE_LAYOUT)
+    out.append(sql.SQL(QUERIES.own_table_view_comment).format(view=view, layout=layout_name))
     if not layout.id_indexed:
         out.append(index(QUERIES.own_table_index_id, "id"))
     out.append(index(QUERIES.own_table_index_unsent, "unsent"))

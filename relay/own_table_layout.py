@@ -26,6 +26,13 @@ BOOKKEEPING = (
     "relay_promoted_at",
 )
 _TEXT = {"text", "character varying", "character", "name"}
+# The function `--own-table` makes in the view's schema (own_table_jsonb).
+JSONB_OR_REASON = "jsonb_or_reason"
+# What the view's comment says it is: a view of another layout (an earlier release's)
+# is refused at start-up until `relay migrate --own-table` runs again.
+OWN_TABLE_LAYOUT = "relay own-table view, layout 2"
+# A header:NAME column's value at most (a header; and jsonb holds no string past 256 MB).
+HEADER_VALUE_MAX_BYTES = 65536
 _JSON = {"jsonb", "json"}
 
 
@@ -122,7 +129,8 @@ def plan_layout(
     else:
         fields["key"] = sql.SQL("NULL::text")
     fields["payload"] = _payload(mapping.get("payload"), columns)
-    fields["headers"] = _headers(mapping, columns)
+    assert settings.outbox_view_schema is not None
+    fields["headers"] = _headers(mapping, columns, settings.outbox_view_schema)
     for field in ("created_at", "available_at"):
         if field in mapping and kind(field) != "timestamp with time zone":
             # A cast from `timestamp` depends on the session's TimeZone: wrong by its
@@ -162,8 +170,11 @@ def _payload(column: str | None, columns: dict[str, str]) -> sql.Composable:
     )
 
 
-def _headers(mapping: dict[str, str], columns: dict[str, str]) -> sql.Composable:
-    """The row's headers: its own jsonb object, if mapped, plus one per header:NAME."""
+def _headers(mapping: dict[str, str], columns: dict[str, str], schema: str) -> sql.Composable:
+    """The row's headers: its own jsonb object, if mapped, plus one per header:NAME.
+    Whatever a row holds, this never fails (which would fail every fetch): headers
+    jsonb cannot hold, or a header column too long for one, become a JSON string that
+    says so, which the fetch turns into the row's dead-letter reason."""
     pairs = [
         sql.SQL("{}, {}").format(
             sql.Literal(field.removeprefix("header:")), _header_value(column, columns)
@@ -175,28 +186,46 @@ def _headers(mapping: dict[str, str], columns: dict[str, str]) -> sql.Composable
     if "headers" in mapping:
         if columns[mapping["headers"]] not in _JSON:
             raise SettingsError("RELAY_OUTBOX_COLUMNS", "headers must be a json(b) column")
-        parts.append(_as_jsonb(_column(mapping["headers"], "t"), columns[mapping["headers"]]))
+        parts.append(
+            _as_jsonb(_column(mapping["headers"], "t"), columns[mapping["headers"]], schema)
+        )
     if pairs:
         parts.append(sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(pairs)))
     if not parts:
         return sql.SQL("NULL::jsonb")
-    if len(parts) == 1:
-        return parts[0]
-    return sql.SQL("coalesce({}, '{{}}'::jsonb) || {}").format(parts[0], parts[1])
+    combined = parts[0]
+    if len(parts) == 2:  # a string is a reason the row cannot be sent: it stays alone
+        combined = sql.SQL(
+            "CASE WHEN jsonb_typeof({own}) = 'string' THEN {own}"
+            " ELSE coalesce({own}, '{{}}'::jsonb) || {columns} END"
+        ).format(own=parts[0], columns=parts[1])
+    return _header_columns_fit(mapping, combined)
 
 
-def _as_jsonb(ref: sql.Composable, kind: str) -> sql.Composable:
-    r"""A json column as jsonb, which cannot hold the escape \u0000 that json can: the
-    cast would fail, and with it every fetch. Such headers become a JSON string saying
-    so, which the fetch turns into the row's dead-letter reason."""
+def _as_jsonb(ref: sql.Composable, kind: str, schema: str) -> sql.Composable:
+    r"""A json column as jsonb, which cannot hold all that json can (\u0000, a number
+    past its range, a lone surrogate): the migration's function says why instead."""
     if kind == "jsonb":
         return ref
-    # A backslash-u0000 that is not itself an escaped backslash and a u.
-    return sql.SQL(
-        r"CASE WHEN {ref}::text ~ '(^|[^\\])(\\\\)*\\u0000'"
-        r" THEN to_jsonb('json headers hold \u0000, which jsonb cannot'::text)"
-        " ELSE {ref}::jsonb END"
-    ).format(ref=ref)
+    return sql.SQL("{}({})").format(sql.Identifier(schema, JSONB_OR_REASON), ref)
+
+
+def _header_columns_fit(mapping: dict[str, str], headers: sql.Composable) -> sql.Composable:
+    """`headers`, unless a header:NAME column holds more than a header may: then why."""
+    checks = [
+        sql.SQL("WHEN octet_length({col}::text) > {most} THEN to_jsonb({why}::text)").format(
+            col=_column(column, "t"),
+            most=sql.Literal(HEADER_VALUE_MAX_BYTES),
+            why=sql.Literal(
+                f"header {field.removeprefix('header:')} holds over {HEADER_VALUE_MAX_BYTES} bytes"
+            ),
+        )
+        for field, column in mapping.items()
+        if field.startswith("header:")
+    ]
+    if not checks:
+        return headers
+    return sql.SQL("CASE {} ELSE {} END").format(sql.SQL(" ").join(checks), headers)
 
 
 def _header_value(column: str, columns: dict[str, str]) -> sql.Composable:

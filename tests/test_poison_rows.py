@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.rows import dict_row
 
-from relay import lag
+from relay import db, lag
 from relay.app import RelayApp
+from relay.errors import SettingsError
 from relay.repository import BatchLimits
 from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
@@ -42,7 +43,8 @@ CREATE TABLE app.events (
     entity     text,
     body       bytea,
     meta       json,
-    made_at    timestamptz DEFAULT now()
+    made_at    timestamptz DEFAULT now(),
+    note       text
 );
 """
 COLUMNS = {
@@ -52,6 +54,7 @@ COLUMNS = {
     "payload": "body",
     "headers": "meta",
     "created_at": "made_at",
+    "header:note": "note",
 }
 UNSETTLED_OWN = (
     "SELECT count(*) FROM app.events WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL"
@@ -87,10 +90,10 @@ def own_insert(dsn: str, rows: list[dict[str, Any]]) -> list[int]:
     with psycopg.connect(dsn) as conn, conn.transaction():
         for row in rows:
             found = conn.execute(
-                "INSERT INTO app.events (msg_id, kind, entity, body, meta, made_at)"
+                "INSERT INTO app.events (msg_id, kind, entity, body, meta, made_at, note)"
                 " VALUES (%(msg_id)s, %(kind)s, %(entity)s, %(body)s, %(meta)s::json,"
-                "         %(made_at)s::timestamptz) RETURNING id",
-                {"made_at": "now", "body": b"x", "meta": None} | row,
+                "         %(made_at)s::timestamptz, %(note)s) RETURNING id",
+                {"made_at": "now", "body": b"x", "meta": None, "note": None} | row,
             ).fetchone()
             assert found is not None
             ids.append(int(found[0]))
@@ -123,6 +126,10 @@ def test_rows_with_null_or_unsendable_columns_are_dead_lettered_and_the_drain_go
         {"msg_id": "c\r\nx-evil: 1", "kind": topic, "entity": "line-break-id"},
         {"msg_id": None, "kind": topic, "entity": "null-id"},
         {"msg_id": "d", "kind": topic, "entity": "nul-header", "meta": '{"a": "x\\u0000y"}'},
+        {"msg_id": "e", "kind": topic, "entity": "huge-number", "meta": '{"a": 1e1000000}'},
+        {"msg_id": "f", "kind": topic, "entity": "lone-surrogate", "meta": '{"a": "\\ud800"}'},
+        {"msg_id": "g", "kind": topic, "entity": "long-header", "note": "n" * 70_000},
+        {"msg_id": "h", "kind": "t" * 2000, "entity": "long-topic"},
     ]
     own_insert(database, [good[0], *poison, good[1]])
     settings = make_settings(outbox_table=TABLE, lease_name="app", retention_seconds=3600)
@@ -137,7 +144,13 @@ def test_rows_with_null_or_unsendable_columns_are_dead_lettered_and_the_drain_go
     assert reasons["null-created-at"] == "created_at is NULL"
     assert "no id a header can carry" in reasons["line-break-id"]
     assert "message_id is NULL" in reasons["null-id"]
-    assert "\\u0000" in reasons["nul-header"]
+    assert "jsonb cannot hold: unsupported Unicode escape" in reasons["nul-header"]
+    assert "jsonb cannot hold" in reasons["huge-number"]
+    assert "jsonb cannot hold" in reasons["lone-surrogate"]
+    assert reasons["long-header"] == (
+        "headers must be a JSON object, got string: header note holds over 65536 bytes"
+    )
+    assert reasons["long-topic"] == "topic is 2000 bytes, over 1024 (no sink takes it)"
     records = consume(kafka.bootstrap_servers, topic, min_count=3)
     assert sorted(r.headers["message-id"].decode() for r in records) == sorted(
         row["msg_id"] for row in good
@@ -182,10 +195,46 @@ def test_a_row_over_the_message_limit_comes_without_its_bytes_and_with_its_size(
     limits = BatchLimits(rows=10, bytes=1 << 20, per_key=10, message_bytes=4096)
     rows = {r.key: r for r in fetch(database, limits)}
     assert rows["big"].payload is None and rows["big"].headers is None
+    # 5000 of payload, 1 of topic, 3 of key, 2 of header name and value
     assert rows["big"].header_error == (
-        "the row holds 5013 bytes of payload, headers and key, over RELAY_MESSAGE_MAX_BYTES (4096)"
+        "the row holds 5006 bytes of payload, topic, key and headers, over"
+        " RELAY_MESSAGE_MAX_BYTES (4096)"
     )
     assert rows["small"].payload == b"y" and rows["small"].header_error is None
+
+
+def test_sizes_are_read_not_printed_and_count_the_topic(database: str) -> None:
+    """Before: a jsonb value of control characters, stored in a few MB, printed past
+    what one text can hold when the fetch measured the headers as JSON text, and every
+    fetch failed; a 50 MB topic was not counted at all and came whole."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, headers) VALUES"
+            " ('t', 'escapes', 'x', jsonb_build_object('a', repeat(chr(1), 180000000))),"
+            " (repeat('t', 50000000), 'topic', 'x', NULL),"
+            " ('t', 'fine', 'y', NULL)"
+        )
+    rows = {r.key: r for r in fetch(database, BatchLimits(10, 1 << 20, 10, message_bytes=1 << 20))}
+    assert rows["escapes"].header_error is not None
+    assert "the row holds 180000010 bytes" in rows["escapes"].header_error
+    assert rows["topic"].header_error is not None
+    assert "the row holds 50000006 bytes" in rows["topic"].header_error
+    assert rows["topic"].topic == "t" * 200  # cut: enough for its dead-letter line
+    assert rows["fine"].payload == b"y" and rows["fine"].header_error is None
+
+
+def test_a_view_an_earlier_release_made_is_refused(
+    make_settings: SettingsFactory, nullable_table: str
+) -> None:
+    """The view carries checks the drain relies on (a message id no header can carry,
+    headers jsonb cannot hold): one made before them must be made again."""
+    with psycopg.connect(nullable_table, autocommit=True) as conn:
+        conn.execute(f"COMMENT ON VIEW {VIEW_SCHEMA}.outbox IS NULL")
+    settings = make_settings(outbox_table=TABLE, lease_name="app")
+    with pytest.raises(SettingsError, match="run `relay migrate --own-table` again"):
+        db.connect(settings, purpose="drain")
+    migrate_own_table(nullable_table)
+    db.connect(settings, purpose="drain").close()
 
 
 def _peak_rss(pid: int) -> int:
@@ -236,7 +285,10 @@ def test_a_huge_row_is_dead_lettered_without_the_replica_ever_holding_it(
     wait_until(lambda: scalar(database, unsettled) == 0, 60, message="the outbox settled")
     assert relay_process.poll() is None, relay_process.stderr
     reason = scalar(database, "SELECT dead_letter_reason FROM outbox")
-    assert f"holds {HUGE + 1} bytes" in reason and "RELAY_MESSAGE_MAX_BYTES (1000000)" in reason
+    assert (
+        f"holds {HUGE + len(topic) + 1} bytes" in reason
+        and "RELAY_MESSAGE_MAX_BYTES (1000000)" in reason
+    )
     records = consume(kafka.bootstrap_servers, topic, min_count=2)
     assert [r.value for r in records] == [b"before", b"after"]
     assert _peak_rss(relay_process.pid) < HUGE // 2
@@ -269,11 +321,14 @@ _JSON = st.recursive(
     ),
     max_leaves=8,
 )
+# json a json column holds and jsonb cannot: the relay's own table never sees them.
+_NOT_JSONB = ('{"a": 1e1000000}', '{"a": "\\ud800"}')
 _HEADERS = st.one_of(
     st.none(),
     st.dictionaries(st.text(max_size=12), _JSON_SCALAR, max_size=4).map(json.dumps),
     _JSON.map(json.dumps),
     st.just('{"a": "x\\u0000"}'),
+    st.sampled_from(_NOT_JSONB),
     st.just('{"a": 1, "a": 2}'),
     st.just('"\\u0000"'),
 )
@@ -329,7 +384,7 @@ class Layout:
         with psycopg.connect(self.database) as conn, conn.transaction():
             for row in rows:
                 meta = row["meta"]
-                if meta is not None and "\\u0000" in meta:
+                if meta is not None and ("\\u0000" in meta or meta in _NOT_JSONB):
                     meta = None  # jsonb cannot hold it: the app could not write it here
                 found = conn.execute(
                     "INSERT INTO outbox (topic, key, payload, headers)"

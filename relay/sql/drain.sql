@@ -41,9 +41,23 @@ SELECT set_config('enable_bitmapscan', 'off', false);
 (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
 
 -- fragment: row_size
--- A row's size as %(max_bytes)s and %(message_max)s count it: payload, headers and key.
-coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.headers::text), 0)
+-- A row's size as %(max_bytes)s and %(message_max)s count it: payload, topic, key and
+-- headers, each as the relay would hold it. octet_length reads a stored length, never
+-- the bytes; a header counts its name and its value as text, never the whole headers
+-- printed as JSON (a value of control characters prints six times its size, past
+-- what one text can hold: the fetch would fail for good). An array or object value is
+-- counted as stored: such a row is dead-lettered anyway.
+coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 + coalesce(octet_length(o.key), 0)
++ CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
+           coalesce((SELECT sum(octet_length(header.key)
+                                + CASE WHEN jsonb_typeof(header.value) IN ('object', 'array')
+                                       THEN pg_column_size(header.value)
+                                       ELSE coalesce(octet_length(header.value #>> '{}'), 0)
+                                  END)
+                     FROM jsonb_each(o.headers) AS header), 0)
+       ELSE coalesce(pg_column_size(o.headers), 0)
+  END
 
 -- fragment: ready
 -- Whether a row may be sent now: it is not waiting out a retry backoff, its key is not
@@ -86,12 +100,14 @@ AND NOT EXISTS (
 
 -- fragment: header_error
 -- Why a fetched row cannot be sent as it is (it is dead-lettered with this reason): too
--- large to load, a column an own table left NULL, or headers that are no object of
--- scalars. NULL: it can be sent.
+-- large to load, a topic no destination takes, a column an own table left NULL, or
+-- headers that are no object of scalars. NULL: it can be sent.
 CASE WHEN m.size > %(message_max)s::bigint THEN
-         'the row holds ' || m.size || ' bytes of payload, headers and key, over'
+         'the row holds ' || m.size || ' bytes of payload, topic, key and headers, over'
          || ' RELAY_MESSAGE_MAX_BYTES (' || %(message_max)s::bigint || ')'
      WHEN m.topic IS NULL THEN 'topic is NULL'
+     WHEN octet_length(m.topic) > 1024 THEN
+         'topic is ' || octet_length(m.topic) || ' bytes, over 1024 (no sink takes it)'
      WHEN m.message_id IS NULL THEN
          'message_id is NULL, or no id a header can carry (1-255 visible ASCII'
          || ' characters)'
@@ -109,9 +125,12 @@ CASE WHEN m.size > %(message_max)s::bigint THEN
 END
 
 -- fragment: message_times
--- created_at as text, made here in C; due_epoch, when the row became due, for the
--- latency histogram: its available_at if it had a later one, else its created_at.
-coalesce(to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '')
+-- created_at as text, made here in C (a row stamped 'infinity' says so: to_char has
+-- nothing to print); due_epoch, when the row became due, for the latency histogram:
+-- its available_at if it had a later one, else its created_at.
+coalesce(CASE WHEN isfinite(m.created_at)
+              THEN to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+              ELSE m.created_at::text END, '')
     AS created_at,
 coalesce(extract(epoch FROM greatest(m.created_at, m.available_at)),
          extract(epoch FROM now()))::float8 AS due_epoch
@@ -131,7 +150,10 @@ coalesce(extract(epoch FROM greatest(m.created_at, m.available_at)),
 -- key meanwhile (`ready`).
 SELECT m.id,
        coalesce(m.message_id::text, '') AS message_id,
-       coalesce(m.topic, '') AS topic,
+       -- A row that cannot be sent for its size or its topic's carries a cut topic:
+       -- enough for its dead-letter line, never its bytes.
+       CASE WHEN m.size > %(message_max)s::bigint OR octet_length(m.topic) > 1024
+            THEN left(m.topic, 200) ELSE coalesce(m.topic, '') END AS topic,
        m.key,
        CASE WHEN m.within AND m.size <= %(message_max)s::bigint THEN m.payload END AS payload,
        CASE WHEN m.within AND m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
@@ -345,7 +367,10 @@ kept AS (
 )
 SELECT m.id,
        coalesce(m.message_id::text, '') AS message_id,
-       coalesce(m.topic, '') AS topic,
+       -- A row that cannot be sent for its size or its topic's carries a cut topic:
+       -- enough for its dead-letter line, never its bytes.
+       CASE WHEN m.size > %(message_max)s::bigint OR octet_length(m.topic) > 1024
+            THEN left(m.topic, 200) ELSE coalesce(m.topic, '') END AS topic,
        m.key,
        CASE WHEN m.size <= %(message_max)s::bigint THEN m.payload END AS payload,
        CASE WHEN m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN

@@ -60,6 +60,24 @@ ALTER TABLE {table} ADD COLUMN IF NOT EXISTS relay_created_at timestamptz NOT NU
 -- name: own_table_schema
 CREATE SCHEMA IF NOT EXISTS {schema}
 
+-- name: own_table_jsonb
+-- A json headers column as jsonb, or, where jsonb cannot hold the value (\u0000, a
+-- number past its range, a lone surrogate, a value past its size), a JSON string that
+-- says why: the fetch dead-letters such a row with it, where a failed cast would fail
+-- every fetch. Runs for the rows a fetch returns only.
+CREATE OR REPLACE FUNCTION {function}(value json) RETURNS jsonb
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $body$
+BEGIN
+    RETURN value::jsonb;
+EXCEPTION WHEN OTHERS THEN
+    RETURN to_jsonb('json headers jsonb cannot hold: ' || left(SQLERRM, 200));
+END
+$body$
+
+-- name: own_table_view_comment
+-- Which layout the view is: the relay refuses a view an earlier release made.
+COMMENT ON VIEW {view} IS {layout}
+
 -- name: own_table_index_drop
 DROP INDEX IF EXISTS {index}
 

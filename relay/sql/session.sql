@@ -30,7 +30,8 @@ SELECT set_config('search_path',
 -- name: own_table_view_check
 -- Whether the view exists, and whether it reads this table (`relay_a_b.c` and `relay_a.b_c`
 -- would share a view schema). The relay refuses to start otherwise: it would find the
--- relay's own outbox further down the search_path, or another table's rows.
+-- relay's own outbox further down the search_path, or another table's rows. `layout`:
+-- the view's comment, which says which release's layout it is.
 SELECT to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exists,
        EXISTS (SELECT 1
                FROM pg_rewrite AS r
@@ -42,4 +43,6 @@ SELECT to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exi
                                    JOIN pg_namespace AS n ON n.oid = c.relnamespace
                                    WHERE n.nspname = split_part(%(table)s, '.', 1)
                                      AND c.relname = split_part(%(table)s, '.', 2)))
-           AS view_reads_table;
+           AS view_reads_table,
+       obj_description(to_regclass(quote_ident(%(schema)s) || '.outbox'), 'pg_class')
+           AS layout;
