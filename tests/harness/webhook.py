@@ -176,9 +176,12 @@ class WebhookServer(Service):
     # --- reading what happened ---
 
     def history(self) -> list[Delivery]:
-        """Answered requests, in the order their answers were written."""
+        """Answered requests, in the order their answers were written: by the time taken
+        just before each answer went out, not by when its handler thread got to record
+        it (a client that read answer A may send request B on another connection, whose
+        thread can record B first)."""
         with self._lock:
-            return list(self.deliveries)
+            return sorted(self.deliveries, key=lambda d: d.ended)
 
     def acked(self) -> list[Delivery]:
         return [d for d in self.history() if d.ok]
