@@ -20,8 +20,8 @@ from psycopg.rows import dict_row
 from bench.common import TOPIC, relay_settings
 from bench.processes import holder, rss_mib, start_relay, stop, wait_for
 from relay import repository
+from relay.batch import BatchLimits
 from relay.queries import QUERIES
-from relay.repository import BatchLimits
 from tests.support import running_relay
 
 OTHERS = 50

@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 
 import psycopg
 
-from relay import db, failpoints, lease_metrics, repository, screen, tracing
+from relay import db, failpoints, lease_metrics, screen, tracing
 from relay.backoff import Backoff, Retrying
+from relay.batch import BatchLimits, Settlement, id_text
 from relay.give_way import GiveWay
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
@@ -47,10 +48,10 @@ from relay.message import ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
 from relay.pipeline import SettlePipeline
-from relay.presence import Presence, Progress
+from relay.presence import Presence
+from relay.progress import Progress
 from relay.reader import Reader
 from relay.recorder import Recorder
-from relay.repository import BatchLimits, Settlement
 from relay.settings import Settings
 from relay.settler import Settler
 from relay.shutdown import Shutdown
@@ -208,7 +209,7 @@ class Drainer:
         self._recorder.publishing(batch, fetched_ns)
         publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
         prefetch_started = self._clock()
-        batch_text = repository.id_text(map(ID, batch))
+        batch_text = id_text(map(ID, batch))
         if not self._abandon(token):
             self._reader.prefetch(*self._pipeline.unsettled(), batch_text)
         prefetching = self._clock() - prefetch_started
@@ -261,7 +262,7 @@ class Drainer:
     ) -> Result | None:
         """Hand the outcomes of `rows` to the settler (after the previous settle landed);
         the sink's "unavailable" verdict, if any, for the loop to back off on.
-        `ids_text`: the rows' ids as `repository.id_text`, if made already."""
+        `ids_text`: the rows' ids as `id_text`, if made already."""
         settlement, unavailable, reached = self._plan(rows, results)
         if ids_text is not None and len(settlement.sent) == len(rows):
             settlement.sent_text = ids_text

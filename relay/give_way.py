@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from relay.presence import Progress
+from relay.progress import Progress
 
 # Each give-way doubles the window, up to this many times.
 MAX_DOUBLINGS = 4

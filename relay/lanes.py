@@ -29,7 +29,8 @@ from relay.guard import DeadlineGuard
 from relay.lease import Lease, Shard
 from relay.logging import get_logger
 from relay.metrics import Health
-from relay.presence import Presence, Progress
+from relay.presence import Presence
+from relay.progress import Progress
 from relay.settings import Settings
 from relay.shutdown import Shutdown
 from relay.sinks import Sink

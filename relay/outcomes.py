@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from relay.batch import Settlement
 from relay.message import ID, TOPIC, OutboxMessage
-from relay.repository import Settlement
 from relay.sinks.base import ACKED, Outcome, Result
 
 # (attempts so far including this one, the sink's Retry-After) -> seconds to wait

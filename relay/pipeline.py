@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import psycopg
 
-from relay import db, repository
+from relay import db
+from relay.batch import Settlement, id_text
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import OutboxMessage
-from relay.repository import Settlement
 from relay.settler import InFlight, Settler
 from relay.sinks import Outcome, Result
 from relay.stragglers import Stragglers
@@ -33,9 +33,9 @@ class SettlePipeline:
         self.stragglers = Stragglers()  # published, no outcome yet
 
     def unsettled(self) -> tuple[list[str], frozenset[str]]:
-        """Ids every fetch leaves out (as `repository.id_text` parts) and keys held back
+        """Ids every fetch leaves out (as `id_text` parts) and keys held back
         from it: the batch being settled, and the stragglers."""
-        ids = [repository.id_text(self.stragglers.ids())]
+        ids = [id_text(self.stragglers.ids())]
         held = self.stragglers.keys()
         if self._in_flight is not None:
             ids.append(self._in_flight.ids_text)

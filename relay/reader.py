@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import psycopg
 
 from relay import db, failpoints, metrics, repository
+from relay.batch import BatchLimits, id_array
 from relay.lease import Shard
 from relay.message import OutboxMessage
 from relay.queries import QUERIES
-from relay.repository import BatchLimits
 
 # While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
 # head for other keys: the fair statement costs a few times the plain one.
@@ -86,16 +86,16 @@ class Reader:
 
     def next_batch(self, unsettled: list[str], held: frozenset[str]) -> list[OutboxMessage]:
         """The prefetched batch, or a fresh fetch; minus the keys held back.
-        `unsettled`: the ids every fetch leaves out, as `repository.id_text` parts."""
+        `unsettled`: the ids every fetch leaves out, as `id_text` parts."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             batch = without(prefetched.rows, held | prefetched.held)
             if batch:
                 return batch
-        return without(self._fetch(repository.join_literal(unsettled), held), held)
+        return without(self._fetch(id_array(unsettled), held), held)
 
-    def prefetch(self, unsettled: list[str], held: frozenset[str], publishing: str) -> None:
-        """Read the batch after `publishing` (its ids, as `repository.id_text`) while
+    def prefetch(self, unsettled: list[str], held: frozenset[str], published: str) -> None:
+        """Read the batch after the one just `published` (its ids, as `id_text`) while
         its acknowledgements come back.
 
         It leaves out every row not yet settled, and remembers the keys held back: when
@@ -104,7 +104,7 @@ class Reader:
         """
         failpoints.stall("read_ahead")
         try:
-            rows = self._fetch(repository.join_literal([*unsettled, publishing]), held)
+            rows = self._fetch(id_array([*unsettled, published]), held)
         except psycopg.Error:
             # The next step's own fetch will meet (and report) the same trouble.
             self._session.close()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any, cast
@@ -13,78 +13,12 @@ import psycopg
 from psycopg.rows import RowMaker, class_row, tuple_row
 
 from relay import failpoints
+from relay.batch import BatchLimits, Settlement
 from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import KEY, READY, OutboxMessage
 from relay.queries import QUERIES
 from relay.rows import DeadLetterRow, LeaseRow, ReplicaRow
-
-
-@dataclass(slots=True)
-class Settlement:
-    """What to write back for one published batch."""
-
-    sent: list[int] = field(default_factory=list)
-    retry_ids: list[int] = field(default_factory=list)
-    retry_delays: list[float] = field(default_factory=list)
-    retry_errors: list[str] = field(default_factory=list)
-    dead_ids: list[int] = field(default_factory=list)
-    dead_attempted: list[int] = field(default_factory=list)
-    dead_reasons: list[str] = field(default_factory=list)
-    sent_text: str | None = None  # `sent` as id_text, when the caller has it already
-
-    def retry(self, row_id: int, delay: float, error: str) -> None:
-        self.retry_ids.append(row_id)
-        self.retry_delays.append(delay)
-        self.retry_errors.append(error)
-
-    def dead(self, row_id: int, reason: str, *, attempted: bool = True) -> None:
-        self.dead_ids.append(row_id)
-        self.dead_attempted.append(1 if attempted else 0)
-        self.dead_reasons.append(reason)
-
-    def __bool__(self) -> bool:
-        return bool(self.sent or self.retry_ids or self.dead_ids)
-
-    def sent_literal(self) -> str:
-        """`sent` as the array literal the settle statements take."""
-        if self.sent_text is not None:
-            return "{" + self.sent_text + "}"
-        return array_literal(self.sent)
-
-
-def array_literal(ids: Iterable[int]) -> str:
-    """`{1,2,3}`: PostgreSQL parses it as the `::bigint[]` the statement casts to.
-
-    One C-level join instead of psycopg adapting a list element by element in Python,
-    which was a tenth of the drain thread's time at batch 2000.
-    """
-    return "{" + id_text(ids) + "}"
-
-
-def id_text(ids: Iterable[int]) -> str:
-    """`1,2,3`: a batch's ids as text, made once and reused by every statement that
-    names the batch (each fetch's exclusion while it is in flight, its settle)."""
-    return ",".join(map(str, ids))
-
-
-def join_literal(parts: Iterable[str]) -> str:
-    """An array literal of several `id_text`s."""
-    return "{" + ",".join(part for part in parts if part) + "}"
-
-
-@dataclass(frozen=True, slots=True)
-class BatchLimits:
-    """How big a batch may be, and how much of it one key may take (`fetch_batch`)."""
-
-    rows: int
-    bytes: int
-    per_key: int
-    # Fill the rest of the batch with more rows of busy keys when no other key waits.
-    fill: bool = True
-    # A row over this many bytes (payload, headers, key) comes without them, with the
-    # reason it is dead-lettered: the relay never loads a row it cannot send.
-    message_bytes: int = 16 << 20
 
 
 @dataclass(slots=True)
@@ -112,7 +46,7 @@ def fetch_batch(
 ) -> Fetched:
     """The next batch (README "Fetching: fair and bounded").
 
-    `in_flight`: ids (an `array_literal`) published but not settled yet: left out.
+    `in_flight`: ids (an `id_array`) published but not settled yet: left out.
     `after_key`: where the round over keys starts if the head must be shared out.
     `held`: keys whose rows are not ready (an earlier row is in flight): like a key in
     backoff, they make a full head share out, so other keys are found past them.
@@ -230,7 +164,7 @@ def settle(
                 "holder": token.holder,
                 "epoch": token.epoch,
                 "ttl": ttl,
-                "ids": settlement.sent_literal(),
+                "ids": settlement.sent_array(),
             },
         ).fetchone()
         return None if fenced is None else fenced["at"]
@@ -243,7 +177,7 @@ def settle(
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
             query = QUERIES.delete_sent if delete_sent else QUERIES.mark_sent
-            conn.execute(query, {"ids": settlement.sent_literal()})
+            conn.execute(query, {"ids": settlement.sent_array()})
         if settlement.retry_ids:
             conn.execute(
                 QUERIES.record_failures,

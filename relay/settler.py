@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from relay import db, metrics, repository
+from relay.batch import Settlement, id_text
 from relay.lease import Lease, LeaseToken
 from relay.message import ID, OutboxMessage
-from relay.repository import Settlement
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class InFlight:
     """A batch that was published and whose outcomes are being written."""
 
     token: LeaseToken
-    # Ids only, as text for the fetches that leave them out (repository.id_text): the
+    # Ids only, as text for the fetches that leave them out (`id_text`): the
     # rows' payloads are let go once published, so a batch of large rows is held in two
     # stages at most (read ahead, publishing), not three.
     ids_text: str
@@ -64,7 +64,7 @@ class Settler:
     ) -> InFlight:
         """`ids_text`: the batch's ids as text, if the caller made it already."""
         future = self._pool.submit(self._settle, token, settlement)
-        text = repository.id_text(map(ID, batch)) if ids_text is None else ids_text
+        text = id_text(map(ID, batch)) if ids_text is None else ids_text
         return InFlight(token, text, batch[0].id, batch[-1].id, settlement, held_keys, future)
 
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:

@@ -11,9 +11,9 @@ import psycopg
 from psycopg.rows import dict_row
 
 from relay import repository
+from relay.batch import BatchLimits
 from relay.message import MalformedRow, OutboxMessage
 from relay.queries import QUERIES
-from relay.repository import BatchLimits
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (

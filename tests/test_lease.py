@@ -13,8 +13,9 @@ from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
 from relay import lease as protocol
+from relay.batch import Settlement
 from relay.lease import Acquired, HeldByOther, LeaseToken, LostRace
-from relay.repository import Settlement, settle
+from relay.repository import settle
 from tests.support import insert_rows, scalar, wait_until
 
 Conn = psycopg.Connection[dict[str, Any]]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from relay.message import OutboxMessage
 from relay.outcomes import decide
 from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
 from relay.stragglers import Stragglers
+
+pytestmark = pytest.mark.unit
 
 
 def row(row_id: int, key: str | None = "k", attempts: int = 0) -> OutboxMessage:

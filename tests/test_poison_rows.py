@@ -21,8 +21,8 @@ from psycopg.rows import dict_row
 
 from relay import db, lag
 from relay.app import RelayApp
+from relay.batch import BatchLimits
 from relay.errors import SettingsError
-from relay.repository import BatchLimits
 from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import WebhookServer

@@ -22,12 +22,12 @@ from psycopg.rows import dict_row
 
 from relay import lag, repository
 from relay import lease as protocol
+from relay.batch import BatchLimits
 from relay.lease import Acquired, LostRace, OtherShardCount, Shard
 from relay.metrics import Health
 from relay.migrate import create_shard_indexes, shard_index_names
 from relay.queries import QUERIES
 from relay.reader import drain_session_setup
-from relay.repository import BatchLimits
 from relay.settings import CommonSettings
 from tests.conftest import SettingsFactory, relay_command, relay_env, start_relay
 from tests.harness.kafka import TansuBroker, consume

@@ -10,10 +10,12 @@ from confluent_kafka import KafkaError
 
 from relay.backoff import Backoff
 from relay.metrics import Health
-from relay.presence import Progress
+from relay.progress import Progress
 from relay.queries import QUERIES, load, parse
 from relay.sinks.base import Outcome
 from relay.sinks.kafka import classify
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_query_the_code_names_exists() -> None:
@@ -263,7 +265,7 @@ class _FakePeers:
 
 def test_give_way_is_due_after_the_window_only_when_a_peer_can_deliver() -> None:
     from relay.give_way import GiveWay
-    from relay.presence import Progress
+    from relay.progress import Progress
 
     now = [100.0]
     progress = Progress(lambda: now[0])
@@ -284,7 +286,7 @@ def test_give_way_is_due_after_the_window_only_when_a_peer_can_deliver() -> None
 
 def test_each_give_way_doubles_the_window_until_the_sink_answers() -> None:
     from relay.give_way import MAX_DOUBLINGS, GiveWay
-    from relay.presence import Progress
+    from relay.progress import Progress
 
     now = [0.0]
     progress = Progress(lambda: now[0])

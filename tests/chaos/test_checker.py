@@ -10,6 +10,8 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from tests.chaos.checker import check
 from tests.chaos.history import (
     Acquired,
@@ -21,6 +23,9 @@ from tests.chaos.history import (
     lease_history,
     parse_payload,
 )
+
+pytestmark = pytest.mark.unit
+
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
