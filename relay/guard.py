@@ -24,7 +24,7 @@ TICK_SECONDS = 0.05
 
 class DeadlineGuard(threading.Thread):
     def __init__(self, lease: Lease, sink: Sink) -> None:
-        super().__init__(name="relay-deadline-guard", daemon=True)
+        super().__init__(name=lease.shard.thread_name("deadline-guard"), daemon=True)
         self._lease = lease
         self._sink = sink
         self._stop_event = threading.Event()

@@ -91,6 +91,10 @@ class Shard:
     def name(self) -> str:
         return shard_lease_name(self.group, self.shard, self.shards)
 
+    def thread_name(self, role: str) -> str:
+        """`relay-<role>`, and `-N` with shards: each lane's threads tell apart."""
+        return f"relay-{role}" if self.shards == 1 else f"relay-{role}-{self.shard}"
+
 
 def shard_lease_name(group: str, shard: int, shards: int) -> str:
     """The lease row of one shard: the lease's own name with one shard, as always."""

@@ -65,7 +65,11 @@ class Presence(threading.Thread):
         self._stop_event = threading.Event()
         self._session = db.Session(lambda: db.connect(settings, purpose="presence"))
         self._outage = OutageLog(log, "presence.beat_failed", "presence.beat_recovered")
+        # Single writer (this thread), replaced whole: readers see one heartbeat's count.
         self._peers = Peers(0, 0, float("-inf"))
+        # Written by this thread (each probe) and by a drain thread (giving way), read by
+        # the electors: under this lock.
+        self._able_lock = threading.Lock()
         # Until a probe says otherwise this replica counts itself able: it campaigns.
         self._sink_ok = True
         # After giving way, this replica leaves the lease to a peer for a whole window,
@@ -96,13 +100,15 @@ class Presence(threading.Thread):
         want of it), and a live peer can."""
         if self._settings.give_way_seconds <= 0:
             return False
-        unable = not self._sink_ok or self._clock() < self._defer_until
+        with self._able_lock:
+            unable = not self._sink_ok or self._clock() < self._defer_until
         return unable and self.able_peers() > 0
 
     def gave_way(self) -> None:
         """The drain loop gave the lease up for want of the sink."""
-        self._sink_ok = False
-        self._defer_until = self._clock() + self._settings.give_way_seconds
+        with self._able_lock:
+            self._sink_ok = False
+            self._defer_until = self._clock() + self._settings.give_way_seconds
 
     # --- the loop ---
 
@@ -120,7 +126,8 @@ class Presence(threading.Thread):
 
     def beat_once(self) -> None:
         sink_ok, error = self._sink_state()
-        self._sink_ok = sink_ok
+        with self._able_lock:
+            self._sink_ok = sink_ok
         metrics.SINK_REACHABLE.labels(self._settings.lease_name).set(1 if sink_ok else 0)
         try:
             row = (

@@ -52,7 +52,9 @@ class Settler:
         self._ttl = ttl
         self._delete_sent = delete_sent
         self._clock = clock
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-settle")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=lease.shard.thread_name("settle")
+        )
 
     def submit(
         self,
