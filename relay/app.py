@@ -41,7 +41,8 @@ class RelayApp:
             + 2 * settings.database_statement_timeout_ms / 1000
         )
         shards = [Shard(settings.lease_name, n, settings.shards) for n in range(settings.shards)]
-        tracing.configure(settings)  # before the sinks and loops, which take it at birth
+        # Before the sinks and loops, which take it at birth.
+        self.tracing = tracing.configure(settings)
         metrics.TOPIC_LABELS.reset(settings.metrics_topic_labels)
         # One sink per shard: giving way, a deadline cut or a hand-over resets one
         # shard's producer, never another's in-flight messages.
@@ -74,6 +75,7 @@ class RelayApp:
                 self.presence,
                 self._lane_crashed,
                 wakeup=wakeups[index] if wakeups else None,
+                tracing=self.tracing,
             )
             self.lanes.append(lane)
             self.health.register(

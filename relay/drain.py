@@ -35,10 +35,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import psycopg
 
-from relay import db, failpoints, lease_metrics, screen, tracing
+from relay import db, failpoints, lease_metrics, screen
 from relay.backoff import Backoff, Retrying
 from relay.batch import BatchLimits, Settlement, id_text
 from relay.give_way import GiveWay
@@ -58,6 +59,9 @@ from relay.shutdown import Shutdown
 from relay.sinks import Outcome, Result, Sink, message_max_bytes
 from relay.sinks.base import ACKED
 from relay.wakeup import Wakeup
+
+if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
+    from relay.tracing import Tracing
 
 log = get_logger("relay.drain")
 
@@ -91,6 +95,7 @@ class Drainer:
         loop: str = "main",
         surplus: Callable[[], bool] | None = None,
         wakeup: Wakeup | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._settings = settings
         self._loop = loop  # its name in the liveness probe (one per shard with shards)
@@ -124,7 +129,7 @@ class Drainer:
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
         self._idle_polls = 0
-        self._recorder = Recorder(sink.name, tracing.current())
+        self._recorder = Recorder(sink.name, tracing)
 
     # --- the loop ---
 

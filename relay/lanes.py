@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from relay import lease_metrics
 from relay.drain import Drainer
@@ -35,6 +36,9 @@ from relay.settings import Settings
 from relay.shutdown import Shutdown
 from relay.sinks import Sink
 from relay.wakeup import Wakeup
+
+if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
+    from relay.tracing import Tracing
 
 log = get_logger("relay.lanes")
 
@@ -74,6 +78,7 @@ class Lane:
         presence: Presence,
         on_crash: Callable[[BaseException], None],
         wakeup: Wakeup | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.shard = shard
         self.sink = sink
@@ -112,6 +117,7 @@ class Lane:
             loop=self.main_loop,
             surplus=(lambda: fair.surplus(shard.shard)) if fair is not None else None,
             wakeup=wakeup,
+            tracing=tracing,
         )
         self._health = health
         self._thread: threading.Thread | None = None
