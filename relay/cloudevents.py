@@ -1,17 +1,20 @@
-"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS=binary).
+"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS=binary): what every sink shares.
 
-The row's payload is the event's data, unchanged; its context attributes travel as
-headers, named as each protocol binding says: `ce-` for HTTP and NATS, `ce_` for Kafka,
-and `ce-` for RabbitMQ (as the CloudEvents SDK for Python reads it). `datacontenttype`
-is the message's own content type (the row's `content-type` header), which each sink
-already carries its way.
+An event's context attributes come from its row, the same whatever the sink; each sink's
+binding, in its own module, turns them into its headers with its prefix and value type.
+The row's payload is the event's data, unchanged.
 
-    specversion  1.0
-    id           the row's message id (also the `message-id` header)
-    source       RELAY_CLOUDEVENTS_SOURCE
-    type         the row's header named by RELAY_CLOUDEVENTS_TYPE_HEADER, else its topic
-    time         the row's created_at (RFC 3339, UTC)
-    subject      the row's key, when it has one
+    specversion      1.0
+    id               the row's message id (also the `message-id` header)
+    source           RELAY_CLOUDEVENTS_SOURCE
+    type             the row's header named by RELAY_CLOUDEVENTS_TYPE_HEADER, else its topic
+    time             the row's created_at (RFC 3339, UTC)
+    subject          the row's key, when it has one
+    datacontenttype  the row's `content-type` header; a protocol with a content type of
+                     its own (HTTP, Kafka, AMQP) carries it there, so `attributes` leaves
+                     it out and a binding without one (NATS) adds `datacontenttype`
+
+A row's own header posing as one of these attributes (`is_attribute_header`) gives way.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ if TYPE_CHECKING:
     from relay.settings import Settings
 
 SPECVERSION = "1.0"
-# HTTP and NATS header values: printable ASCII but space, '"' and '%' as they are, the
-# rest percent-encoded as UTF-8 (the HTTP binding, 3.1.3.2).
+# Text header values (the HTTP binding, 3.1.3.2, which NATS's follows): printable ASCII
+# but space, '"' and '%' as they are, the rest percent-encoded as UTF-8.
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
 
 
@@ -44,7 +47,8 @@ class CloudEvents:
         return cls(settings.cloudevents_source, settings.cloudevents_type_header.lower())
 
     def attributes(self, message: OutboxMessage) -> list[tuple[str, str]]:
-        """The context attributes, unprefixed, in the spec's order."""
+        """The context attributes but `datacontenttype`, unprefixed, in the spec's order:
+        what a binding sends, under its own prefix, in its own value type."""
         # Never empty (the spec): an empty type header is no type header.
         event_type = message.header(self.type_header) or message.topic
         attributes = [
@@ -58,40 +62,16 @@ class CloudEvents:
             attributes.append(("subject", message.key))
         return attributes
 
-    def kafka_headers(self, message: OutboxMessage) -> list[tuple[str, str | bytes | None]]:
-        """`OutboxMessage.header_pairs` plus the `ce_` attributes; a row's own `ce_*`
-        headers give way to them."""
-        if message.headers is None and message.header_error is None:  # the usual row
-            pairs = message.header_pairs()
-        else:
-            pairs = [(n, v) for n, v in message.header_pairs() if not is_attribute_header(n)]
-        pairs.extend([("ce_" + name, value) for name, value in self.attributes(message)])
-        return pairs
+    @staticmethod
+    def datacontenttype(message: OutboxMessage) -> str | None:
+        """The row's content type, for a binding whose protocol has no place of its own
+        for it; None without one (an empty one is none)."""
+        return message.header("content-type") or None
 
-    def http_headers(self, message: OutboxMessage) -> list[tuple[str, bytes]]:
-        """The `ce-` headers of the HTTP binding, values percent-encoded where needed."""
-        return [
-            ("ce-" + name, quote(value, safe=_HEADER_SAFE).encode("ascii"))
-            for name, value in self.attributes(message)
-        ]
 
-    def nats_headers(self, message: OutboxMessage) -> dict[str, str]:
-        """The NATS binding's binary mode (NATS 2.2+ headers): as HTTP's, `ce-`, with
-        the content type as `ce-datacontenttype` too (that binding's rule)."""
-        headers = {
-            "ce-" + name: quote(value, safe=_HEADER_SAFE)
-            for name, value in self.attributes(message)
-        }
-        content_type = message.header("content-type")
-        if content_type:
-            headers["ce-datacontenttype"] = quote(content_type, safe=_HEADER_SAFE)
-        return headers
-
-    def rabbitmq_headers(self, message: OutboxMessage) -> dict[str, str]:
-        """AMQP 0-9-1 has no binding of its own (the AMQP one is for 1.0): `ce-` header
-        table entries, values as they are (a table holds UTF-8), as the CloudEvents SDK
-        for Python reads a RabbitMQ message."""
-        return {"ce-" + name: value for name, value in self.attributes(message)}
+def percent_encoded(value: str) -> str:
+    """An attribute's value as a text header carries it (HTTP's rule, NATS's too)."""
+    return quote(value, safe=_HEADER_SAFE)
 
 
 PREFIXES = ("ce-", "ce_", "cloudevents_", "cloudevents:")
@@ -103,7 +83,8 @@ OWN_ATTRIBUTES = frozenset(
 
 
 def is_attribute_header(name: str) -> bool:
-    """A row header that would pose as one of the relay's context attributes."""
+    """A row header that would pose as one of the relay's context attributes: whatever
+    the sink's prefix, a binding drops it from the row's headers."""
     lower = name.lower()
     for prefix in PREFIXES:
         if lower.startswith(prefix):

@@ -3,14 +3,12 @@
 The relay joins the app's traces without a span per message: the W3C trace context a
 row carries (`traceparent`, `tracestate` headers, which `relay.enqueue` writes when the
 app has a span) travels on to the consumer in the message's headers, as every sink
-forwards a row's headers. The relay adds its own spans:
-
-- one per published batch, `publish <topic>` (PRODUCER), *linked* to the trace of each
-  message in it (a link costs a few dozen bytes in one export; a span per message would
-  cost a span's whole life cycle per row), with events for when the batch was fetched
-  and acknowledged, and handed to the settle;
-- with the HTTP sink, one per request, `POST` (CLIENT), a *child* of the message's own
-  context, whose context the request carries on as its `traceparent`.
+forwards a row's headers. The relay adds one span per published batch, `publish
+<topic>` (PRODUCER), *linked* to the trace of each message in it (a link costs a few
+dozen bytes in one export; a span per message would cost a span's whole life cycle per
+row), with events for when the batch was fetched and acknowledged, and handed to the
+settle. A sink may add spans of its own (the HTTP sink: one per request, in
+relay/sinks/http_tracing.py) from `tracer`, a row's `context_of` and `trace_headers`.
 
 The exporter is OTLP over HTTP, configured by the standard OTEL_* variables
 (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_BSP_*...). Off, nothing here is
@@ -22,8 +20,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from relay import __version__
@@ -33,7 +30,7 @@ from relay.message import OutboxMessage
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-    from opentelemetry.trace import Span, SpanContext
+    from opentelemetry.trace import Span, SpanContext, Tracer
 
     from relay.settings import Settings
 
@@ -122,6 +119,11 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         self._system = system
 
+    @property
+    def tracer(self) -> Tracer:
+        """The relay's tracer, for a sink's own spans."""
+        return self._tracer
+
     def context_of(self, message: OutboxMessage) -> Context | None:
         """The context the row's `traceparent` carries; None without a valid one."""
         from opentelemetry import trace
@@ -137,6 +139,13 @@ class Tracing:
         if not trace.get_current_span(context).get_span_context().is_valid:
             return None
         return context
+
+    def trace_headers(self) -> dict[str, str]:
+        """The current span's context as W3C headers (`traceparent`, and `tracestate`
+        if it has one), for a request to carry on."""
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier)
+        return carrier
 
     def start_batch(self, messages: Sequence[OutboxMessage], fetched_ns: int) -> Span:
         """The span of one published batch, linked to its messages' traces; the caller
@@ -169,39 +178,6 @@ class Tracing:
         )
         span.add_event("fetched", timestamp=fetched_ns)
         return span
-
-    @contextmanager
-    def http_request(
-        self, message: OutboxMessage, url: str, headers: list[tuple[str, bytes]]
-    ) -> Iterator[tuple[Span, list[tuple[str, bytes]]]]:
-        """A CLIENT span for one request, a child of the message's context; yields it
-        and the request's headers with its own `traceparent` (the row's replaced)."""
-        from urllib.parse import urlsplit
-
-        from opentelemetry.trace import SpanKind
-
-        parts = urlsplit(url)
-        # Not url.full: webhook URLs often carry a token (RELAY_HTTP_URL is a secret),
-        # and a tracing backend is read by more people than the relay's settings.
-        attributes: dict[str, Any] = {
-            "http.request.method": "POST",
-            "url.scheme": parts.scheme,
-            "server.address": parts.hostname or "",
-            "messaging.message.id": message.message_id,
-        }
-        if parts.port is not None:
-            attributes["server.port"] = parts.port
-        with self._tracer.start_as_current_span(
-            "POST",
-            context=self.context_of(message),
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-        ) as span:
-            carrier: dict[str, str] = {}
-            self._propagator.inject(carrier)
-            sent = [(n, v) for n, v in headers if n.lower() not in TRACE_HEADERS]
-            sent.extend((name, value.encode()) for name, value in carrier.items())
-            yield span, sent
 
     @staticmethod
     def failed(span: Span, error: str, kind: str) -> None:

@@ -186,3 +186,51 @@ def test_off_by_default_nothing_changes(
         for d in server.history()
     )
     assert scalar(database, "SELECT count(*) FROM outbox") == 0
+
+
+@pytest.mark.unit
+def test_each_sinks_binding_sends_the_shared_attributes_its_own_way() -> None:
+    """The bytes each binding sends, pinned: `ce_` text for Kafka, `ce-` percent-encoded
+    for HTTP (bytes) and NATS (with `ce-datacontenttype`), `ce-` as they are for
+    RabbitMQ; a row's look-alikes (any prefix, any case) give way in every sink."""
+    from relay.sinks.http import RequestBuilder
+    from relay.sinks.http_settings import HttpSettings
+    from relay.sinks.kafka import record_headers
+
+    ce = CloudEvents(SOURCE, "type")
+    row = message(
+        "order 42/ü",
+        ["content-type", "application/json", "type", "t.paid", "ce-id", "x", "CE_Source", "s"],
+    )
+    mid, time = row.message_id, row.created_at
+    attributes = [
+        ("specversion", "1.0"),
+        ("id", mid),
+        ("source", SOURCE),
+        ("type", "t.paid"),
+        ("time", time),
+    ]
+    as_is = [*attributes, ("subject", "order 42/ü")]
+    encoded = [*attributes, ("subject", "order%2042/%C3%BC")]
+
+    def ce_headers(headers: list[tuple[str, Any]], prefix: str) -> list[tuple[str, Any]]:
+        return [(n[3:], v) for n, v in headers if n.lower().startswith(prefix)]
+
+    kafka = record_headers(ce)(row)
+    assert ce_headers(kafka, "ce_") == as_is
+    assert kafka[:2] == [("content-type", "application/json"), ("type", "t.paid")]
+    assert not ce_headers(kafka, "ce-")
+    # The usual row (no headers of its own) takes the short way to the same attributes.
+    usual = record_headers(ce)(row._replace(headers=None))
+    assert usual[:2] == [("message-id", mid), ("created-at", time)]
+    assert ce_headers(usual, "ce_") == [*attributes[:3], ("type", "orders"), *as_is[4:]]
+    assert record_headers(None) is OutboxMessage.header_pairs  # off: not a call more
+
+    http = RequestBuilder(HttpSettings(http_url="https://h/in"), ce).build(row).headers
+    assert ce_headers(http, "ce-") == [(n, v.encode()) for n, v in encoded]
+    assert ce_headers(list(headers_for(row, ce).items()), "ce-") == [
+        *encoded,
+        ("datacontenttype", "application/json"),
+    ]
+    amqp = message_for(row, ce).headers
+    assert ce_headers(list(amqp.items()), "ce-") == as_is

@@ -5,8 +5,10 @@ links (a batch span) and parent (an HTTP request span)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 import relay
-from tests.conftest import relay_env, start_relay
+from tests.conftest import REPO, relay_env, start_relay
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.otlp import OtlpReceiver, ReceivedSpan
 from tests.harness.webhook import WebhookServer
@@ -165,3 +167,67 @@ def test_a_batch_span_links_a_traceparent_whatever_the_case_of_its_name() -> Non
         assert links == [0x00F067AA0BA902B7] * 2
     finally:
         tracing.shutdown()
+
+
+def test_an_http_request_span_replaces_the_rows_trace_context_with_its_own(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.message import OutboxMessage
+    from relay.sinks.base import Outcome, Result
+    from relay.sinks.http_tracing import RequestSpans
+    from relay.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    own = ["TraceParent", f"00-{trace_id}-{parent}-01", "tracestate", "vendor=1"]
+    row = OutboxMessage(1, "m-1", "t", "k", b"", own, None, "", 0.0, 0)
+    tracing = Tracing("http")
+    spans = RequestSpans(tracing)
+    forwarded = [("TraceParent", own[1].encode()), ("tracestate", b"vendor=1"), ("x-a", b"1")]
+    try:
+        url = "https://hooks.example:8443/in?token=secret"
+        with spans.request(row, url, forwarded) as (span, headers):
+            spans.answered(span, Result(Outcome.RETRY, "HTTP 500"))
+    finally:
+        tracing.shutdown()
+    sent = dict(headers)
+    assert [n for n, _ in headers] == ["x-a", "traceparent", "tracestate"]  # the row's, gone
+    _, trace, span_id, _ = sent["traceparent"].decode().split("-")
+    assert trace == trace_id and sent["tracestate"] == b"vendor=1"
+    (exported,) = relay_spans(receiver, "CLIENT")
+    assert (exported.span_id, exported.parent_span_id) == (span_id, parent)
+    assert exported.attributes["server.address"] == "hooks.example"
+    assert exported.attributes["server.port"] == 8443
+    assert exported.attributes["error.type"] == "retry"
+    assert not any("secret" in str(value) for value in exported.attributes.values())
+
+
+def test_with_tracing_off_no_module_imports_opentelemetry(tmp_path: Path) -> None:
+    """Off, OpenTelemetry (an extra; tens of milliseconds to import) stays unloaded:
+    the loop's and every sink's modules, an HTTP sink made and closed."""
+    script = """
+import sys
+from relay import app, tracing
+from relay.settings import Settings
+from relay.sinks import kafka, nats, rabbitmq
+from relay.sinks.http import HttpSink
+settings = Settings(
+    database_url="postgresql://h/db", sink="http", http_url="http://127.0.0.1:9/h",
+    cloudevents="binary", cloudevents_source="/s",
+)
+assert tracing.configure(settings) is None
+HttpSink(settings).close()
+loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
+assert not loaded, loaded
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "OTEL_"))}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

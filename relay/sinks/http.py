@@ -46,7 +46,7 @@ import httpx
 from prometheus_client import Counter, Histogram
 
 from relay import __version__, tracing
-from relay.cloudevents import CloudEvents, is_attribute_header
+from relay.cloudevents import CloudEvents, is_attribute_header, percent_encoded
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.metrics import LATENCY_BUCKETS
@@ -58,6 +58,8 @@ from relay.sinks.keyed import KeyedSink
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+    from relay.sinks.http_tracing import RequestSpans
 
 log = get_logger("relay.sinks.http")
 
@@ -320,7 +322,7 @@ class RequestBuilder:
             headers.append(("message-key", quote(message.key, safe="").encode()))
         headers.append(("created-at", message.created_at.encode()))
         if self._cloudevents is not None:
-            headers.extend(self._cloudevents.http_headers(message))
+            headers.extend(cloudevents_headers(self._cloudevents, message))
         headers.extend(route.credentials)
         if route.key is not None:
             ts = int(time.time()) if timestamp is None else timestamp
@@ -328,6 +330,16 @@ class RequestBuilder:
             headers.append(("webhook-timestamp", str(ts).encode()))
             headers.append(("webhook-signature", sign(route.key, message_id, ts, body).encode()))
         return Request(route.url.fill(message.topic), headers, body)
+
+
+def cloudevents_headers(
+    cloudevents: CloudEvents, message: OutboxMessage
+) -> list[tuple[str, bytes]]:
+    """The HTTP binding: `ce-` headers, values percent-encoded where needed (3.1.3.2)."""
+    return [
+        ("ce-" + name, percent_encoded(value).encode("ascii"))
+        for name, value in cloudevents.attributes(message)
+    ]
 
 
 def _is_token(name: str) -> bool:
@@ -351,7 +363,7 @@ class HttpSink(KeyedSink):
         options = settings.sink_options(HttpSettings)
         self._options = options
         self._builder = RequestBuilder(options, CloudEvents.from_settings(settings))
-        self._tracing = tracing.current()  # RELAY_TRACING: a span per request
+        self._spans = _request_spans()  # RELAY_TRACING: a span per request
         self._ssl = ssl_context(options)
         self._retry_cap = settings.retry_max_seconds
         self._also_retry = options.http_retry_status_codes
@@ -395,16 +407,12 @@ class HttpSink(KeyedSink):
             return Result(Outcome.DEAD, str(exc))
         except UnicodeError:
             return Result(Outcome.DEAD, "a header cannot be encoded")
-        if self._tracing is None:
+        if self._spans is None:
             result = await self._post(request)
         else:
-            with self._tracing.http_request(message, request.url, request.headers) as (
-                span,
-                headers,
-            ):
+            with self._spans.request(message, request.url, request.headers) as (span, headers):
                 result = await self._post(Request(request.url, headers, request.body), span)
-                if result.outcome is not Outcome.ACKED:
-                    self._tracing.failed(span, result.error or "not accepted", result.outcome.value)
+                self._spans.answered(span, result)
         if result.outcome is Outcome.UNAVAILABLE and not self._single_endpoint:
             # One endpoint among several: its outage must not pause the others.
             return Result(Outcome.RETRY, result.error, result.retry_after, reached=result.reached)
@@ -468,6 +476,17 @@ class HttpSink(KeyedSink):
 
     async def stop(self) -> None:
         await self._client.aclose()
+
+
+def _request_spans() -> RequestSpans | None:
+    """A span per request with RELAY_TRACING, else None: OpenTelemetry is imported
+    only then."""
+    traced = tracing.current()
+    if traced is None:
+        return None
+    from relay.sinks.http_tracing import RequestSpans
+
+    return RequestSpans(traced)
 
 
 async def _read_capped(response: httpx.Response) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from relay.cloudevents import CloudEvents
+from relay.cloudevents import CloudEvents, is_attribute_header
 from relay.logging import get_logger, library_logger
 from relay.message import TOPIC, MalformedRow, OutboxMessage
 from relay.settings import Settings
@@ -138,6 +138,30 @@ def classify(error: KafkaError) -> Result:
     return Result(Outcome.RETRY, text, reached=True)
 
 
+RecordHeaders = list[tuple[str, str | bytes | None]]
+
+
+def record_headers(cloudevents: CloudEvents | None) -> Callable[[OutboxMessage], RecordHeaders]:
+    """How a row's record headers are made: the row's plus the relay's
+    (`OutboxMessage.header_pairs`), and in binary mode the CloudEvents attributes. One
+    call per row either way, no test in the produce loop."""
+    if cloudevents is None:
+        return OutboxMessage.header_pairs
+    attributes = cloudevents.attributes
+
+    def with_cloudevents(message: OutboxMessage) -> RecordHeaders:
+        """The Kafka binding: `ce_` headers, text as the others (confluent-kafka sends
+        UTF-8); a row's own `ce_*` look-alikes give way to them."""
+        if message.headers is None and message.header_error is None:  # the usual row
+            pairs = message.header_pairs()
+        else:
+            pairs = [(n, v) for n, v in message.header_pairs() if not is_attribute_header(n)]
+        pairs.extend([("ce_" + name, value) for name, value in attributes(message)])
+        return pairs
+
+    return with_cloudevents
+
+
 def producer_config(common: Settings) -> dict[str, Any]:
     settings = common.sink_options(KafkaSettings)
     config: dict[str, Any] = {
@@ -186,12 +210,7 @@ class KafkaSink:
             client_log.addFilter(_KnownConfigWarnings())
         self._config["logger"] = client_log
         self._topic_map = settings.kafka_topic_map
-        # The record's headers: the row's plus the relay's, and the CloudEvents
-        # attributes in binary mode (one call per row either way, no test in the loop).
-        cloudevents = CloudEvents.from_settings(common)
-        self._headers_of: Callable[[OutboxMessage], list[tuple[str, str | bytes | None]]] = (
-            OutboxMessage.header_pairs if cloudevents is None else cloudevents.kafka_headers
-        )
+        self._headers_of = record_headers(CloudEvents.from_settings(common))
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # How long a batch may wait for room in librdkafka's queue and for its reports.
         self._max_wait = settings.kafka_delivery_timeout_ms / 1000

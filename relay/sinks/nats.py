@@ -34,7 +34,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
-from relay.cloudevents import CloudEvents, is_attribute_header
+from relay.cloudevents import CloudEvents, is_attribute_header, percent_encoded
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
@@ -80,7 +80,20 @@ def headers_for(message: OutboxMessage, cloudevents: CloudEvents | None = None) 
         headers["message-key"] = message.key
     headers["Nats-Msg-Id"] = message.message_id
     if cloudevents is not None:
-        headers.update(cloudevents.nats_headers(message))
+        headers.update(cloudevents_headers(cloudevents, message))
+    return headers
+
+
+def cloudevents_headers(cloudevents: CloudEvents, message: OutboxMessage) -> dict[str, str]:
+    """The NATS binding's binary mode (NATS 2.2+ headers): as HTTP's, `ce-` and values
+    percent-encoded, with the content type as `ce-datacontenttype` too (NATS has no
+    content type of its own)."""
+    headers = {
+        "ce-" + name: percent_encoded(value) for name, value in cloudevents.attributes(message)
+    }
+    content_type = cloudevents.datacontenttype(message)
+    if content_type is not None:
+        headers["ce-datacontenttype"] = percent_encoded(content_type)
     return headers
 
 

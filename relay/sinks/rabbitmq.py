@@ -79,7 +79,7 @@ def message_for(message: OutboxMessage, cloudevents: CloudEvents | None = None) 
     if message.key is not None:
         headers["message-key"] = message.key
     if cloudevents is not None:
-        headers.update(cloudevents.rabbitmq_headers(message))
+        headers.update(cloudevents_headers(cloudevents, message))
     if content_type is not None and len(content_type.encode()) > MAX_SHORTSTR:
         raise MalformedRow("the content-type header is over 255 bytes")
     return aio_pika.Message(
@@ -90,6 +90,13 @@ def message_for(message: OutboxMessage, cloudevents: CloudEvents | None = None) 
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         timestamp=_timestamp(message.created_at),
     )
+
+
+def cloudevents_headers(cloudevents: CloudEvents, message: OutboxMessage) -> dict[str, FieldValue]:
+    """AMQP 0-9-1 has no binding of its own (the AMQP one is for 1.0): `ce-` header
+    table entries, values as they are (a table holds UTF-8), as the CloudEvents SDK for
+    Python reads a RabbitMQ message."""
+    return {"ce-" + name: value for name, value in cloudevents.attributes(message)}
 
 
 def _timestamp(created_at: str) -> datetime | None:
