@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError
@@ -308,3 +309,125 @@ def test_each_give_way_doubles_the_window_until_the_sink_answers() -> None:
     progress.publishing()
     now[0] += 10.0
     assert policy.due()  # the window is back to its first length
+
+
+# --- the lease's belief, on a fake clock -------------------------------------------
+
+
+def _lease(now: list[float]) -> Any:
+    from relay.lease import Lease
+
+    return Lease("default", "me", ttl=10.0, margin=2.0, clock=lambda: now[0])
+
+
+def test_a_lease_is_trusted_until_the_acquiring_transaction_began_plus_ttl_minus_margin() -> None:
+    from relay.lease import LeaseToken
+
+    now = [100.0]
+    lease = _lease(now)
+    token = LeaseToken("default", "me", 7)
+    lease.acquired(token, started_at=99.0)  # the moment before the transaction began
+    now[0] = 106.999
+    assert lease.token() == token
+    now[0] = 107.0  # 99 + 10 - 2: the row may outlive it, never the other way round
+    assert lease.token() is None
+    assert lease.held_token() == token  # believed in, but no longer published under
+
+
+def test_a_renewal_extends_only_its_own_token_and_never_shortens() -> None:
+    from relay.lease import LeaseToken
+
+    now = [0.0]
+    lease = _lease(now)
+    ours, stale = LeaseToken("default", "me", 2), LeaseToken("default", "me", 1)
+    lease.acquired(ours, started_at=0.0)
+    lease.renewed(stale, started_at=5.0)  # a renewal of an older term
+    now[0] = 8.0
+    assert lease.token() is None
+    lease.acquired(ours, started_at=5.0)
+    lease.renewed(ours, started_at=4.0)  # a slower renewal that began earlier
+    now[0] = 12.5
+    assert lease.token() == ours  # still 5 + 8, not 4 + 8
+    lease.renewed(ours, started_at=12.0)
+    now[0] = 19.9
+    assert lease.token() == ours
+
+
+def test_giving_up_and_being_fenced_stop_publishing_at_once_and_are_reported_once() -> None:
+    from relay.lease import LeaseToken
+
+    now = [0.0]
+    lease = _lease(now)
+    first, second = LeaseToken("default", "me", 1), LeaseToken("default", "me", 2)
+    lease.acquired(first, started_at=0.0)
+    assert not lease.give_up(second)  # not ours: nothing happens
+    assert lease.give_up(first)
+    assert lease.token() is None
+    assert lease.take_release() == first and lease.take_release() is None
+    lease.acquired(second, started_at=0.0)
+    lease.fenced(first)  # an old term's settle: not this one's business
+    assert lease.token() == second
+    lease.fenced(second)
+    assert lease.token() is None
+    assert lease.take_fenced() == second and lease.take_fenced() is None
+    assert lease.lose() is None  # already dropped
+
+
+# --- the settle pipeline, with a settler that answers when told ------------------
+
+
+class _FakeSettler:
+    """Answers each settle when the test says (the real one: a fenced transaction)."""
+
+    def __init__(self) -> None:
+        self.futures: list[Any] = []
+
+    def submit(
+        self, token: Any, batch: list[Any], settlement: Any, held: frozenset[str], text: Any
+    ) -> Any:
+        from concurrent.futures import Future
+
+        from relay.batch import id_text
+        from relay.settler import InFlight
+
+        future: Future[Any] = Future()
+        self.futures.append(future)
+        ids = id_text(m.id for m in batch) if text is None else text
+        return InFlight(token, ids, batch[0].id, batch[-1].id, settlement, held, future)
+
+    def close(self) -> None:
+        return None
+
+
+def _row(row_id: int, key: str) -> Any:
+    from relay.message import OutboxMessage
+
+    return OutboxMessage(row_id, f"m{row_id}", "t", key, b"", None, None, "", 0.0, 0)
+
+
+def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_the_next() -> None:
+    import datetime as dt
+
+    from relay.batch import Settlement
+    from relay.lease import LeaseToken
+    from relay.pipeline import SettlePipeline
+
+    now = [0.0]
+    lease = _lease(now)
+    token = LeaseToken("default", "me", 1)
+    lease.acquired(token, started_at=0.0)
+    settler = _FakeSettler()
+    pipeline = SettlePipeline(settler, lease)  # type: ignore[arg-type]
+    rows = [_row(1, "a"), _row(2, "b")]
+    assert pipeline.submit(token, rows, Settlement(sent=[1, 2]), frozenset({"b"}), None)
+    assert pipeline.unsettled() == (["", "1,2"], frozenset({"b"}))
+    assert not pipeline.landed
+    settler.futures[0].set_result(dt.datetime.now(dt.UTC))
+    assert pipeline.landed
+    # The next submit lands the previous settle first.
+    assert pipeline.submit(token, [_row(3, "a")], Settlement(sent=[3]), frozenset(), "3")
+    assert pipeline.unsettled() == (["", "3"], frozenset())
+    settler.futures[1].set_result(None)  # a newer holder fenced this settle out
+    assert not pipeline.submit(token, [_row(4, "c")], Settlement(sent=[4]), frozenset(), "4")
+    assert len(settler.futures) == 2  # nothing submitted under a fenced term
+    assert lease.token() is None and lease.take_fenced() == token
