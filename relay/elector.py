@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psycopg
 from psycopg import IsolationLevel
@@ -38,6 +39,29 @@ from relay.settings import Settings
 log = get_logger("relay.lease")
 
 
+@dataclass(frozen=True, slots=True)
+class ElectorTimings:
+    """All the elector reads of the settings."""
+
+    ttl: float  # RELAY_LEASE_TTL_SECONDS, written into the row by each acquisition
+    renew_interval: float  # renew when no settle has for this long
+    standby_poll: float  # a standby tries to acquire this often (jittered)
+
+    @classmethod
+    def of(cls, settings: Settings) -> ElectorTimings:
+        return cls(
+            settings.lease_ttl_seconds, settings.renew_interval, settings.standby_poll_seconds
+        )
+
+
+def lease_session(settings: Settings) -> Callable[[], Conn]:
+    """How the elector opens its session: REPEATABLE READ, which the CAS acquisition
+    relies on (relay/lease.py)."""
+    return lambda: db.connect(
+        settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
+    )
+
+
 class Elector(threading.Thread):
     """Standby: try to acquire every `standby_poll_seconds` (jittered).
     Leader: renew when no settle transaction has renewed for `renew_interval`.
@@ -45,7 +69,8 @@ class Elector(threading.Thread):
 
     def __init__(
         self,
-        settings: Settings,
+        timings: ElectorTimings,
+        connect: Callable[[], Conn],
         lease: Lease,
         clock: Clock = time.monotonic,
         health: Health | None = None,
@@ -54,7 +79,8 @@ class Elector(threading.Thread):
         loop: str = "elector",
     ) -> None:
         super().__init__(name=f"relay-{loop}", daemon=True)
-        self._settings = settings
+        self._timings = timings
+        self._connect = connect
         self._lease = lease
         self._clock = clock
         self._health = health
@@ -166,9 +192,9 @@ class Elector(threading.Thread):
 
     def _next_wait(self) -> float:
         if self._lease.held_token() is None:
-            return jittered(self._settings.standby_poll_seconds)
+            return jittered(self._timings.standby_poll)
         # Wake often enough to renew on time and to notice our own deadline passing.
-        return max(0.05, min(self._settings.renew_interval / 2, self._lease.seconds_left()))
+        return max(0.05, min(self._timings.renew_interval / 2, self._lease.seconds_left()))
 
     def _attempt(self) -> None:
         deferring = self._defer is not None and self._defer()
@@ -192,7 +218,7 @@ class Elector(threading.Thread):
             conn,
             self._lease.name,
             self._lease.holder,
-            self._settings.lease_ttl_seconds,
+            self._timings.ttl,
             self._lease.shard,
         )
         self.last_db_ok = self._clock()
@@ -243,14 +269,14 @@ class Elector(threading.Thread):
     def _keep(self) -> None:
         if self._expire_if_past_deadline():
             return
-        if self._lease.since_renewal() < self._settings.renew_interval:
+        if self._lease.since_renewal() < self._timings.renew_interval:
             return
         token = self._lease.held_token()
         if token is None:
             return
         conn = self._session.get()
         started = self._clock()
-        renewed = renew(conn, token, self._settings.lease_ttl_seconds)
+        renewed = renew(conn, token, self._timings.ttl)
         self.last_db_ok = self._clock()
         if renewed:
             self._lease.renewed(token, started)
@@ -277,9 +303,7 @@ class Elector(threading.Thread):
     # -- connection --
 
     def _open(self) -> Conn:
-        conn = db.connect(
-            self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
-        )
+        conn = self._connect()
         try:
             ensure_row(conn, self._lease.name, self._lease.shard)
         except BaseException:

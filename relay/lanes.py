@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from relay import lease_metrics
 from relay.drain import Drainer
-from relay.elector import Elector
+from relay.elector import Elector, ElectorTimings, lease_session
 from relay.guard import DeadlineGuard
 from relay.lease import Lease, Shard
 from relay.logging import get_logger
@@ -98,7 +98,8 @@ class Lane:
         )
         self.progress = Progress()
         self.elector = Elector(
-            settings,
+            ElectorTimings.of(settings),
+            lease_session(settings),
             self.lease,
             health=health,
             defer=presence.defer,

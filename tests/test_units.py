@@ -431,3 +431,46 @@ def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_th
     assert not pipeline.submit(token, [_row(4, "c")], Settlement(sent=[4]), frozenset(), "4")
     assert len(settler.futures) == 2  # nothing submitted under a fenced term
     assert lease.token() is None and lease.take_fenced() == token
+
+
+# --- the elector's transitions, without a server ---------------------------------
+
+
+def _elector(now: list[float]) -> tuple[Any, Any]:
+    from relay.elector import Elector, ElectorTimings
+
+    def no_database() -> Any:
+        raise AssertionError("this transition needs no database")
+
+    lease = _lease(now)  # ttl 10, margin 2
+    return Elector(ElectorTimings(10.0, 3.0, 0.5), no_database, lease, clock=lambda: now[0]), lease
+
+
+def test_the_elector_polls_as_a_standby_and_wakes_to_renew_and_to_see_its_deadline() -> None:
+    from relay.lease import LeaseToken
+
+    now = [0.0]
+    elector, lease = _elector(now)
+    waits = {round(elector._next_wait(), 3) for _ in range(50)}
+    assert all(0.4 <= w <= 0.6 for w in waits) and len(waits) > 1  # jittered poll
+    lease.acquired(LeaseToken("default", "me", 1), started_at=0.0)
+    assert elector._next_wait() == 1.5  # half the renew interval
+    now[0] = 7.0
+    assert elector._next_wait() == pytest.approx(1.0)  # the deadline (8) comes first
+    now[0] = 7.99
+    assert elector._next_wait() == 0.05
+
+
+def test_the_elector_renews_only_when_due_and_drops_a_lease_past_its_deadline() -> None:
+    from relay.lease import LeaseToken
+
+    now = [0.0]
+    elector, lease = _elector(now)
+    token = LeaseToken("default", "me", 1)
+    lease.acquired(token, started_at=0.0)
+    now[0] = 2.9
+    elector._keep()  # a settle or acquisition renewed lately: no statement at all
+    assert lease.token() == token
+    now[0] = 8.0  # past the local deadline, with no renewal: gone, without asking
+    elector._keep()
+    assert lease.held_token() is None
