@@ -35,6 +35,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -80,10 +81,40 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class DrainConfig:
+    """All the drain reads of the settings, made once (`DrainConfig.of`)."""
+
+    limits: BatchLimits
+    max_attempts: int  # RELAY_MAX_ATTEMPTS
+    retry_base: float  # RELAY_RETRY_BASE_SECONDS
+    retry_max: float  # RELAY_RETRY_MAX_SECONDS
+    give_way_seconds: float  # RELAY_GIVE_WAY_SECONDS
+    poll_min: float  # RELAY_POLL_INTERVAL_MIN_SECONDS
+    poll_max: float  # RELAY_POLL_INTERVAL_MAX_SECONDS
+    lease_ttl: float  # RELAY_LEASE_TTL_SECONDS, which each settle extends the lease by
+    delete_sent: bool  # not RELAY_RETENTION_SECONDS
+
+    @classmethod
+    def of(cls, settings: Settings, sink: Sink) -> DrainConfig:
+        return cls(
+            limits=batch_limits(settings, sink),
+            max_attempts=settings.max_attempts,
+            retry_base=settings.retry_base_seconds,
+            retry_max=settings.retry_max_seconds,
+            give_way_seconds=settings.give_way_seconds,
+            poll_min=settings.poll_interval_min_seconds,
+            poll_max=settings.poll_interval_max_seconds,
+            lease_ttl=settings.lease_ttl_seconds,
+            delete_sent=not settings.keep_sent_rows,
+        )
+
+
 class Drainer:
     def __init__(
         self,
-        settings: Settings,
+        config: DrainConfig,
+        connect: Callable[[str], db.Conn],
         sink: Sink,
         lease: Lease,
         shutdown: Shutdown,
@@ -97,35 +128,31 @@ class Drainer:
         wakeup: Wakeup | None = None,
         tracing: Tracing | None = None,
     ) -> None:
-        self._settings = settings
+        self._config = config
         self._loop = loop  # its name in the liveness probe (one per shard with shards)
         self._wakeup = wakeup  # set by a NOTIFY (RELAY_NOTIFY_CHANNEL, relay/wakeup.py)
         # With shards: True while this replica holds more than its fair share and this
         # shard is one to hand over (relay/lanes.py).
         self._surplus = surplus
         self._progress = progress or Progress(clock)
-        self._give_way_policy = GiveWay(settings.give_way_seconds, presence, self._progress)
+        self._give_way_policy = GiveWay(config.give_way_seconds, presence, self._progress)
         self._sink = sink
         self._lease = lease
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
         self._reader = Reader(
-            lambda: db.connect(settings, purpose="drain"),
-            lease.shard,
-            batch_limits(settings, sink),
-            settings.poll_interval_max_seconds,
-            clock,
+            lambda: connect("drain"), lease.shard, config.limits, config.poll_max, clock
         )
         settler = Settler(
-            lambda: db.connect(settings, purpose="settle"),
+            lambda: connect("settle"),
             lease,
-            settings.lease_ttl_seconds,
-            delete_sent=not settings.keep_sent_rows,
+            config.lease_ttl,
+            delete_sent=config.delete_sent,
             clock=clock,
         )
         self._pipeline = SettlePipeline(settler, lease)
-        self._row_backoff = Backoff(settings.retry_base_seconds, settings.retry_max_seconds)
+        self._row_backoff = Backoff(config.retry_base, config.retry_max)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
         self._idle_polls = 0
@@ -247,7 +274,7 @@ class Drainer:
         Retry-After) wins over our backoff when longer."""
         delay = max(
             self._sink_retry.next_delay(),
-            min(unavailable.retry_after or 0.0, self._settings.retry_max_seconds),
+            min(unavailable.retry_after or 0.0, self._config.retry_max),
         )
         log.warning(
             "sink.unavailable",
@@ -371,7 +398,7 @@ class Drainer:
         decision = decide(
             batch,
             results,
-            max_attempts=self._settings.max_attempts,
+            max_attempts=self._config.max_attempts,
             retry_delay=self._retry_delay,
         )
         self._recorder.decided(decision)
@@ -383,7 +410,7 @@ class Drainer:
         backoff = self._row_backoff.delay(attempts)
         if retry_after is None or retry_after <= backoff:
             return backoff
-        return min(retry_after * random.uniform(1.0, 1.2), self._settings.retry_max_seconds)
+        return min(retry_after * random.uniform(1.0, 1.2), self._config.retry_max)
 
     # --- idle and housekeeping ---
 
@@ -392,8 +419,8 @@ class Drainer:
         # quiet outbox settles at one cheap index probe per poll_interval_max, and
         # wakes for the next scheduled row's time.
         delay = min(
-            self._settings.poll_interval_max_seconds,
-            self._settings.poll_interval_min_seconds * (2 ** min(self._idle_polls, 16)),
+            self._config.poll_max,
+            self._config.poll_min * (2 ** min(self._idle_polls, 16)),
             self._reader.next_due_in(),
         )
         self._idle_polls += 1

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from relay import lease_metrics
-from relay.drain import Drainer
+from relay import db, lease_metrics
+from relay.drain import DrainConfig, Drainer
 from relay.elector import Elector, ElectorTimings, lease_session
 from relay.guard import DeadlineGuard
 from relay.lease import Lease, Shard
@@ -108,7 +108,8 @@ class Lane:
         )
         self.guard = DeadlineGuard(self.lease, sink)
         self.drainer = Drainer(
-            settings,
+            DrainConfig.of(settings, sink),
+            lambda purpose: db.connect(settings, purpose=purpose),
             sink,
             self.lease,
             shutdown,
