@@ -66,92 +66,120 @@ def plan_layout(
     sent (a NULL topic or created_at, a message id no header can carry, json headers
     jsonb cannot hold): such a row is dead-lettered with that reason, the drain goes on.
     Only the id cannot be handled so: a row without one could never be settled."""
-    indexed = indexed or {}
-    not_null = not_null or {}
-    assert settings.outbox_table is not None
+    assert settings.outbox_table is not None and settings.outbox_view_schema is not None
+    plan = _Planner(settings.outbox_table, _full_mapping(settings, columns), columns)
+    plan.id(explicit="id" in settings.outbox_columns, not_null=not_null or {})
+    plan.message_id()
+    plan.topic_and_key()
+    plan.fields["payload"] = _payload(plan.mapping.get("payload"), columns)
+    plan.fields["headers"] = _headers(plan.mapping, columns, settings.outbox_view_schema)
+    plan.times()
+    table = sql.Identifier(*settings.outbox_table.split("."))
+    mapping = plan.mapping
+    id_indexed = (
+        "id" in mapping
+        and plan.kind("id") in _INTEGER
+        and (indexed or {}).get(mapping["id"], False)
+    )
+    bookkept = all(column in columns for column in BOOKKEEPING)
+    return Layout(table, plan.adds, plan.fields, plan.bare, id_indexed, bookkept)
+
+
+def _full_mapping(settings: CommonSettings, columns: dict[str, str]) -> dict[str, str]:
+    """RELAY_OUTBOX_COLUMNS, plus each field not named that has a column of its name."""
     mapping = dict(settings.outbox_columns)
     for field in OWN_TABLE_FIELDS:
         if field not in mapping and field in columns:
-            mapping[field] = field  # the column of the field's own name
+            mapping[field] = field
     missing = sorted(c for c in mapping.values() if c not in columns)
     if missing:
         raise SettingsError(
             "RELAY_OUTBOX_COLUMNS", f"{settings.outbox_table} has no column {', '.join(missing)}"
         )
+    return mapping
 
-    def kind(field: str) -> str:
-        return columns[mapping[field]]
 
-    adds: list[LiteralString] = []
-    fields: dict[str, sql.Composable] = {}
-    bare: dict[str, sql.Composable] = {}
+class _Planner:
+    """The view's expression for each field (`fields`, over the table as `t`), the
+    bare columns the indexes are built on (`bare`), and the columns to add (`adds`)."""
 
-    def col(field: str, on: str | None = "t") -> sql.Composable:
-        return _column(mapping[field], on)
+    def __init__(self, table: str, mapping: dict[str, str], columns: dict[str, str]) -> None:
+        self.table, self.mapping, self.columns = table, mapping, columns
+        self.adds: list[LiteralString] = []
+        self.fields: dict[str, sql.Composable] = {}
+        self.bare: dict[str, sql.Composable] = {}
 
-    if "id" in mapping and kind("id") in _INTEGER:
-        if not not_null.get(mapping["id"], True):
+    def kind(self, field: str) -> str:
+        return self.columns[self.mapping[field]]
+
+    def col(self, field: str, on: str | None = "t") -> sql.Composable:
+        return _column(self.mapping[field], on)
+
+    def id(self, *, explicit: bool, not_null: dict[str, bool]) -> None:
+        mapping = self.mapping
+        if "id" in mapping and self.kind("id") in _INTEGER:
+            if not not_null.get(mapping["id"], True):
+                raise SettingsError(
+                    "RELAY_OUTBOX_COLUMNS",
+                    f"id column {mapping['id']} may be NULL, and a row without an id can"
+                    f" never be marked sent: declare it NOT NULL (ALTER TABLE {self.table}"
+                    f" ALTER COLUMN {mapping['id']} SET NOT NULL) or map no id column (the"
+                    " relay then adds relay_id)",
+                )
+            self.fields["id"], self.bare["id"] = self.col("id"), self.col("id", None)
+        elif "id" in mapping and explicit:
+            raise SettingsError(
+                "RELAY_OUTBOX_COLUMNS", f"id must be an integer column, not {self.kind('id')}"
+            )
+        else:
+            self.adds.append(QUERIES.own_table_add_id)
+            self.fields["id"], self.bare["id"] = sql.SQL("t.relay_id"), sql.SQL("relay_id")
+
+    def message_id(self) -> None:
+        if "message_id" in self.mapping and self.kind("message_id") == "uuid":
+            self.fields["message_id"] = sql.SQL("{}::text").format(self.col("message_id"))
+        elif "message_id" in self.mapping:
+            # Sent as a header by every sink: a line break would add headers of its own,
+            # and outside visible ASCII each sink's header rules differ.
+            self.fields["message_id"] = sql.SQL(
+                "CASE WHEN {id}::text ~ '^[!-~]{{1,255}}$' THEN {id}::text END"
+            ).format(id=self.col("message_id"))
+        else:
+            self.adds.append(QUERIES.own_table_add_message_id)
+            self.fields["message_id"] = sql.SQL("t.relay_message_id::text")
+
+    def topic_and_key(self) -> None:
+        if "topic" not in self.mapping:
             raise SettingsError(
                 "RELAY_OUTBOX_COLUMNS",
-                f"id column {mapping['id']} may be NULL, and a row without an id can never"
-                f" be marked sent: declare it NOT NULL (ALTER TABLE {settings.outbox_table}"
-                f" ALTER COLUMN {mapping['id']} SET NOT NULL) or map no id column (the"
-                " relay then adds relay_id)",
+                'no column for topic: name one, e.g. {"topic": "aggregatetype"}',
             )
-        fields["id"], bare["id"] = col("id"), col("id", None)
-    elif "id" in mapping and settings.outbox_columns.get("id"):
-        raise SettingsError(
-            "RELAY_OUTBOX_COLUMNS", f"id must be an integer column, not {kind('id')}"
-        )
-    else:
-        adds.append(QUERIES.own_table_add_id)
-        fields["id"], bare["id"] = sql.SQL("t.relay_id"), sql.SQL("relay_id")
-    if "message_id" in mapping and kind("message_id") == "uuid":
-        fields["message_id"] = sql.SQL("{}::text").format(col("message_id"))
-    elif "message_id" in mapping:
-        # Sent as a header by every sink: a line break would add headers of its own,
-        # and outside visible ASCII each sink's header rules differ.
-        fields["message_id"] = sql.SQL(
-            "CASE WHEN {id}::text ~ '^[!-~]{{1,255}}$' THEN {id}::text END"
-        ).format(id=col("message_id"))
-    else:
-        adds.append(QUERIES.own_table_add_message_id)
-        fields["message_id"] = sql.SQL("t.relay_message_id::text")
-    if "topic" not in mapping:
-        raise SettingsError(
-            "RELAY_OUTBOX_COLUMNS",
-            'no column for topic: name one, e.g. {"topic": "aggregatetype"}',
-        )
-    fields["topic"] = sql.SQL("{}::text").format(col("topic"))
-    if "key" in mapping:
-        fields["key"] = sql.SQL("{}::text").format(col("key"))
-        bare["key"] = sql.SQL("({}::text)").format(col("key", None))
-    else:
-        fields["key"] = sql.SQL("NULL::text")
-    fields["payload"] = _payload(mapping.get("payload"), columns)
-    assert settings.outbox_view_schema is not None
-    fields["headers"] = _headers(mapping, columns, settings.outbox_view_schema)
-    for field in ("created_at", "available_at"):
-        if field in mapping and kind(field) != "timestamp with time zone":
-            # A cast from `timestamp` depends on the session's TimeZone: wrong by its
-            # offset, and no index can be built on it.
-            raise SettingsError(
-                "RELAY_OUTBOX_COLUMNS", f"{field} must be a timestamptz column, not {kind(field)}"
-            )
-    if "created_at" in mapping:
-        fields["created_at"] = col("created_at")
-    else:
-        adds.append(QUERIES.own_table_add_created_at)
-        fields["created_at"] = sql.SQL("t.relay_created_at")
-    if "available_at" in mapping:
-        fields["available_at"] = col("available_at")
-        bare["available_at"] = col("available_at", None)
-    else:
-        fields["available_at"] = sql.SQL("NULL::timestamptz")
-    table = sql.Identifier(*settings.outbox_table.split("."))
-    id_indexed = "id" in mapping and kind("id") in _INTEGER and indexed.get(mapping["id"], False)
-    bookkept = all(column in columns for column in BOOKKEEPING)
-    return Layout(table, adds, fields, bare, id_indexed, bookkept)
+        self.fields["topic"] = sql.SQL("{}::text").format(self.col("topic"))
+        if "key" in self.mapping:
+            self.fields["key"] = sql.SQL("{}::text").format(self.col("key"))
+            self.bare["key"] = sql.SQL("({}::text)").format(self.col("key", None))
+        else:
+            self.fields["key"] = sql.SQL("NULL::text")
+
+    def times(self) -> None:
+        for field in ("created_at", "available_at"):
+            if field in self.mapping and self.kind(field) != "timestamp with time zone":
+                # A cast from `timestamp` depends on the session's TimeZone: wrong by its
+                # offset, and no index can be built on it.
+                raise SettingsError(
+                    "RELAY_OUTBOX_COLUMNS",
+                    f"{field} must be a timestamptz column, not {self.kind(field)}",
+                )
+        if "created_at" in self.mapping:
+            self.fields["created_at"] = self.col("created_at")
+        else:
+            self.adds.append(QUERIES.own_table_add_created_at)
+            self.fields["created_at"] = sql.SQL("t.relay_created_at")
+        if "available_at" in self.mapping:
+            self.fields["available_at"] = self.col("available_at")
+            self.bare["available_at"] = self.col("available_at", None)
+        else:
+            self.fields["available_at"] = sql.SQL("NULL::timestamptz")
 
 
 def _payload(column: str | None, columns: dict[str, str]) -> sql.Composable:
