@@ -198,8 +198,7 @@ def _check_guarantees(config: dict[str, str]) -> None:
     for name, value in config.items():
         rule = _KAFKA_GUARDED.get(name)
         if rule is not None and not rule[0](str(value).strip()):
-            env = f"RELAY_KAFKA__{name.upper().replace('.', '_')}"
-            raise SettingsError(env, rule[1])
+            raise SettingsError(_variable(name), rule[1])
 
 
 def _message_max_bytes(settings: KafkaSettings) -> int:

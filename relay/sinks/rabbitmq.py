@@ -43,7 +43,7 @@ from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import ACKED, Outcome, Result
 from relay.sinks.keyed import KeyedSink
-from relay.sinks.rabbitmq_settings import MAX_SHORTSTR, RabbitmqSettings
+from relay.sinks.rabbitmq_settings import MAX_SHORTSTR, RabbitmqSettings, uses_tls
 
 log = get_logger("relay.sinks.rabbitmq")
 
@@ -208,7 +208,7 @@ class RabbitmqSink(KeyedSink):
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         o = self._options
-        if not self._url.startswith("amqps://"):
+        if not uses_tls(self._url):
             return None
         context = ssl.create_default_context(cafile=o.rabbitmq_tls_ca_file)
         if o.rabbitmq_tls_cert_file:

@@ -74,7 +74,7 @@ class RabbitmqSettings(BaseModel):
     def _tls_needs_amqps(self) -> RabbitmqSettings:
         """An amqp:// URL never uses TLS: its TLS settings would be ignored, and the
         connection (credentials included) would go in plaintext while they suggest not."""
-        if self.rabbitmq_url is None or _uses_tls(self.rabbitmq_url):
+        if self.rabbitmq_url is None or uses_tls(self.rabbitmq_url.get_secret_value()):
             return self
         for name in ("rabbitmq_tls_ca_file", "rabbitmq_tls_cert_file", "rabbitmq_tls_key_file"):
             if getattr(self, name):
@@ -86,9 +86,9 @@ class RabbitmqSettings(BaseModel):
         return self
 
 
-def _uses_tls(url: SecretStr) -> bool:
-    """Whether the sink connects over TLS: the test relay/sinks/rabbitmq.py makes."""
-    return url.get_secret_value().strip().startswith("amqps://")
+def uses_tls(url: str) -> bool:
+    """Whether the sink connects over TLS (amqps://): its TLS settings apply only then."""
+    return url.strip().startswith("amqps://")
 
 
 def _require(settings: RabbitmqSettings) -> None:
