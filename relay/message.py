@@ -39,7 +39,9 @@ class OutboxMessage(NamedTuple):
     # jsonb value Python's json could not load (a 5,000-digit number, deep nesting)
     # never reaches Python as anything but text.
     headers: list[str] | None
-    header_error: str | None  # why the headers cannot be sent as they are (dead-letter)
+    # Why the row cannot be sent as it is (too large, a NULL an own table allowed,
+    # headers that are no object of scalars): it is dead-lettered with this reason.
+    unsendable: str | None
     created_at: str  # RFC 3339, UTC, microseconds: the `created-at` header as sent
     # When the row became due, in Unix seconds: created_at, or its available_at if later
     # (a scheduled row); the end-to-end latency counts from it.
@@ -53,8 +55,8 @@ class OutboxMessage(NamedTuple):
     def row_headers(self) -> list[tuple[str, str]]:
         """The row's own headers as (name, text) pairs, byte for byte as written:
         strings as they are, numbers and booleans in their JSON text."""
-        if self.header_error is not None:
-            raise MalformedRow(self.header_error)
+        if self.unsendable is not None:
+            raise MalformedRow(self.unsendable)
         flat = self.headers
         if not flat:
             return []
@@ -74,7 +76,7 @@ class OutboxMessage(NamedTuple):
         """Row headers plus `message-id` and `created-at`, for confluent-kafka (which
         encodes text values as UTF-8). The relay's own headers always win over the row's.
         """
-        if self.headers is None and self.header_error is None:  # the usual row
+        if self.headers is None and self.unsendable is None:  # the usual row
             return [("message-id", self.message_id), ("created-at", self.created_at)]
         pairs: list[tuple[str, str | bytes | None]] = []
         pairs.extend(self.row_headers())

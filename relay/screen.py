@@ -17,7 +17,7 @@ from relay.sinks.base import SKIPPED, Outcome, Pending, Published, Result, Sink
 
 __all__ = ["start_publish"]
 
-_ERROR = attrgetter("header_error")
+_UNSENDABLE = attrgetter("unsendable")
 
 
 def start_publish(
@@ -26,14 +26,14 @@ def start_publish(
     """`sink.start_publish(batch)`, minus the rows that cannot be sent: those are
     DEAD with their reason, and the later rows of their keys in this batch SKIPPED (a
     sink's ordering rule: nothing of a key after an earlier row of it failed)."""
-    if not any(map(_ERROR, batch)):  # the usual batch: in C, no copy
+    if not any(map(_UNSENDABLE, batch)):  # the usual batch: in C, no copy
         return sink.start_publish(batch, abandon)
     fixed: list[Result | None] = []
     sendable: list[OutboxMessage] = []
     blocked: set[str] = set()
     for message in batch:
-        if message.header_error is not None:
-            fixed.append(Result(Outcome.DEAD, message.header_error))
+        if message.unsendable is not None:
+            fixed.append(Result(Outcome.DEAD, message.unsendable))
             if message.key is not None:
                 blocked.add(message.key)
         elif message.key is not None and message.key in blocked:

@@ -128,7 +128,7 @@ def message(key: str | None, headers: list[str] | None) -> OutboxMessage:
         key=key,
         payload=b'{"status": "paid"}',
         headers=headers,
-        header_error=None,
+        unsendable=None,
         created_at="2026-11-25T10:00:00.000000Z",
         due_epoch=0.0,
         attempts=0,

@@ -413,7 +413,7 @@ def test_headers_that_cannot_be_sent_are_named(database: str) -> None:
         conn.execute("INSERT INTO outbox (topic, key, headers) VALUES ('t', 'null', 'null')")
     rows = {r.key: r for r in fetch(database)}
     for key, (_, reason) in cases.items():
-        error = rows[key].header_error
+        error = rows[key].unsendable
         assert error is not None and reason in error
         try:
             rows[key].header_pairs()

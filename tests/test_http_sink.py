@@ -91,7 +91,7 @@ def message(**fields: Any) -> OutboxMessage:
         "key": "k1",
         "payload": b'{"a": 1}',
         "headers": None,
-        "header_error": None,
+        "unsendable": None,
         "created_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "due_epoch": time.time(),
         "attempts": 0,

@@ -196,11 +196,11 @@ def test_a_row_over_the_message_limit_comes_without_its_bytes_and_with_its_size(
     rows = {r.key: r for r in fetch(database, limits)}
     assert rows["big"].payload is None and rows["big"].headers is None
     # 5000 of payload, 1 of topic, 3 of key, 2 of header name and value
-    assert rows["big"].header_error == (
+    assert rows["big"].unsendable == (
         "the row holds 5006 bytes of payload, topic, key and headers, over"
         " RELAY_MESSAGE_MAX_BYTES (4096)"
     )
-    assert rows["small"].payload == b"y" and rows["small"].header_error is None
+    assert rows["small"].payload == b"y" and rows["small"].unsendable is None
 
 
 def test_sizes_are_read_not_printed_and_count_the_topic(database: str) -> None:
@@ -215,12 +215,12 @@ def test_sizes_are_read_not_printed_and_count_the_topic(database: str) -> None:
             " ('t', 'fine', 'y', NULL)"
         )
     rows = {r.key: r for r in fetch(database, BatchLimits(10, 1 << 20, 10, message_bytes=1 << 20))}
-    assert rows["escapes"].header_error is not None
-    assert "the row holds 180000010 bytes" in rows["escapes"].header_error
-    assert rows["topic"].header_error is not None
-    assert "the row holds 50000006 bytes" in rows["topic"].header_error
+    assert rows["escapes"].unsendable is not None
+    assert "the row holds 180000010 bytes" in rows["escapes"].unsendable
+    assert rows["topic"].unsendable is not None
+    assert "the row holds 50000006 bytes" in rows["topic"].unsendable
     assert rows["topic"].topic == "t" * 200  # cut: enough for its dead-letter line
-    assert rows["fine"].payload == b"y" and rows["fine"].header_error is None
+    assert rows["fine"].payload == b"y" and rows["fine"].unsendable is None
 
 
 def test_a_view_an_earlier_release_made_is_refused(

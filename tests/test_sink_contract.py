@@ -41,7 +41,7 @@ def message(
         key=key,
         payload=payload.encode(),
         headers=headers,
-        header_error=None,
+        unsendable=None,
         created_at=CREATED_AT,
         due_epoch=0.0,
         attempts=0,

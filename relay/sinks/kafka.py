@@ -152,7 +152,7 @@ def record_headers(cloudevents: CloudEvents | None) -> Callable[[OutboxMessage],
     def with_cloudevents(message: OutboxMessage) -> RecordHeaders:
         """The Kafka binding: `ce_` headers, text as the others (confluent-kafka sends
         UTF-8); a row's own `ce_*` look-alikes give way to them."""
-        if message.headers is None and message.header_error is None:  # the usual row
+        if message.headers is None and message.unsendable is None:  # the usual row
             pairs = message.header_pairs()
         else:
             pairs = [(n, v) for n, v in message.header_pairs() if not is_attribute_header(n)]

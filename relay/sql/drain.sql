@@ -98,7 +98,7 @@ AND NOT EXISTS (
  WHERE header.value IS NOT NULL
    AND lower(header.key) NOT IN ('message-id', 'created-at'))
 
--- fragment: header_error
+-- fragment: unsendable
 -- Why a fetched row cannot be sent as it is (it is dead-lettered with this reason): too
 -- large to load, a topic no destination takes, a column an own table left NULL, or
 -- headers that are no object of scalars. NULL: it can be sent.
@@ -159,7 +159,7 @@ SELECT m.id,
        CASE WHEN m.within AND m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
            {{header_array}}
        END AS headers,
-       {{header_error}} AS header_error,
+       {{unsendable}} AS unsendable,
        {{message_times}},
        m.attempts,
        m.ready,
@@ -376,7 +376,7 @@ SELECT m.id,
        CASE WHEN m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
            {{header_array}}
        END AS headers,
-       {{header_error}} AS header_error,
+       {{unsendable}} AS unsendable,
        {{message_times}},
        m.attempts,
        true AS ready,
