@@ -53,11 +53,11 @@ def app_insert(dsn: str, topic: str, rows: list[tuple[str, int]]) -> None:
 
 
 def migrate_own_table(
-    database: str, *extra: str, columns: dict[str, str] = COLUMNS
+    database: str, *extra: str, columns: dict[str, str] = COLUMNS, table: str = TABLE
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         relay_command("migrate", "--own-table", *extra),
-        env=relay_env(database, RELAY_OUTBOX_TABLE=TABLE, RELAY_OUTBOX_COLUMNS=json.dumps(columns)),
+        env=relay_env(database, RELAY_OUTBOX_TABLE=table, RELAY_OUTBOX_COLUMNS=json.dumps(columns)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -65,10 +65,10 @@ def migrate_own_table(
     )
 
 
-def grant_view(database: str) -> None:
+def grant_view(database: str, schema: str = VIEW_SCHEMA) -> None:
     with psycopg.connect(database, autocommit=True) as conn:
-        conn.execute(f"GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE}")
-        conn.execute(f"GRANT SELECT, UPDATE, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE}")
+        conn.execute(f"GRANT USAGE ON SCHEMA {schema} TO {RELAY_ROLE}")
+        conn.execute(f"GRANT SELECT, UPDATE, DELETE ON {schema}.outbox TO {RELAY_ROLE}")
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ from relay import db, lag
 from relay.app import RelayApp
 from relay.batch import BatchLimits
 from relay.errors import SettingsError
-from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
+from tests import test_own_table
+from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import WebhookServer
 from tests.sink_targets import Target
@@ -61,19 +62,11 @@ UNSETTLED_OWN = (
 )
 
 
-def migrate_own_table(database: str, columns: dict[str, str] = COLUMNS) -> None:
-    done = subprocess.run(
-        relay_command("migrate", "--own-table"),
-        env=relay_env(database, RELAY_OUTBOX_TABLE=TABLE, RELAY_OUTBOX_COLUMNS=json.dumps(columns)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def migrate_own_table(database: str) -> None:
+    """`relay migrate --own-table` for app.events, and the relay role's grants on it."""
+    done = test_own_table.migrate_own_table(database, columns=COLUMNS, table=TABLE)
     assert done.returncode == 0, done.stderr
-    with psycopg.connect(database, autocommit=True) as conn:
-        conn.execute(f"GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE}")
-        conn.execute(f"GRANT SELECT, UPDATE, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE}")
+    test_own_table.grant_view(database, VIEW_SCHEMA)
 
 
 @pytest.fixture
