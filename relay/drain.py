@@ -36,30 +36,26 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import psycopg
-
-from relay import db, failpoints, lease_metrics, screen
+from relay import failpoints, lease_metrics, screen
 from relay.backoff import Backoff, Retrying
 from relay.batch import BatchLimits, Settlement, id_text
-from relay.give_way import GiveWay
+from relay.give_way import GiveWay, Peers
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
 from relay.pipeline import SettlePipeline
-from relay.presence import Presence
 from relay.progress import Progress
 from relay.reader import Reader
 from relay.recorder import Recorder
-from relay.settings import Settings
 from relay.settler import Settler
 from relay.shutdown import Shutdown
-from relay.sinks import Outcome, Result, Sink, message_max_bytes
+from relay.sinks import Outcome, Result, Sink
 from relay.sinks.base import ACKED
-from relay.wakeup import Wakeup
+from relay.store.port import DrainStore, StoreError
 
 if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
     from relay.tracing import Tracing
@@ -67,23 +63,17 @@ if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
 log = get_logger("relay.drain")
 
 
-def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
-    """The batch bounds and the per-key cap, with the sink's default for the cap."""
-    per_key = settings.batch_max_per_key
-    if per_key is None:
-        per_key = 4 if sink.serial_per_key else max(1, settings.batch_size // 5)
-    return BatchLimits(
-        rows=settings.batch_size,
-        bytes=settings.batch_max_bytes,
-        per_key=per_key,
-        fill=not sink.serial_per_key,
-        message_bytes=message_max_bytes(settings),
-    )
+class Wakeup(Protocol):
+    """A NOTIFY ends the idle wait early (relay/wakeup.py)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout`; True if a NOTIFY came."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class DrainConfig:
-    """All the drain reads of the settings, made once (`DrainConfig.of`)."""
+    """All the drain reads of the settings, made once (relay/lanes.py, `drain_config`)."""
 
     limits: BatchLimits
     max_attempts: int  # RELAY_MAX_ATTEMPTS
@@ -95,31 +85,17 @@ class DrainConfig:
     lease_ttl: float  # RELAY_LEASE_TTL_SECONDS, which each settle extends the lease by
     delete_sent: bool  # not RELAY_RETENTION_SECONDS
 
-    @classmethod
-    def of(cls, settings: Settings, sink: Sink) -> DrainConfig:
-        return cls(
-            limits=batch_limits(settings, sink),
-            max_attempts=settings.max_attempts,
-            retry_base=settings.retry_base_seconds,
-            retry_max=settings.retry_max_seconds,
-            give_way_seconds=settings.give_way_seconds,
-            poll_min=settings.poll_interval_min_seconds,
-            poll_max=settings.poll_interval_max_seconds,
-            lease_ttl=settings.lease_ttl_seconds,
-            delete_sent=not settings.keep_sent_rows,
-        )
-
 
 class Drainer:
     def __init__(
         self,
         config: DrainConfig,
-        connect: Callable[[str], db.Conn],
+        store: DrainStore,
         sink: Sink,
         lease: Lease,
         shutdown: Shutdown,
         health: Health,
-        presence: Presence | None = None,
+        peers: Peers | None = None,
         progress: Progress | None = None,
         clock: Callable[[], float] = time.monotonic,
         *,
@@ -135,17 +111,15 @@ class Drainer:
         # shard is one to hand over (relay/lanes.py).
         self._surplus = surplus
         self._progress = progress or Progress(clock)
-        self._give_way_policy = GiveWay(config.give_way_seconds, presence, self._progress)
+        self._give_way_policy = GiveWay(config.give_way_seconds, peers, self._progress)
         self._sink = sink
         self._lease = lease
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
-        self._reader = Reader(
-            lambda: connect("drain"), lease.shard, config.limits, config.poll_max, clock
-        )
+        self._reader = Reader(store.reading(), config.limits, config.poll_max, clock)
         settler = Settler(
-            lambda: connect("settle"),
+            store.settling(),
             lease,
             config.lease_ttl,
             delete_sent=config.delete_sent,
@@ -174,16 +148,14 @@ class Drainer:
                         self._give_way(token)
                     elif self._surplus is not None and self._surplus():
                         self._hand_over(token)
-                except psycopg.Error as exc:
+                except StoreError as exc:
                     self._recorder.end(failed=True)
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).
                     self._pipeline.land_quietly()
                     self._reader.forget()
                     delay = self._db_retry.next_delay()
-                    log.warning(
-                        "drain.db_error", error=db.describe_error(exc), retry_in=round(delay, 3)
-                    )
+                    log.warning("drain.db_error", error=str(exc), retry_in=round(delay, 3))
                     self._reader.session_failed()
                     self._shutdown.wait(delay)
                 token = self._lease.token()

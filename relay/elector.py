@@ -4,7 +4,8 @@ Standby: try to acquire every RELAY_STANDBY_POLL_SECONDS (jittered), unless this
 replica cannot reach the sink while a live peer can (`defer`). Leader: renew when no
 settle has renewed for the renew interval; drop the lease at the local deadline; expire
 the row when the drain loop gave the lease up, and report a loss by fencing. It is the
-only thread that writes the lease row outside a settle (relay/lease.py has the protocol).
+only thread that writes the lease row outside a settle (relay/lease.py has the protocol,
+relay/store/lease.py its SQL steps).
 """
 
 from __future__ import annotations
@@ -20,21 +21,11 @@ from psycopg import IsolationLevel
 from relay import db, lease_metrics
 from relay.backoff import jittered
 from relay.db import Conn
-from relay.lease import (
-    Acquired,
-    Clock,
-    HeldByOther,
-    Lease,
-    LeaseToken,
-    OtherShardCount,
-    ensure_row,
-    release,
-    renew,
-    try_acquire,
-)
+from relay.lease import Acquired, Clock, HeldByOther, Lease, LeaseToken, OtherShardCount
 from relay.logging import get_logger
 from relay.metrics import Health
 from relay.settings import Settings
+from relay.store.lease import ensure_row, release, renew, try_acquire
 
 log = get_logger("relay.lease")
 

@@ -9,7 +9,7 @@ The protocol (docs/DESIGN.md, "The lease"):
 4. The holder trusts its lease only until a LOCAL monotonic deadline: the moment before
    the acquiring (or renewing) transaction began, plus ttl, minus a safety margin.
 5. Every transaction that settles rows re-checks holder and epoch first (`lease_renew`
-   in lease.sql, used by the repository); no match means roll back and stand by.
+   in relay/sql/lease.sql, run by every settle); no match means roll back and stand by.
 6. On shutdown the holder expires its lease at once so a standby takes over quickly.
 7. A leader that cannot deliver (cut off from the sink, not from the database) gives
    the lease up the same way, once a live replica reports it can reach the sink
@@ -21,7 +21,9 @@ passes through its group's row (`lease_group_claim`): acquisitions of one group 
 serialized, and the group's shard count changes only while no lease of the old count is
 live, fencing them all, so two shard counts never drain one outbox at once.
 
-`Lease` is this replica's belief; `Elector` (relay/elector.py) is the thread that keeps it true.
+`Lease` is this replica's belief (pure: no database driver here); `Elector`
+(relay/elector.py) is the thread that keeps it true, running the protocol's SQL steps
+(relay/store/lease.py).
 """
 
 from __future__ import annotations
@@ -30,11 +32,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-
-from psycopg import errors
-
-from relay.db import Conn
-from relay.queries import QUERIES
 
 Clock = Callable[[], float]
 
@@ -76,9 +73,6 @@ class OtherShardCount:
 Attempt = Acquired | HeldByOther | LostRace | OtherShardCount
 
 
-# --- the SQL steps of the protocol -------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Shard:
     """Which lease row: shard `shard` of `shards` of the lease `group`."""
@@ -99,60 +93,6 @@ class Shard:
 def shard_lease_name(group: str, shard: int, shards: int) -> str:
     """The lease row of one shard: the lease's own name with one shard, as always."""
     return group if shards == 1 else f"{group}#{shard}/{shards}"
-
-
-def ensure_row(conn: Conn, name: str, shard: Shard | None = None) -> None:
-    shard = shard or Shard(name)
-    conn.execute(
-        QUERIES.lease_ensure,
-        {"name": name, "group": shard.group, "shards": shard.shards, "shard": shard.shard},
-    )
-
-
-def try_acquire(
-    conn: Conn, name: str, holder: str, ttl: float, shard: Shard | None = None
-) -> Attempt:
-    """One compare-and-swap attempt. `conn` must be autocommit with REPEATABLE READ."""
-    shard = shard or Shard(name)
-    assert shard.name == name, f"lease row {name!r} is not {shard}"
-    try:
-        with conn.transaction():
-            claim = conn.execute(
-                QUERIES.lease_group_claim, {"group": shard.group, "shards": shard.shards}
-            ).fetchone()
-            if claim is None or not claim["claimed"]:
-                return OtherShardCount(claim["live_other"] if claim else None)
-            row = conn.execute(QUERIES.lease_read, {"name": name}).fetchone()
-            if row is None:
-                return LostRace("lease row missing")
-            if row["live"] and row["holder"] != holder:
-                return HeldByOther(row["holder"], row["epoch"])
-            taken = conn.execute(
-                QUERIES.lease_take,
-                {"name": name, "holder": holder, "ttl": ttl, "seen_epoch": row["epoch"]},
-            ).fetchone()
-            if taken is None:
-                # Zero rows: someone moved the epoch between our read and our write.
-                return LostRace("epoch changed under us")
-            return Acquired(LeaseToken(name, holder, int(taken["epoch"])), taken["at"])
-    except (errors.SerializationFailure, errors.LockNotAvailable) as exc:
-        return LostRace(f"SQLSTATE {exc.sqlstate}")
-
-
-def renew(conn: Conn, token: LeaseToken, ttl: float) -> bool:
-    row = conn.execute(
-        QUERIES.lease_renew,
-        {"name": token.name, "holder": token.holder, "epoch": token.epoch, "ttl": ttl},
-    ).fetchone()
-    return row is not None
-
-
-def release(conn: Conn, token: LeaseToken) -> bool:
-    cur = conn.execute(
-        QUERIES.lease_release,
-        {"name": token.name, "holder": token.holder, "epoch": token.epoch},
-    )
-    return cur.rowcount == 1
 
 
 # --- this replica's belief -----------------------------------------------------------

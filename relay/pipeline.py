@@ -8,15 +8,13 @@ overtake them. A settle that a newer lease holder fenced out is reported to the 
 
 from __future__ import annotations
 
-import psycopg
-
-from relay import db
 from relay.batch import Settlement, id_text
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import OutboxMessage
 from relay.settler import InFlight, Settler
 from relay.sinks import Outcome, Result
+from relay.store.port import StoreError
 from relay.stragglers import Stragglers
 
 log = get_logger("relay.drain")
@@ -83,7 +81,7 @@ class SettlePipeline:
 
     def land(self) -> bool:
         """Wait for the batch being settled, if any; False if a newer lease holder
-        fenced it out (raises what the database raised)."""
+        fenced it out (raises the store's error)."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return True
@@ -112,8 +110,8 @@ class SettlePipeline:
         nothing is fetched while it might still run."""
         try:
             self.land()
-        except psycopg.Error as exc:
-            log.warning("drain.settle_failed", error=db.describe_error(exc))
+        except StoreError as exc:
+            log.warning("drain.settle_failed", error=str(exc))
 
     def drop_stragglers(self) -> bool:
         """Forget the stragglers (their rows go again, under the next holder or our next

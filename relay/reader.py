@@ -1,7 +1,7 @@
 """The drain's reading side (docs/DESIGN.md, "Draining"): the next batch in id order,
 fair across keys, read ahead while the previous batch is being acknowledged, and the
-scheduled rows let in when due. It owns the drain's session and where the rounds over
-keys stand; the loop tells it which rows are unsettled and which keys are held back.
+scheduled rows let in when due. It owns the drain's session (a `ReadStore`) and where
+the rounds over keys stand; the loop tells it which rows are unsettled and which keys are held back.
 """
 
 from __future__ import annotations
@@ -10,28 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psycopg
-
-from relay import db, failpoints, metrics, repository
+from relay import failpoints, metrics
 from relay.batch import BatchLimits, id_array
-from relay.lease import Shard
 from relay.message import OutboxMessage
-from relay.queries import QUERIES
+from relay.store.port import ReadStore, StoreError
 
 # While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
 # head for other keys: the fair statement costs a few times the plain one.
 LOOK_FOR_OTHERS_SECONDS = 0.1
-
-
-def drain_session_setup(shards: int) -> list[str]:
-    """How the drain session plans: with its actual parameters (custom plans); with
-    shards, also never by bitmap scan, which would read every unsent row of the shard
-    to return one batch (the shard index leads with the hash, so the planner prices
-    its ordered walk as random reads)."""
-    setup = [QUERIES.force_custom_plans]
-    if shards > 1:
-        setup.append(QUERIES.walk_shard_indexes_in_order)
-    return setup
 
 
 def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessage]:
@@ -55,15 +41,12 @@ class Reader:
 
     def __init__(
         self,
-        connect: Callable[[], db.Conn],
-        shard: Shard,
+        store: ReadStore,
         limits: BatchLimits,
         poll_max_seconds: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._connect = connect
-        self._shard = shard
-        self._session = db.Session(self._open)
+        self._store = store
         self.limits = limits
         self._poll_max = poll_max_seconds
         self._clock = clock
@@ -71,16 +54,6 @@ class Reader:
         self._after_key: str | None = None  # where the next round over keys starts
         self._look_for_others_at = 0.0
         self._promote_at = 0.0  # when to look for scheduled rows that are due
-
-    def _open(self) -> db.Conn:
-        conn = self._connect()
-        try:
-            for statement in drain_session_setup(self._shard.shards):
-                conn.execute(statement)
-        except BaseException:
-            conn.close()  # never leak a session whose set-up failed
-            raise
-        return conn
 
     # --- the batches ---
 
@@ -105,9 +78,9 @@ class Reader:
         failpoints.stall("read_ahead")
         try:
             rows = self._fetch(id_array([*unsettled, published]), held)
-        except psycopg.Error:
+        except StoreError:
             # The next step's own fetch will meet (and report) the same trouble.
-            self._session.close()
+            self._store.reset()
             return
         self._prefetched = Prefetched(rows, held)
 
@@ -124,17 +97,13 @@ class Reader:
     def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
-        conn = self._session.get()
         for _ in range(4):
-            fetched = repository.fetch_batch(
-                conn,
+            fetched = self._store.fetch(
                 self.limits,
                 in_flight,
                 self._after_key,
                 held=sorted(held),
                 share_busy_keys=self._clock() >= self._look_for_others_at,
-                shards=self._shard.shards,
-                shard=self._shard.shard,
             )
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to
@@ -156,12 +125,7 @@ class Reader:
         read. How many were let in."""
         if self._clock() < self._promote_at:
             return 0
-        promoted = repository.promote_due(
-            self._session.get(),
-            self.limits.rows,
-            shards=self._shard.shards,
-            shard=self._shard.shard,
-        )
+        promoted = self._store.promote_due(self.limits.rows)
         wait = self._poll_max
         if promoted.rows >= self.limits.rows:
             wait = 0.0
@@ -184,7 +148,7 @@ class Reader:
 
     def session_failed(self) -> None:
         """A statement failed: the next one starts on a fresh session."""
-        self._session.close()
+        self._store.reset()
 
     def close(self) -> None:
-        self._session.close()
+        self._store.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any, cast
@@ -19,18 +18,7 @@ from relay.lease import LeaseToken
 from relay.message import KEY, READY, OutboxMessage
 from relay.queries import QUERIES
 from relay.rows import DeadLetterRow, LeaseRow, ReplicaRow
-
-
-@dataclass(slots=True)
-class Fetched:
-    messages: list[OutboxMessage]
-    # Where the round over keys stopped (the next fetch's `after_key`); None when the
-    # head needed no sharing out, or the round went all the way round.
-    walked_to: str | None = None
-    # The fair statement ran (then `walked_to` is meaningful).
-    fair: bool = False
-    # ... went round every key and found nobody to share with: the head's batch.
-    alone: bool = False
+from relay.store.port import Fetched, Promoted
 
 
 def fetch_batch(
@@ -125,14 +113,6 @@ def _within_bytes(head: list[OutboxMessage]) -> list[OutboxMessage]:
                 break
             batch.append(message)
     return batch
-
-
-@dataclass(frozen=True, slots=True)
-class Promoted:
-    """What a pass of `promote_due` did, and when to look again."""
-
-    rows: int
-    next_due_in: float | None  # seconds until the next scheduled row is due; None: none
 
 
 def promote_due(conn: Conn, limit: int, *, shards: int = 1, shard: int = 0) -> Promoted:

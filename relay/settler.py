@@ -13,10 +13,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 
-from relay import db, metrics, repository
+from relay import metrics
 from relay.batch import Settlement, id_text
 from relay.lease import Lease, LeaseToken
 from relay.message import ID, OutboxMessage
+from relay.store.port import SettleStore
 
 
 @dataclass(slots=True)
@@ -40,14 +41,14 @@ class InFlight:
 class Settler:
     def __init__(
         self,
-        open_session: Callable[[], db.Conn],
+        store: SettleStore,
         lease: Lease,
         ttl: float,
         *,
         delete_sent: bool,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._session = db.Session(open_session)
+        self._store = store
         self._lease = lease
         self._ttl = ttl
         self._delete_sent = delete_sent
@@ -72,11 +73,11 @@ class Settler:
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:
         started = self._clock()
         try:
-            settled_at = repository.settle(
-                self._session.get(), token, self._ttl, settlement, delete_sent=self._delete_sent
+            settled_at = self._store.settle(
+                token, settlement, ttl=self._ttl, delete_sent=self._delete_sent
             )
         except BaseException:
-            self._session.close()  # the next settle starts on a fresh connection
+            self._store.reset()  # the next settle starts on a fresh session
             raise
         if settled_at is not None:
             self._lease.renewed(token, started)
@@ -85,4 +86,4 @@ class Settler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._session.close()
+        self._store.close()

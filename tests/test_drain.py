@@ -220,7 +220,7 @@ def test_pipelined_settle_neither_republishes_nor_lets_a_key_overtake(
         time.sleep(0.2)
         return real_settle(*args, **kwargs)
 
-    monkeypatch.setattr("relay.settler.repository.settle", slow_settle)
+    monkeypatch.setattr("relay.store.postgres.repository.settle", slow_settle)
     sink = scripted({"k0": 1})
     rows = [(f"k{n % 2}", f"k{n % 2}:{n // 2}".encode()) for n in range(12)]
     insert_rows(database, "t", rows)

@@ -14,6 +14,7 @@ from relay import repository
 from relay.batch import BatchLimits
 from relay.message import MalformedRow, OutboxMessage
 from relay.queries import QUERIES
+from relay.store.port import Fetched
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
@@ -28,9 +29,7 @@ from tests.support import (
 LIMITS = BatchLimits(rows=100, bytes=8 << 20, per_key=20)
 
 
-def fetch_from(
-    dsn: str, limits: BatchLimits = LIMITS, after_key: str | None = None
-) -> repository.Fetched:
+def fetch_from(dsn: str, limits: BatchLimits = LIMITS, after_key: str | None = None) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
         return repository.fetch_batch(conn, limits, "{}", after_key)

@@ -12,10 +12,10 @@ import pytest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
-from relay import lease as protocol
 from relay.batch import Settlement
 from relay.lease import Acquired, HeldByOther, LeaseToken, LostRace
 from relay.repository import settle
+from relay.store import lease as protocol
 from tests.support import insert_rows, scalar, wait_until
 
 Conn = psycopg.Connection[dict[str, Any]]

@@ -21,14 +21,15 @@ from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
 from relay import lag, repository
-from relay import lease as protocol
 from relay.batch import BatchLimits
 from relay.lease import Acquired, LostRace, OtherShardCount, Shard
 from relay.metrics import Health
 from relay.migrate import create_shard_indexes, shard_index_names
 from relay.queries import QUERIES
-from relay.reader import drain_session_setup
 from relay.settings import CommonSettings
+from relay.store import lease as protocol
+from relay.store.port import Fetched
+from relay.store.postgres import drain_session_setup
 from tests.conftest import SettingsFactory, relay_command, relay_env, start_relay
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
@@ -51,7 +52,7 @@ def rr_conn(dsn: str) -> Conn:
     return conn
 
 
-def fetch_shard(dsn: str, shard: int, limits: BatchLimits = LIMITS) -> repository.Fetched:
+def fetch_shard(dsn: str, shard: int, limits: BatchLimits = LIMITS) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
         return repository.fetch_batch(conn, limits, "{}", shards=SHARDS, shard=shard)

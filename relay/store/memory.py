@@ -1,0 +1,254 @@
+"""The drain's store in memory: an outbox and its lease rows in a list, for the fast tests
+of the drain loop (`./dev test --unit`) and for reading the protocol without SQL.
+
+It keeps the rules the loop relies on: id order, rows in flight and held keys left out,
+a key blocked by an earlier row in backoff or not yet due, the per-key cap, the byte
+bounds, and the settle fenced on the lease's holder and epoch, all of it at once. It
+does not model the fair round over keys (relay/sql/drain.sql's `fetch_batch`, tested
+on PostgreSQL): a batch here is the head, capped per key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from relay.batch import BatchLimits, Settlement
+from relay.lease import LeaseToken
+from relay.message import OutboxMessage
+from relay.store.port import Fetched, Promoted, StoreError
+
+
+@dataclass(slots=True)
+class Row:
+    """One outbox row; times are on the store's clock."""
+
+    id: int
+    topic: str
+    key: str | None
+    payload: bytes
+    created: float
+    available_at: float | None = None  # scheduled: not fetched before, until promoted
+    promoted: bool = False
+    attempts: int = 0
+    next_attempt_at: float | None = None
+    last_error: str | None = None
+    sent: bool = False
+    deleted: bool = False
+    dead_reason: str | None = None
+
+    @property
+    def unsent(self) -> bool:
+        return not (self.sent or self.deleted or self.dead_reason is not None)
+
+    @property
+    def waiting(self) -> bool:
+        """Not yet let into the drain: a scheduled row not promoted."""
+        return self.available_at is not None and not self.promoted
+
+
+@dataclass(slots=True)
+class LeaseRow:
+    holder: str | None = None
+    epoch: int = 0
+    expires: float = 0.0
+
+
+class MemoryStore:
+    """A `DrainStore` whose sessions share one outbox, one lock and one clock. A test
+    writes rows (`insert`), grants leases (`take`) and makes statements fail
+    (`fail_next`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.rows: list[Row] = []
+        self.leases: dict[str, LeaseRow] = {}
+        self.settles = 0  # settles that committed
+        self._failures = 0
+        self._lock = threading.Lock()
+
+    # --- what a test does ---
+
+    def insert(
+        self,
+        key: str | None,
+        payload: bytes,
+        *,
+        topic: str = "events",
+        available_in: float | None = None,
+    ) -> int:
+        with self._lock:
+            now = self.clock()
+            row_id = len(self.rows) + 1
+            available = None if available_in is None else now + available_in
+            self.rows.append(Row(row_id, topic, key, payload, now, available))
+            return row_id
+
+    def take(self, name: str, holder: str, ttl: float = 30.0) -> LeaseToken:
+        """The lease row taken by `holder` under a new epoch (fencing any older one)."""
+        with self._lock:
+            row = self.leases.setdefault(name, LeaseRow())
+            row.holder, row.epoch, row.expires = holder, row.epoch + 1, self.clock() + ttl
+            return LeaseToken(name, holder, row.epoch)
+
+    def fail_next(self, statements: int = 1) -> None:
+        """The next `statements` statements fail, as a cut session would."""
+        with self._lock:
+            self._failures += statements
+
+    def unsent(self) -> list[Row]:
+        with self._lock:
+            return [row for row in self.rows if row.unsent]
+
+    def dead(self) -> list[Row]:
+        with self._lock:
+            return [row for row in self.rows if row.dead_reason is not None]
+
+    # --- DrainStore ---
+
+    def reading(self) -> MemoryStore:
+        return self
+
+    def settling(self) -> MemoryStore:
+        return self
+
+    # --- ReadStore ---
+
+    def fetch(
+        self,
+        limits: BatchLimits,
+        in_flight: str,
+        after_key: str | None,
+        *,
+        held: list[str],
+        share_busy_keys: bool,
+    ) -> Fetched:
+        with self._lock:
+            self._statement()
+            left_out = _ids(in_flight)
+            now = self.clock()
+            blocked: set[str] = set(held)  # keys whose later rows may not be sent
+            batch: list[OutboxMessage] = []
+            per_key: Counter[str | None] = Counter()
+            size = 0
+            for row in self.rows:
+                if not row.unsent or row.id in left_out:
+                    continue
+                ready = (
+                    row.key not in blocked
+                    and not row.waiting
+                    and (row.next_attempt_at is None or row.next_attempt_at <= now)
+                )
+                if row.key is not None and (row.waiting or not _due(row, now)):
+                    blocked.add(row.key)
+                if not ready or (row.key is not None and per_key[row.key] >= limits.per_key):
+                    continue
+                message = _message(row, limits)
+                size += len(row.payload)
+                if batch and size > limits.bytes:
+                    break
+                batch.append(message)
+                per_key[row.key] += 1
+                if len(batch) == limits.rows:
+                    break
+            return Fetched(batch)
+
+    def promote_due(self, limit: int) -> Promoted:
+        with self._lock:
+            self._statement()
+            now = self.clock()
+            waiting = [row for row in self.rows if row.unsent and row.waiting]
+            due = [row for row in waiting if (row.available_at or 0.0) <= now][:limit]
+            for row in due:
+                row.promoted = True
+            later = [
+                row.available_at - now
+                for row in waiting
+                if not row.promoted and row.available_at is not None
+            ]
+            return Promoted(len(due), min(later) if later else None)
+
+    def reset(self) -> None:
+        """Sessions are not modelled: nothing to open again."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    # --- SettleStore ---
+
+    def settle(
+        self, token: LeaseToken, settlement: Settlement, *, ttl: float, delete_sent: bool
+    ) -> datetime | None:
+        with self._lock:
+            self._statement()
+            now = self.clock()
+            lease = self.leases.get(token.name)
+            if lease is None or (lease.holder, lease.epoch) != (token.holder, token.epoch):
+                return None  # fenced: a newer holder, or given up; nothing is written
+            lease.expires = now + ttl
+            by_id = {row.id: row for row in self.rows}
+            for row_id in settlement.sent:
+                row = by_id[row_id]
+                row.sent, row.deleted = not delete_sent, delete_sent
+            for row_id, delay, error in zip(
+                settlement.retry_ids,
+                settlement.retry_delays,
+                settlement.retry_errors,
+                strict=True,
+            ):
+                row = by_id[row_id]
+                row.attempts += 1
+                row.next_attempt_at = now + delay
+                row.last_error = error
+            for row_id, attempted, reason in zip(
+                settlement.dead_ids,
+                settlement.dead_attempted,
+                settlement.dead_reasons,
+                strict=True,
+            ):
+                row = by_id[row_id]
+                row.attempts += attempted
+                row.dead_reason = reason
+            self.settles += 1
+            return datetime.fromtimestamp(now, UTC)
+
+    def _statement(self) -> None:
+        if self._failures:
+            self._failures -= 1
+            raise StoreError("connection to the database was lost (a test's fault)")
+
+
+def _due(row: Row, now: float) -> bool:
+    return row.next_attempt_at is None or row.next_attempt_at <= now
+
+
+def _ids(literal: str) -> set[int]:
+    """The ids of an `id_array` literal, `{1,2,3}`."""
+    inner = literal.strip("{}")
+    return {int(part) for part in inner.split(",") if part}
+
+
+def _message(row: Row, limits: BatchLimits) -> OutboxMessage:
+    too_big = len(row.payload) > limits.message_bytes
+    created = datetime.fromtimestamp(row.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return OutboxMessage(
+        id=row.id,
+        message_id=f"00000000-0000-4000-8000-{row.id:012d}",
+        topic=row.topic,
+        key=row.key,
+        payload=None if too_big else row.payload,
+        headers=None,
+        unsendable=(
+            f"the row holds {len(row.payload)} bytes, over RELAY_MESSAGE_MAX_BYTES"
+            f" ({limits.message_bytes})"
+            if too_big
+            else None
+        ),
+        created_at=created,
+        due_epoch=row.available_at if row.available_at is not None else row.created,
+        attempts=row.attempts,
+    )

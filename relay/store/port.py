@@ -1,0 +1,95 @@
+"""The drain's store interface (pure: no database driver here).
+
+Two sessions, each owned by one thread: the drain loop reads (`ReadStore`) and the
+settler writes outcomes (`SettleStore`), so the next batch is read while the last is
+being settled. A failed statement raises `StoreError`; the loop then retries on a fresh
+session, and rows published but not settled stay unsent (a duplicate, never a loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from relay.batch import BatchLimits, Settlement
+from relay.lease import LeaseToken
+from relay.message import OutboxMessage
+
+
+class StoreError(Exception):
+    """A statement failed (the database is down, the session was cut, a timeout): the
+    message says what the database said, without the statement's parameters."""
+
+
+@dataclass(slots=True)
+class Fetched:
+    messages: list[OutboxMessage]
+    # Where the round over keys stopped (the next fetch's `after_key`); None when the
+    # head needed no sharing out, or the round went all the way round.
+    walked_to: str | None = None
+    # The fair statement ran (then `walked_to` is meaningful).
+    fair: bool = False
+    # ... went round every key and found nobody to share with: the head's batch.
+    alone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Promoted:
+    """What a pass of `promote_due` did, and when to look again."""
+
+    rows: int
+    next_due_in: float | None  # seconds until the next scheduled row is due; None: none
+
+
+class ReadStore(Protocol):
+    """The drain loop's session: the fetch and the promotion of scheduled rows, of the
+    store's one shard."""
+
+    def fetch(
+        self,
+        limits: BatchLimits,
+        in_flight: str,
+        after_key: str | None,
+        *,
+        held: list[str],
+        share_busy_keys: bool,
+    ) -> Fetched:
+        """The next batch (README "Fetching: fair and bounded"): unsent rows in id
+        order, minus `in_flight` (an `id_array` of rows published and not settled) and
+        the `held` keys; a key blocked by an earlier waiting row skipped."""
+        ...
+
+    def promote_due(self, limit: int) -> Promoted:
+        """Let at most `limit` scheduled rows that are due into the drain."""
+        ...
+
+    def reset(self) -> None:
+        """A statement failed: the next one starts on a fresh session."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SettleStore(Protocol):
+    """The settler's session."""
+
+    def settle(
+        self, token: LeaseToken, settlement: Settlement, *, ttl: float, delete_sent: bool
+    ) -> datetime | None:
+        """Write a batch's outcomes atomically, fenced on `token` (and renew the lease
+        by `ttl`); None if a newer holder fenced us out and nothing was written, else
+        the store's time at which the fence held."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DrainStore(Protocol):
+    """Opens the two sessions of one lane (one shard)."""
+
+    def reading(self) -> ReadStore: ...
+
+    def settling(self) -> SettleStore: ...

@@ -1,0 +1,126 @@
+"""The drain's store on PostgreSQL: the named statements of relay/sql/drain.sql (run by
+relay/repository.py), each session opened on first use and again after a failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+
+import psycopg
+
+from relay import db, repository
+from relay.batch import BatchLimits, Settlement
+from relay.lease import LeaseToken, Shard
+from relay.queries import QUERIES
+from relay.store.port import Fetched, Promoted, StoreError
+
+
+def drain_session_setup(shards: int) -> list[str]:
+    """How the drain session plans: with its actual parameters (custom plans); with
+    shards, also never by bitmap scan, which would read every unsent row of the shard
+    to return one batch (the shard index leads with the hash, so the planner prices
+    its ordered walk as random reads)."""
+    setup = [QUERIES.force_custom_plans]
+    if shards > 1:
+        setup.append(QUERIES.walk_shard_indexes_in_order)
+    return setup
+
+
+@contextmanager
+def _failing_as_store_error(session: db.Session) -> Iterator[None]:
+    """A failed statement closes the session (the next starts afresh) and is raised as
+    the store's error, worded as `db.describe_error` words it."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        session.close()
+        raise StoreError(db.describe_error(exc)) from exc
+
+
+class PostgresReadStore:
+    """Owned by the drain loop's thread alone."""
+
+    def __init__(self, connect: Callable[[], db.Conn], shard: Shard) -> None:
+        self._connect = connect
+        self._shard = shard
+        self._session = db.Session(self._open)
+
+    def _open(self) -> db.Conn:
+        conn = self._connect()
+        try:
+            for statement in drain_session_setup(self._shard.shards):
+                conn.execute(statement)
+        except BaseException:
+            conn.close()  # never leak a session whose set-up failed
+            raise
+        return conn
+
+    def fetch(
+        self,
+        limits: BatchLimits,
+        in_flight: str,
+        after_key: str | None,
+        *,
+        held: list[str],
+        share_busy_keys: bool,
+    ) -> Fetched:
+        with _failing_as_store_error(self._session):
+            return repository.fetch_batch(
+                self._session.get(),
+                limits,
+                in_flight,
+                after_key,
+                held=held,
+                share_busy_keys=share_busy_keys,
+                shards=self._shard.shards,
+                shard=self._shard.shard,
+            )
+
+    def promote_due(self, limit: int) -> Promoted:
+        with _failing_as_store_error(self._session):
+            return repository.promote_due(
+                self._session.get(), limit, shards=self._shard.shards, shard=self._shard.shard
+            )
+
+    def reset(self) -> None:
+        self._session.close()
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class PostgresSettleStore:
+    """Owned by the settler's thread alone."""
+
+    def __init__(self, connect: Callable[[], db.Conn]) -> None:
+        self._session = db.Session(connect)
+
+    def settle(
+        self, token: LeaseToken, settlement: Settlement, *, ttl: float, delete_sent: bool
+    ) -> datetime | None:
+        with _failing_as_store_error(self._session):
+            return repository.settle(
+                self._session.get(), token, ttl, settlement, delete_sent=delete_sent
+            )
+
+    def reset(self) -> None:
+        self._session.close()
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class PostgresStore:
+    """One lane's sessions: `connect(purpose)` opens one (its purpose names it in
+    pg_stat_activity)."""
+
+    def __init__(self, connect: Callable[[str], db.Conn], shard: Shard) -> None:
+        self._connect = connect
+        self._shard = shard
+
+    def reading(self) -> PostgresReadStore:
+        return PostgresReadStore(lambda: self._connect("drain"), self._shard)
+
+    def settling(self) -> PostgresSettleStore:
+        return PostgresSettleStore(lambda: self._connect("settle"))
