@@ -24,6 +24,7 @@ from relay import __version__, db, lag, repository
 from relay.errors import MigrationError
 from relay.logging import configure
 from relay.queries import QUERIES
+from relay.rows import LeaseRow, ReplicaRow
 from relay.settings import CommonSettings, Settings, SettingsError, load_settings
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
@@ -187,92 +188,115 @@ def cmd_status(args: argparse.Namespace) -> int:
         shard_lag = _shard_lag(conn, args.count_cap)
         version = repository.schema_version(conn)
     if args.json:
-        outbox: dict[str, Any] = sample.as_dict()
-        if shard_lag:
-            outbox["shards"] = [
-                {"lease_group": group, **s.as_dict()} for (group, _), s in shard_lag.items()
-            ]
-        _print_json(
-            {
-                "schema_version": version,
-                "leases": [asdict(lease) for lease in leases],
-                "replicas": [asdict(replica) for replica in replicas],
-                "outbox": outbox,
-            }
-        )
+        _print_json(_status_json(version, leases, replicas, sample, shard_lag))
         return EXIT_OK
     if leases:
-        sharded = any(lease.shards > 1 for lease in leases)
-        rows = []
-        for lease in leases:
-            shard = (f"{lease.shard}/{lease.shards}",) if sharded else ()
-            backlog: tuple[str, ...] = ()
-            if shard_lag:
-                s = shard_lag.get((lease.lease_group, lease.shard))
-                backlog = (
-                    ("-", "-")
-                    if s is None or s.shards != lease.shards
-                    else (_count(s.unsent, s.count_cap), f"{s.oldest_unsent_age_seconds:.1f}s")
-                )
-            rows.append(
-                (
-                    lease.lease_group,
-                    *shard,
-                    "held" if lease.live else "free",
-                    lease.holder,
-                    lease.epoch,
-                    f"{lease.expires_at:%Y-%m-%d %H:%M:%S%z}",
-                    f"{lease.seconds_to_expiry:.1f}s" if lease.live else "expired",
-                    *backlog,
-                )
-            )
-        headers = ("LEASE", *(("SHARD",) if sharded else ()), "STATE", "HOLDER", "EPOCH")
-        lag_headers = ("UNSENT", "OLDEST UNSENT") if shard_lag else ()
-        print(_table((*headers, "EXPIRES AT", "EXPIRES IN", *lag_headers), rows))
+        print(_lease_table(leases, shard_lag))
     else:
         print("no lease rows yet (no relay has run)")
     if replicas:
         print()
-        print(
-            _table(
-                ("LEASE", "REPLICA", "LAST SEEN", "SINK", "SINK ERROR"),
-                [
-                    (
-                        r.lease_name,
-                        r.replica_id,
-                        f"{r.seconds_since_seen:.1f}s ago",
-                        "reachable" if r.sink_ok else "unreachable",
-                        r.sink_error or "",
-                    )
-                    for r in replicas
-                ],
-            )
-        )
-    cap = sample.count_cap
+        print(_replica_table(replicas))
     print()
-    print(
-        _table(
-            ("OUTBOX", "VALUE"),
-            [
-                ("unsent rows", _count(sample.unsent, cap)),
-                ("oldest unsent age", f"{sample.oldest_unsent_age_seconds:.1f}s"),
-                ("blocked rows", _count(sample.blocked, cap)),
-                ("dead-lettered rows", _count(sample.dead_lettered, cap)),
-                ("scheduled rows", _count(sample.scheduled, cap)),
-                ("next scheduled in", _due_in(sample.next_due_in_seconds)),
-                ("schema version", version),
-            ],
-        )
-    )
+    print(_outbox_table(sample, version))
     return EXIT_OK
 
 
-def _shard_lag(conn: db.Conn, cap: int) -> dict[tuple[str, int], lag.ShardLag]:
+ShardLags = dict[tuple[str, int], lag.ShardLag]  # by (lease group, shard)
+
+
+def _status_json(
+    version: str | None,
+    leases: Sequence[LeaseRow],
+    replicas: Sequence[ReplicaRow],
+    sample: lag.LagSample,
+    shard_lag: ShardLags,
+) -> dict[str, Any]:
+    outbox: dict[str, Any] = sample.as_dict()
+    if shard_lag:
+        outbox["shards"] = [
+            {"lease_group": group, **s.as_dict()} for (group, _), s in shard_lag.items()
+        ]
+    return {
+        "schema_version": version,
+        "leases": [asdict(lease) for lease in leases],
+        "replicas": [asdict(replica) for replica in replicas],
+        "outbox": outbox,
+    }
+
+
+def _lease_table(leases: Sequence[LeaseRow], shard_lag: ShardLags) -> str:
+    """A SHARD column only once some lease group is sharded, and backlog columns only
+    once some shard's backlog could be measured (see `_shard_lag`)."""
+    sharded = any(lease.shards > 1 for lease in leases)
+    rows = []
+    for lease in leases:
+        shard = (f"{lease.shard}/{lease.shards}",) if sharded else ()
+        backlog = _shard_backlog(lease, shard_lag) if shard_lag else ()
+        rows.append(
+            (
+                lease.lease_group,
+                *shard,
+                "held" if lease.live else "free",
+                lease.holder,
+                lease.epoch,
+                f"{lease.expires_at:%Y-%m-%d %H:%M:%S%z}",
+                f"{lease.seconds_to_expiry:.1f}s" if lease.live else "expired",
+                *backlog,
+            )
+        )
+    headers = ("LEASE", *(("SHARD",) if sharded else ()), "STATE", "HOLDER", "EPOCH")
+    lag_headers = ("UNSENT", "OLDEST UNSENT") if shard_lag else ()
+    return _table((*headers, "EXPIRES AT", "EXPIRES IN", *lag_headers), rows)
+
+
+def _shard_backlog(lease: LeaseRow, shard_lag: ShardLags) -> tuple[str, str]:
+    """Blank where nothing was measured, or measured for another shard count than the
+    lease's (a lease of an old count: its shard is not the same slice of the outbox)."""
+    s = shard_lag.get((lease.lease_group, lease.shard))
+    if s is None or s.shards != lease.shards:
+        return ("-", "-")
+    return (_count(s.unsent, s.count_cap), f"{s.oldest_unsent_age_seconds:.1f}s")
+
+
+def _replica_table(replicas: Sequence[ReplicaRow]) -> str:
+    return _table(
+        ("LEASE", "REPLICA", "LAST SEEN", "SINK", "SINK ERROR"),
+        [
+            (
+                r.lease_name,
+                r.replica_id,
+                f"{r.seconds_since_seen:.1f}s ago",
+                "reachable" if r.sink_ok else "unreachable",
+                r.sink_error or "",
+            )
+            for r in replicas
+        ],
+    )
+
+
+def _outbox_table(sample: lag.LagSample, version: str | None) -> str:
+    cap = sample.count_cap
+    return _table(
+        ("OUTBOX", "VALUE"),
+        [
+            ("unsent rows", _count(sample.unsent, cap)),
+            ("oldest unsent age", f"{sample.oldest_unsent_age_seconds:.1f}s"),
+            ("blocked rows", _count(sample.blocked, cap)),
+            ("dead-lettered rows", _count(sample.dead_lettered, cap)),
+            ("scheduled rows", _count(sample.scheduled, cap)),
+            ("next scheduled in", _due_in(sample.next_due_in_seconds)),
+            ("schema version", version),
+        ],
+    )
+
+
+def _shard_lag(conn: db.Conn, cap: int) -> ShardLags:
     """Each shard's backlog, for every lease group whose shard count in force has its
     indexes (without them the per-shard count would read the whole outbox)."""
     from relay.migrate import shard_index_state
 
-    found: dict[tuple[str, int], lag.ShardLag] = {}
+    found: ShardLags = {}
     for group, shards in repository.lease_group_shards(conn).items():
         if shards > 1 and all(shard_index_state(conn, shards).values()):
             conn.execute(QUERIES.force_custom_plans)
@@ -421,9 +445,21 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     add("run", cmd_run, "run the relay daemon (one replica of many)")
-    migrate_cmd = add(
-        "migrate", cmd_migrate, "apply pending schema migrations (safe from several replicas)"
+    _migrate_arguments(
+        add("migrate", cmd_migrate, "apply pending schema migrations (safe from several replicas)")
     )
+    _status_arguments(add("status", cmd_status, "show lease holder, epoch, expiry and backlog"))
+    add("check", cmd_check, "validate settings and connect to the database and the sink")
+    health = add("healthcheck", cmd_healthcheck, "probe this replica's /healthz (for Docker)")
+    health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS")
+    _dead_letter_commands(sub.add_parser("dead-letter", help="list or requeue dead-lettered rows"))
+    purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
+    purge.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
+    purge.add_argument("--batch-size", type=_positive_int, default=1000)
+    return parser
+
+
+def _migrate_arguments(migrate_cmd: argparse.ArgumentParser) -> None:
     migrate_cmd.add_argument(
         "--shards",
         type=_positive_int,
@@ -452,7 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     notify.add_argument(
         "--drop-notify-trigger", action="store_true", help="drop that trigger if present"
     )
-    status = add("status", cmd_status, "show lease holder, epoch, expiry and backlog")
+
+
+def _status_arguments(status: argparse.ArgumentParser) -> None:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
         "--count-cap",
@@ -461,11 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="stop counting rows at N (bounds the query on a huge outbox; default 1000000)",
     )
-    add("check", cmd_check, "validate settings and connect to the database and the sink")
-    health = add("healthcheck", cmd_healthcheck, "probe this replica's /healthz (for Docker)")
-    health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS")
 
-    dead = sub.add_parser("dead-letter", help="list or requeue dead-lettered rows")
+
+def _dead_letter_commands(dead: argparse.ArgumentParser) -> None:
+    """`dead-letter` has actions of its own, each with its `func`, rather than options."""
     dead_sub = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
     listing = dead_sub.add_parser("list", help="list dead-lettered rows, oldest first")
     listing.set_defaults(func=cmd_dead_letter_list)
@@ -480,11 +517,6 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--key", help="every dead letter of this key")
     which.add_argument("--all", action="store_true", help="every dead letter")
     requeue.add_argument("--dry-run", action="store_true")
-
-    purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
-    purge.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
-    purge.add_argument("--batch-size", type=_positive_int, default=1000)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

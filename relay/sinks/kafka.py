@@ -251,24 +251,32 @@ class KafkaSink:
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> Publishing:
         """Hand the batch to librdkafka and return at once; `wait()` collects the
-        reports. The drain loop fetches its next batch in between.
-
-        The loop runs once per row the relay ever moves: the usual row (a known topic,
-        no headers of its own) takes the shortest way through it.
-        """
+        reports. The drain loop fetches its next batch in between."""
         if self._needs_new_producer:
             self._replace_producer()
         publishing = Publishing(self, self._producer, len(messages), abandon)
+        # Not `pending += self._produce_batch(...)`: that would read `pending` before the
+        # reports served while producing subtract from it.
+        produced = self._produce_batch(publishing, messages, abandon)
+        publishing.pending += produced
+        # flush(0): ask librdkafka to send the batch's tail now rather than after
+        # linger.ms, so its acknowledgements come back while the loop reads ahead.
+        failure = self._serve(self._producer, 0, flush=True)
+        if publishing.failure is None:  # expired while producing: keep that verdict
+            publishing.failure = failure
+        return publishing
+
+    def _produce_batch(
+        self, publishing: Publishing, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
+    ) -> int:
+        """The loop runs once per row the relay ever moves: the usual row (a known topic,
+        no headers of its own) takes the shortest way. Returns the count produced."""
         results = publishing.results
         produce, report, topics = self._producer.produce, publishing.report, self._topics
         headers_of = self._headers_of
         blocked: set[str] = set()
-        # Kafka orders a key only within one partition of one topic. A later row of a
-        # key bound for another topic waits for the next batch, after the earlier one
-        # is settled, so a failure of the first cannot be overtaken by the second. (A
-        # batch of one topic, the usual one, needs no check.)
-        key_topic: dict[str, str] | None = {} if len(set(map(TOPIC, messages))) > 1 else None
-        produced = 0  # added to `pending` at the end: reports only ever subtract
+        key_topic = _key_topics(messages)
+        produced = 0
         for index, message in enumerate(messages):
             key = message.key
             if key is not None and key in blocked:
@@ -317,13 +325,7 @@ class KafkaSink:
                 report(index, exc.args[0])
             if results[index] is not None and key is not None:
                 blocked.add(key)  # produce() refused it (too large, bad argument)
-        publishing.pending += produced
-        # flush(0): ask librdkafka to send the batch's tail now rather than after
-        # linger.ms, so its acknowledgements come back while the loop reads ahead.
-        failure = self._serve(self._producer, 0, flush=True)
-        if publishing.failure is None:  # expired while producing: keep that verdict
-            publishing.failure = failure
-        return publishing
+        return produced
 
     def _serve(
         self, producer: Producer, timeout: float, *, flush: bool = False
@@ -428,6 +430,14 @@ class KafkaSink:
 
     def close(self) -> None:
         self._producer.flush(0)
+
+
+def _key_topics(messages: Sequence[OutboxMessage]) -> dict[str, str] | None:
+    """Kafka orders a key only within one partition of one topic. A later row of a key
+    bound for another topic waits for the next batch, after the earlier one is settled,
+    so a failure of the first cannot be overtaken by the second. None: a batch of one
+    topic, the usual one, needs no check."""
+    return {} if len(set(map(TOPIC, messages))) > 1 else None
 
 
 class _KnownConfigWarnings(logging.Filter):
