@@ -15,8 +15,10 @@ written out there. The marker is no SQL and no psycopg `%(x)s` parameter, and it
 filled in before any statement reaches `psycopg.sql.SQL(...).format`, whose `{x}`
 placeholders it leaves alone (there `{{x}}` would be a literal `{x}`, which no statement
 needs: a marker naming no fragment is a load error, so one is never taken for the other
-silently). A fragment no statement uses is an error too. Fragments do not nest and
-belong to their file, so a statement's rules are in the file its reader has open.
+silently). A fragment no statement uses is an error too. A fragment may use other
+fragments (never itself, however indirectly), so a long statement can be written as a
+short outline of parts a page each; fragments belong to their file, so a statement's
+rules are in the file its reader has open.
 """
 
 from __future__ import annotations
@@ -71,8 +73,6 @@ def parse(text: str, source: str = "<text>") -> dict[str, Query]:
         if kind == "fragment":
             if name in fragments:
                 raise ValueError(f"{source}: fragment {name!r} is defined twice")
-            if _MARKER.search(body):
-                raise ValueError(f"{source}: fragment {name!r} uses a fragment (they do not nest)")
             if "--" in body.splitlines()[-1]:
                 # Pasted before more text on the marker's line, it would comment that out.
                 raise ValueError(f"{source}: fragment {name!r} ends in a comment")
@@ -82,21 +82,27 @@ def parse(text: str, source: str = "<text>") -> dict[str, Query]:
 
     used: set[str] = set()
 
-    def fill(statement: str, match: re.Match[str]) -> str:
+    def fill(user: str, within: tuple[str, ...], match: re.Match[str]) -> str:
         name = match.group("name")
         if name not in fragments:
-            raise ValueError(f"{source}: query {statement!r} uses {{{{{name}}}}}: no such fragment")
+            raise ValueError(f"{source}: {user} uses {{{{{name}}}}}: no such fragment")
+        if name in within:
+            chain = " -> ".join((*within[within.index(name) :], name))
+            raise ValueError(f"{source}: fragment {name!r} uses itself ({chain})")
         used.add(name)
+        text = _MARKER.sub(
+            functools.partial(fill, f"fragment {name!r}", (*within, name)), fragments[name]
+        )
         # Later lines line up under the marker, so the SQL the server logs stays readable.
         indent = " " * (match.start() - match.string.rfind("\n", 0, match.start()) - 1)
-        first, *rest = fragments[name].splitlines()
+        first, *rest = text.splitlines()
         return "\n".join([first, *(indent + line if line else line for line in rest)])
 
     found: dict[str, Query] = {}
     for name, description, body in statements:
         if name in found:
             raise ValueError(f"{source}: query {name!r} is defined twice")
-        sql = _MARKER.sub(functools.partial(fill, name), body)
+        sql = _MARKER.sub(functools.partial(fill, f"query {name!r}", ()), body)
         # The file ships with the package and is not user input: it is as literal as a
         # string in the source, which is what psycopg's LiteralString typing asks for.
         found[name] = Query(name, source, description, sql)

@@ -56,13 +56,54 @@ SELECT 1 FROM outbox AS o WHERE {{due}}
     )
 
 
+def test_a_fragment_may_use_fragments_each_lined_up_under_its_marker() -> None:
+    """A long statement as an outline of parts: a part uses the file's shared rules."""
+    text = """
+-- fragment: due
+o.sent_at IS NULL
+AND o.ok
+
+-- fragment: head
+-- A part of the statement.
+SELECT o.id
+FROM outbox AS o
+WHERE {{due}}
+  AND NOT ({{due}})
+
+-- name: one
+WITH head AS (
+    {{head}}
+)
+SELECT * FROM head;
+"""
+    assert parse(text, "x.sql")["one"].sql == (
+        "WITH head AS (\n"
+        "    SELECT o.id\n"
+        "    FROM outbox AS o\n"
+        "    WHERE o.sent_at IS NULL\n"
+        "          AND o.ok\n"
+        "      AND NOT (o.sent_at IS NULL\n"
+        "               AND o.ok)\n"
+        ")\n"
+        "SELECT * FROM head;"
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "error"),
     [
         ("-- name: q\nSELECT {{nope}};", r"x\.sql: query 'q' uses \{\{nope\}\}: no such fragment"),
         ("-- fragment: f\n1\n-- name: q\nSELECT 2;", r"x\.sql: fragments no query uses: f"),
         ("-- fragment: f\n1  -- one\n-- name: q\nSELECT {{f}};", "ends in a comment"),
-        ("-- fragment: f\n1\n-- fragment: g\n{{f}}\n-- name: q\nSELECT {{g}};", "do not nest"),
+        (
+            "-- fragment: f\n{{g}}\n-- fragment: g\n{{f}}\n-- name: q\nSELECT {{g}};",
+            r"'g' uses itself \(g -> f -> g\)",
+        ),
+        ("-- fragment: f\n{{f}}\n-- name: q\nSELECT {{f}};", r"'f' uses itself \(f -> f\)"),
+        (
+            "-- fragment: f\n{{g}}\n-- name: q\nSELECT {{f}};",
+            r"fragment 'f' uses \{\{g\}\}: no such",
+        ),
         ("-- name: q\nSELECT 1;\n-- name: q\nSELECT 2;", "'q' is defined twice"),
         ("-- name: q\n-- Only words.\n", "'q' has no SQL"),
     ],

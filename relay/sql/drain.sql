@@ -30,7 +30,9 @@ SELECT set_config('enable_bitmapscan', 'off', false);
 -- A rule the fetches (and the promotion) share is written once, as a fragment: a
 -- statement's {{name}} is the text under `-- fragment: name`, put in its place when
 -- relay/queries.py loads this file, so the server plans it as if it were written out.
--- The fragments read the candidate row as `o`, the fetched row as `m`.
+-- The fragments read the candidate row as `o`, the fetched row as `m`. fetch_batch is
+-- too long to read at once, so it is an outline of CTEs whose longer bodies are
+-- fragments, written after it, a page each (they use the shared ones too).
 ------------------------------------------------------------------------------------
 
 -- fragment: this_shard
@@ -191,43 +193,22 @@ ORDER BY m.id;
 -- name: fetch_batch
 -- The fetch when the head needs sharing out (the relay runs fetch_head first): fair
 -- across keys, bounded in rows and bytes, at a cost that does not grow with any key's
--- backlog (README "Fetching: fair and bounded").
---
+-- backlog (docs/DESIGN.md "Fetching: fair and bounded"). A CTE's body, unless short,
+-- is the fragment of its name, below, which says why it is there. In steps:
 -- 1. head: fetch_head's rows again (the first %(limit)s unsent rows in id order).
 -- 2. crowded: the head is full and holds rows it may not send, or more ready rows of
 --    one key than %(key_cap)s. Only then does the fetch look further (the relay runs
 --    this statement when either holds, or when a key passes the cap in a head that is
---    not full):
--- 3. keys: up to %(limit)s keys with unsent rows, in key order from just after
---    %(after_key)s, wrapping around once (a loose index scan of outbox_due_key_idx: one
---    descent per key), leaving out keys that already have their share in a head full
---    of ready rows; beyond: each key's next rows after the head, an equal share of the
---    batch each, and the next rows without a key.
--- 4. chosen: every key's first %(key_cap)s ready rows come first, in id order; the
---    batch is then filled, in id order, with the further rows of busy keys (only if
---    %(fill)s: a sink that sends a key's rows one at a time gains nothing from them);
---    cut at %(limit)s rows, then at %(max_bytes)s bytes in (place, id) order (at least
---    one row). Each key gets a prefix of its rows, so per-key order holds.
---
+--    not full).
+-- 3. keys: a round over the keys from just after %(after_key)s; beyond: each key's next
+--    rows after the head, and the next rows without a key.
+-- 4. chosen: every key's first %(key_cap)s ready rows, then (if %(fill)s) further rows
+--    of busy keys, up to %(limit)s rows; kept: up to %(max_bytes)s bytes.
 -- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
 -- 2 x %(limit)s rows beyond the head. Rows come in id order, in fetch_head's projection
--- plus walked_to, NULL on every row but a last one that carries where the round over
--- keys stopped.
+-- plus walked_to: NULL but on a last row of its own, where the round over keys stopped.
 WITH RECURSIVE head AS MATERIALIZED (
-    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-           o.available_at, o.attempts,
-           {{row_size}} AS size,
-           {{ready}} AS ready
-    FROM outbox AS o
-    WHERE o.sent_at IS NULL
-      AND o.dead_lettered_at IS NULL
-      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)  -- outbox_due_idx
-      -- The batches published and not yet settled. The parameter is sent untyped, so
-      -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
-      AND o.id <> ALL(%(in_flight)s::bigint[])
-      AND {{this_shard}}  -- this shard's rows only
-    ORDER BY o.id
-    LIMIT %(limit)s
+    {{head}}
 ),
 head_keys AS (
     -- Ready rows per key in the head.
@@ -237,114 +218,22 @@ head_keys AS (
     GROUP BY h.key
 ),
 crowded AS (
-    SELECT count(*) = %(limit)s
-           AND (bool_or(NOT h.ready)
-                OR EXISTS (SELECT 1 FROM head_keys WHERE n > %(key_cap)s)) AS yes,
-           -- Full of ready rows: a key with its share in the head gets nothing beyond
-           -- it (those rows could never outrank a head row).
-           count(*) = %(limit)s AND bool_and(h.ready) AS filled,
-           max(h.id) AS last_id
-    FROM head AS h
+    {{crowded}}
 ),
 keys_after (key) AS (
-    SELECT s.key
-    FROM (SELECT min(o.key) AS key
-          FROM outbox AS o
-          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-            AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-            AND {{this_shard}}
-            AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
-    WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
-    UNION ALL
-    SELECT (SELECT min(o.key)
-            FROM outbox AS o
-            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-              AND o.key > k.key
-              AND {{this_shard}})
-    FROM keys_after AS k
-    WHERE k.key IS NOT NULL
+    {{keys_after}}
 ),
 keys_before (key) AS (
-    SELECT s.key
-    FROM (SELECT min(o.key) AS key
-          FROM outbox AS o
-          WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-            AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-            AND {{this_shard}}) AS s
-    WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
-    UNION ALL
-    SELECT (SELECT min(o.key)
-            FROM outbox AS o
-            WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-              AND o.key > k.key
-              AND {{this_shard}})
-    FROM keys_before AS k
-    WHERE k.key < %(after_key)s::text
+    {{keys_before}}
 ),
 keys AS MATERIALIZED (
-    SELECT u.key, row_number() OVER () AS walk
-    FROM (SELECT key FROM keys_after WHERE key IS NOT NULL
-          UNION ALL
-          SELECT key FROM keys_before WHERE key <= %(after_key)s::text) AS u
-    WHERE NOT ((SELECT filled FROM crowded)
-               AND EXISTS (SELECT 1 FROM head_keys AS hk
-                           WHERE hk.key = u.key AND hk.n >= %(key_cap)s))
-    LIMIT %(limit)s
+    {{keys}}
 ),
 beyond AS (
-    SELECT p.*
-    FROM keys AS k
-    CROSS JOIN LATERAL (
-        SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-               o.available_at, o.attempts,
-               {{row_size}} AS size,
-               {{ready}} AS ready
-        FROM outbox AS o
-        -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
-        -- and not "key = k" ordered by id. With equality the planner may walk
-        -- outbox_due_idx in id order and filter on the key (it did, when the
-        -- statistics saw one key), reading a hot key's whole backlog to find a rare
-        -- key's rows. This way only outbox_due_key_idx yields the order without reading
-        -- every candidate row first; "id > last head id" is checked in the index.
-        WHERE o.key >= k.key
-          AND o.key <= k.key
-          AND o.id > (SELECT last_id FROM crowded)
-          AND o.sent_at IS NULL
-          AND o.dead_lettered_at IS NULL
-          AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-          AND o.id <> ALL(%(in_flight)s::bigint[])
-        ORDER BY o.key, o.id
-        LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
-    ) AS p
-    UNION ALL
-    (SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-            o.available_at, o.attempts,
-            {{row_size}},
-            o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
-     FROM outbox AS o
-     WHERE (SELECT yes FROM crowded)
-       AND o.key IS NULL
-       AND o.id > (SELECT last_id FROM crowded)
-       AND o.sent_at IS NULL
-       AND o.dead_lettered_at IS NULL
-       AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-       AND o.id <> ALL(%(in_flight)s::bigint[])
-       AND {{this_shard}}
-     ORDER BY o.key, o.id  -- the (key, id) order of outbox_due_key_idx: see above
-     LIMIT %(limit)s)
+    {{beyond}}
 ),
 ranked AS (
-    -- place: 1 for a key's first ready row, 2 for its second, ...; rows without a key
-    -- have no order to keep and are each their own first.
-    SELECT pool.*,
-           CASE WHEN pool.key IS NULL THEN 1
-                ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
-           END AS place
-    FROM (SELECT * FROM head WHERE ready
-          UNION ALL
-          SELECT * FROM beyond WHERE ready) AS pool
+    {{ranked}}
 ),
 chosen AS (
     SELECT r.*
@@ -354,17 +243,182 @@ chosen AS (
     LIMIT %(limit)s
 ),
 kept AS (
-    -- The byte bound cuts in (place, id) order: every key's first row before any key's
-    -- second, so one key's large rows cannot take the whole budget; each key still
-    -- keeps a prefix of its rows. The first row goes even if larger.
-    SELECT w.*
-    FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.place, c.id) AS bytes
-          FROM (SELECT chosen.*,
-                       CASE WHEN chosen.size > %(message_max)s::bigint THEN 0
-                            ELSE chosen.size END AS carried
-                FROM chosen) AS c) AS w
-    WHERE w.bytes <= %(max_bytes)s OR w.bytes = w.carried
+    {{kept}}
 )
+{{batch_projection}}
+FROM kept AS m
+UNION ALL
+{{walked_to}}
+ORDER BY id NULLS LAST;
+
+------------------------------------------------------------------------------------
+-- fetch_batch, part by part: the bodies of its CTEs in the statement's order, each
+-- rule only they share before the first part that uses it.
+------------------------------------------------------------------------------------
+
+-- fragment: drainable
+-- A row the drain may take: unsent, not dead-lettered, and not scheduled unless
+-- promote_due has let it in. Word for word the predicate of the partial indexes
+-- outbox_due_idx and outbox_due_key_idx (migration 0009), so the planner can tell
+-- that they hold every row the fetch wants.
+o.sent_at IS NULL
+AND o.dead_lettered_at IS NULL
+AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+
+-- fragment: head
+-- Step 1: fetch_head's rows again, in one scan of outbox_due_idx, materialized: every
+-- later step weighs itself against this same head (what is crowded in it, which keys
+-- already have their share, which rows beyond it are new).
+SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+       o.available_at, o.attempts,
+       {{row_size}} AS size,
+       {{ready}} AS ready
+FROM outbox AS o
+WHERE {{drainable}}
+  -- The batches published and not yet settled. The parameter is sent untyped, so
+  -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
+  AND o.id <> ALL(%(in_flight)s::bigint[])
+  AND {{this_shard}}  -- this shard's rows only
+ORDER BY o.id
+LIMIT %(limit)s
+
+-- fragment: crowded
+-- Step 2: whether the fetch looks past the head at all (`yes`: the round over keys and
+-- the rows without a key start only then), and what looking past it needs of the head.
+SELECT count(*) = %(limit)s
+       AND (bool_or(NOT h.ready)
+            OR EXISTS (SELECT 1 FROM head_keys WHERE n > %(key_cap)s)) AS yes,
+       -- Full of ready rows: a key with its share in the head gets nothing beyond
+       -- it (those rows could never outrank a head row).
+       count(*) = %(limit)s AND bool_and(h.ready) AS filled,
+       max(h.id) AS last_id
+FROM head AS h
+
+-- fragment: next_key
+-- One step of the round over keys, from the key k it is at: the least key after it
+-- with a row to drain, one descent of outbox_due_key_idx however many rows either key
+-- has (a DISTINCT over the keys would read every row of every key).
+(SELECT min(o.key)
+ FROM outbox AS o
+ WHERE {{drainable}}
+   AND o.key > k.key
+   AND {{this_shard}})
+
+-- fragment: keys_after
+-- Step 3, the round over keys, first half: from just after %(after_key)s, where the
+-- last round stopped (walked_to), to the last key, so the keys the last round had no
+-- room for come first. A loose index scan: one descent per key (next_key).
+SELECT s.key
+FROM (SELECT min(o.key) AS key
+      FROM outbox AS o
+      WHERE {{drainable}}
+        AND {{this_shard}}
+        AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
+WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
+UNION ALL
+SELECT {{next_key}}
+FROM keys_after AS k
+WHERE k.key IS NOT NULL
+
+-- fragment: keys_before
+-- The round's second half: from the first key up to %(after_key)s, wrapping around
+-- once, so every key gets its turn wherever the round starts.
+SELECT s.key
+FROM (SELECT min(o.key) AS key
+      FROM outbox AS o
+      WHERE {{drainable}}
+        AND {{this_shard}}) AS s
+WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
+UNION ALL
+SELECT {{next_key}}
+FROM keys_before AS k
+WHERE k.key < %(after_key)s::text
+
+-- fragment: keys
+-- The round itself, in walk order: at most %(limit)s keys (so at most %(limit)s
+-- descents, whatever the number of keys), leaving out keys that already have their
+-- share in a head full of ready rows (crowded's `filled`).
+SELECT u.key, row_number() OVER () AS walk
+FROM (SELECT key FROM keys_after WHERE key IS NOT NULL
+      UNION ALL
+      SELECT key FROM keys_before WHERE key <= %(after_key)s::text) AS u
+WHERE NOT ((SELECT filled FROM crowded)
+           AND EXISTS (SELECT 1 FROM head_keys AS hk
+                       WHERE hk.key = u.key AND hk.n >= %(key_cap)s))
+LIMIT %(limit)s
+
+-- fragment: beyond
+-- Step 3, the rows past the head that may take a head row's place: the next rows after
+-- the head of each key in the round, an equal share of the batch each, so no key's
+-- backlog buys it more; and the next rows without a key.
+SELECT p.*
+FROM keys AS k
+CROSS JOIN LATERAL (
+    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+           o.available_at, o.attempts,
+           {{row_size}} AS size,
+           {{ready}} AS ready
+    FROM outbox AS o
+    -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
+    -- and not "key = k" ordered by id. With equality the planner may walk
+    -- outbox_due_idx in id order and filter on the key (it did, when the
+    -- statistics saw one key), reading a hot key's whole backlog to find a rare
+    -- key's rows. This way only outbox_due_key_idx yields the order without reading
+    -- every candidate row first; "id > last head id" is checked in the index.
+    WHERE o.key >= k.key
+      AND o.key <= k.key
+      AND o.id > (SELECT last_id FROM crowded)
+      AND {{drainable}}
+      AND o.id <> ALL(%(in_flight)s::bigint[])
+    ORDER BY o.key, o.id
+    LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
+) AS p
+UNION ALL
+(SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+        o.available_at, o.attempts,
+        {{row_size}},
+        -- `ready` for a row without a key: no key to hold back or wait behind.
+        o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
+ FROM outbox AS o
+ WHERE (SELECT yes FROM crowded)
+   AND o.key IS NULL
+   AND o.id > (SELECT last_id FROM crowded)
+   AND {{drainable}}
+   AND o.id <> ALL(%(in_flight)s::bigint[])
+   AND {{this_shard}}
+ ORDER BY o.key, o.id  -- the (key, id) order of outbox_due_key_idx: see above
+ LIMIT %(limit)s)
+
+-- fragment: ranked
+-- Step 4's order, over the ready rows of head and beyond together, so that chosen can
+-- take every key's first rows before any key's further ones: that is the fairness.
+-- place: 1 for a key's first ready row, 2 for its second, ...; rows without a key
+-- have no order to keep and are each their own first.
+SELECT pool.*,
+       CASE WHEN pool.key IS NULL THEN 1
+            ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
+       END AS place
+FROM (SELECT * FROM head WHERE ready
+      UNION ALL
+      SELECT * FROM beyond WHERE ready) AS pool
+
+-- fragment: kept
+-- Step 4's byte bound, cut in (place, id) order: every key's first row before any
+-- key's second, so one key's large rows cannot take the whole budget; each key still
+-- keeps a prefix of its rows, so per-key order holds. The first row goes even if
+-- larger.
+SELECT w.*
+FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.place, c.id) AS bytes
+      FROM (SELECT chosen.*,
+                   CASE WHEN chosen.size > %(message_max)s::bigint THEN 0
+                        ELSE chosen.size END AS carried
+            FROM chosen) AS c) AS w
+WHERE w.bytes <= %(max_bytes)s OR w.bytes = w.carried
+
+-- fragment: batch_projection
+-- The batch in fetch_head's projection (a test pins both to OutboxMessage), so the
+-- relay reads either fetch's rows alike; every row here is ready and within the byte
+-- budget.
 SELECT m.id,
        coalesce(m.message_id::text, '') AS message_id,
        -- A row that cannot be sent for its size or its topic's carries a cut topic:
@@ -382,8 +436,8 @@ SELECT m.id,
        true AS ready,
        true AS within,
        NULL::text AS walked_to
-FROM kept AS m
-UNION ALL
+
+-- fragment: walked_to
 -- Last, a row of its own: where the next fetch's round over keys starts (%(after_key)s):
 -- after the last key of this round that got rows, so keys it reached but had no room
 -- for come first next time; after the whole round if none got rows (all held back); or
@@ -397,7 +451,6 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                            LIMIT 1),
                           (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
        END
-ORDER BY id NULLS LAST;
 
 -- name: promote_due
 -- Scheduled delivery (migration 0008): let up to %(limit)s scheduled rows whose
