@@ -5,7 +5,7 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
-    ./dev bench --only shards|fairness|notify|interop [--quick]  one section alone
+    ./dev bench --only shards|fairness|notify|interop|baselines [--quick]  one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
         rows/s in alternating runs, and the bare select-and-mark loop (bench/compare.py)
@@ -28,6 +28,12 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
      `--only notify`)
   13. CloudEvents binary mode, and tracing (OTLP), each against neither: CPU per
      message and drain rate (bench/interop.py; `--only interop`)
+  14. baselines without the relay's index set or machinery (bench/baselines.py;
+     `--only baselines`): the loops of 1. on a minimal table (primary key and one
+     partial index) beside `outbox`; the bare relay (select 2000, produce, wait for
+     every ack, delete: the job's floor) against the relay at its defaults; the app's
+     write path (pgbench one-row and ten-row INSERT transactions, COPY) into `outbox`
+     and into a table with only a primary key, alternating
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -61,7 +67,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["fairness", "shards", "notify", "interop"],
+        choices=["fairness", "shards", "notify", "interop", "baselines"],
         default=None,
         help="run one section alone",
     )
@@ -96,6 +102,8 @@ def main() -> int:
         return bench_notify(args.quick)
     if args.only == "interop":
         return bench_interop(args.quick)
+    if args.only == "baselines":
+        return bench_baselines(args.quick)
     return bench_kafka(args)
 
 
@@ -149,6 +157,15 @@ def bench_interop(quick: bool) -> int:
     return 0
 
 
+def bench_baselines(quick: bool) -> int:
+    from bench import baselines
+
+    with servers() as (dsn, bootstrap):
+        report = baselines.run(dsn, bootstrap, quick)
+    save({"sink": "kafka", "quick": quick, "baselines": report})
+    return 0
+
+
 def bench_shards(quick: bool, rows: int | None) -> int:
     from bench import shards
 
@@ -159,7 +176,7 @@ def bench_shards(quick: bool, rows: int | None) -> int:
 
 
 def bench_kafka(args: argparse.Namespace) -> int:
-    from bench import drain, fairness, interop, latency, notify, processes, shards
+    from bench import baselines, drain, fairness, interop, latency, notify, processes, shards
 
     quick = args.quick
     rows = args.rows or (20_000 if quick else 50_000)
@@ -223,6 +240,7 @@ def bench_kafka(args: argparse.Namespace) -> int:
         report["shards"] = shards.run(dsn, bootstrap, quick)
         report["notify"] = notify.run(dsn, bootstrap, quick)
         report["interop"] = interop.run(dsn, bootstrap, quick)
+        report["baselines"] = baselines.run(dsn, bootstrap, quick)
         if args.full:
             hist = drain.history_effect(dsn, bootstrap, rows, history=10_000_000)
             report["history"] = hist

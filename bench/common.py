@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from relay.settings import Settings
 
@@ -14,20 +15,30 @@ TOPIC = "bench"
 
 
 def preload(
-    dsn: str, rows: int, *, sent: bool = False, truncate: bool = True, headers: str | None = None
+    dsn: str,
+    rows: int,
+    *,
+    sent: bool = False,
+    truncate: bool = True,
+    headers: str | None = None,
+    table: str = "outbox",
 ) -> None:
     """`rows` outbox rows over 100 keys (already sent ones with `sent`; each with the
-    JSON object `headers`, if given), then ANALYZE."""
+    JSON object `headers`, if given), then ANALYZE. `table`: another table with the
+    outbox's columns (bench/baselines.py's minimal one)."""
+    name = sql.Identifier(table)
     with psycopg.connect(dsn, autocommit=True) as conn:
         if truncate:
-            conn.execute("TRUNCATE outbox")
+            conn.execute(sql.SQL("TRUNCATE {}").format(name))
         conn.execute(
-            "INSERT INTO outbox (topic, key, payload, sent_at, headers)"
-            " SELECT %s, 'k' || (g %% %s), %s, CASE WHEN %s THEN now() END, %s::jsonb"
-            " FROM generate_series(1, %s) g",
+            sql.SQL(
+                "INSERT INTO {} (topic, key, payload, sent_at, headers)"
+                " SELECT %s, 'k' || (g %% %s), %s, CASE WHEN %s THEN now() END, %s::jsonb"
+                " FROM generate_series(1, %s) g"
+            ).format(name),
             (TOPIC, KEYS, PAYLOAD, sent, headers, rows),
         )
-        conn.execute("VACUUM ANALYZE outbox")
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(name))
 
 
 def first_unsent_id(conn: psycopg.Connection[Any]) -> int | None:
