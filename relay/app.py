@@ -11,6 +11,7 @@ from types import FrameType
 import psycopg
 
 from relay import __version__, db, metrics, runtime, tracing
+from relay.configs import lag_config, listener_config, presence_config, purge_config
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
 from relay.lease import Lease, Shard
@@ -49,7 +50,8 @@ class RelayApp:
         sinks = [create_sink(settings) for _ in shards]
         self.lanes: list[Lane] = []
         self.presence = Presence(
-            settings,
+            presence_config(settings),
+            self._connect,
             leading=lambda: any(lane.held() for lane in self.lanes),
             sink=sinks[0],
             stalled_for=self._worst_stall,
@@ -60,38 +62,49 @@ class RelayApp:
             # counting it would leave a shard it gave way on without a taker.
             self.fair = FairShare(settings.shards, self.presence.able_peers, self.held_shards)
         self._crashed: BaseException | None = None
-        wakeups = [Wakeup() for _ in shards] if settings.notify_channel else []
+        listening = listener_config(settings)
+        wakeups = [Wakeup() for _ in shards] if listening is not None else []
         self.listener: Listener | None = None
-        if settings.notify_channel:
-            self.listener = Listener(settings, settings.notify_channel, wakeups, self.shutdown)
+        if listening is not None:
+            self.listener = Listener(listening, self._connect, wakeups, self.shutdown)
         for index, (shard, sink) in enumerate(zip(shards, sinks, strict=True)):
-            lane = Lane(
-                settings,
-                shard,
-                sink,
-                self.shutdown,
-                self.health,
-                self.fair,
-                self.presence,
-                self._lane_crashed,
-                wakeup=wakeups[index] if wakeups else None,
-                tracing=self.tracing,
-            )
-            self.lanes.append(lane)
-            self.health.register(
-                lane.elector.loop, max(60.0, 3 * settings.standby_poll_seconds + db_wait)
-            )
-            # The drain loop beats at least every poll; a publish waiting on a dead
-            # broker beats from its wait loop too. Minutes of silence: truly stuck.
-            self.health.register(lane.main_loop, max(60.0, 2 * sink.max_publish_seconds))
+            self._add_lane(shard, sink, wakeups[index] if wakeups else None, db_wait)
         self.health.db_ok = self._db_recently_ok
         self.lag_sampler: LagSampler | None = None
         if settings.lag_sample_seconds > 0:
             self.health.register("lag", max(60.0, 3 * settings.lag_sample_seconds + db_wait))
-            self.lag_sampler = LagSampler(settings, self.health)
+            self.lag_sampler = LagSampler(lag_config(settings), self._connect, self.health)
         # Retention: one purger for the whole outbox, run by whoever holds shard 0.
-        self.purger = Purger(settings, self.lanes[0].lease) if settings.keep_sent_rows else None
+        self.purger: Purger | None = None
+        if settings.keep_sent_rows:
+            self.purger = Purger(purge_config(settings), self._connect, self.lanes[0].lease)
         self.metrics_server: MetricsServer | None = None
+
+    def _add_lane(self, shard: Shard, sink: Sink, wakeup: Wakeup | None, db_wait: float) -> None:
+        lane = Lane(
+            self.settings,
+            shard,
+            sink,
+            self.shutdown,
+            self.health,
+            self.fair,
+            self.presence,
+            self._lane_crashed,
+            wakeup=wakeup,
+            tracing=self.tracing,
+        )
+        self.lanes.append(lane)
+        self.health.register(
+            lane.elector.loop, max(60.0, 3 * self.settings.standby_poll_seconds + db_wait)
+        )
+        # The drain loop beats at least every poll; a publish waiting on a dead broker
+        # beats from its wait loop too. Minutes of silence: truly stuck.
+        self.health.register(lane.main_loop, max(60.0, 2 * sink.max_publish_seconds))
+
+    def _connect(self, purpose: str) -> db.Conn:
+        """Opens the sessions of presence, the sampler, the purger and the listener: each
+        names its purpose, which becomes its application_name (relay:<purpose>)."""
+        return db.connect(self.settings, purpose=purpose)
 
     @property
     def lease(self) -> Lease:

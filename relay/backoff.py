@@ -27,6 +27,16 @@ class Backoff:
         return random.uniform(ceiling / 2, ceiling)
 
 
+def retry_delay(backoff: Backoff, attempts: int, retry_after: float | None) -> float:
+    """When a failed row goes again: our backoff, or the sink's Retry-After when longer,
+    spread by up to 20 % so the rows it throttled do not all come back in the same
+    instant; never past the backoff's cap."""
+    delay = backoff.delay(attempts)
+    if retry_after is None or retry_after <= delay:
+        return delay
+    return min(retry_after * random.uniform(1.0, 1.2), backoff.cap)
+
+
 @dataclass(slots=True)
 class Retrying:
     """Mutable failure counter around a `Backoff`, for loops that retry one thing."""

@@ -23,25 +23,26 @@ Its parts, each the one owner of its state: the reading (relay/reader.py: fetch 
 read-ahead, scheduled rows let in), what each outcome means (relay/outcomes.py), the
 settle pipeline (relay/pipeline.py: the batch being settled on the settler's session,
 relay/settler.py, and the stragglers, relay/stragglers.py), the give-way decision
-(relay/give_way.py), and what is recorded (relay/recorder.py: metrics, dead-letter
-lines, spans). What stays here is the loop that ties them together, and the actions
-that touch several of them (giving way, handing a shard over, backing off).
-
-Long: the loop and those actions read best side by side with the protocol above.
+(relay/give_way.py) and the letting go it leads to (relay/hand_over.py), the idle wait
+(relay/idle.py), and what is recorded (relay/recorder.py: metrics, dead-letter lines,
+spans). The database is a store (relay/store/port.py). What stays here is the loop
+that ties them together, and backing off while the sink is down.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from functools import partial
+from typing import TYPE_CHECKING
 
-from relay import failpoints, lease_metrics, screen
-from relay.backoff import Backoff, Retrying
+from relay import failpoints, screen
+from relay.backoff import Backoff, Retrying, retry_delay
 from relay.batch import BatchLimits, Settlement, id_text
 from relay.give_way import GiveWay, Peers
+from relay.hand_over import HandOver
+from relay.idle import IdleWait, Wakeup
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import ID, OutboxMessage
@@ -61,14 +62,6 @@ if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
     from relay.tracing import Tracing
 
 log = get_logger("relay.drain")
-
-
-class Wakeup(Protocol):
-    """A NOTIFY ends the idle wait early (relay/wakeup.py)."""
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to `timeout`; True if a NOTIFY came."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +99,6 @@ class Drainer:
     ) -> None:
         self._config = config
         self._loop = loop  # its name in the liveness probe (one per shard with shards)
-        self._wakeup = wakeup  # set by a NOTIFY (RELAY_NOTIFY_CHANNEL, relay/wakeup.py)
         # With shards: True while this replica holds more than its fair share and this
         # shard is one to hand over (relay/lanes.py).
         self._surplus = surplus
@@ -129,7 +121,10 @@ class Drainer:
         self._row_backoff = Backoff(config.retry_base, config.retry_max)
         self._sink_retry = Retrying(Backoff(0.2, 10.0))
         self._db_retry = Retrying(Backoff(0.2, 5.0))
-        self._idle_polls = 0
+        self._idle = IdleWait(config.poll_min, config.poll_max, self._reader, shutdown, wakeup)
+        self._hand_over = HandOver(
+            lease, sink, self._reader, self._pipeline, self._give_way_policy, self._progress
+        )
         self._recorder = Recorder(sink.name, tracing)
 
     # --- the loop ---
@@ -145,9 +140,9 @@ class Drainer:
                     self._step(token)
                     self._db_retry.reset()
                     if self._cannot_deliver():
-                        self._give_way(token)
+                        self._hand_over.give_way(token)
                     elif self._surplus is not None and self._surplus():
-                        self._hand_over(token)
+                        self._hand_over.rebalance(token)
                 except StoreError as exc:
                     self._recorder.end(failed=True)
                     # Rows of a batch published but not settled stay unsent: they will
@@ -174,13 +169,13 @@ class Drainer:
         if self._pipeline.landed and not self._land():
             return
         if self._reader.promote_due():
-            self._idle_polls = 0
+            self._idle.busy()
         fetched_ns = self._recorder.fetch_started()
         batch = self._reader.next_batch(*self._pipeline.unsettled())
         if not batch:
             self._nothing_to_publish(token)
             return
-        self._idle_polls = 0
+        self._idle.busy()
         if self._lease.token() != token:
             return  # our deadline passed while we read: publish nothing
         unavailable = self._publish(token, batch, fetched_ns)
@@ -201,7 +196,7 @@ class Drainer:
             self._land()  # then look again at once
         else:
             self._progress.idle()
-            self._idle_wait()
+            self._idle.wait()
 
     def _publish(
         self, token: LeaseToken, batch: list[OutboxMessage], fetched_ns: int
@@ -308,59 +303,8 @@ class Drainer:
         self._health.beat(self._loop)
         return self._lease.token() != token or self._shutdown.grace_over() or self._cannot_deliver()
 
-    # --- giving way ---
-
     def _cannot_deliver(self) -> bool:
         return self._give_way_policy.due()
-
-    def _give_way(self, token: LeaseToken) -> None:
-        """Hand the lease over for want of the sink: the peer that reaches it takes it at
-        its next poll. Nothing the sink still holds, queued or in flight, may be sent
-        after the peer starts: librdkafka would retry a request stuck on a silent
-        connection later (bytes already written to the socket can still land: a
-        possible duplicate)."""
-        stalled, peers = self._give_way_policy.giving_way()
-        if self._let_go(token, "gave_way", reset_sink=True):
-            log.warning(
-                "lease.gave_way",
-                lease=token.name,
-                holder=token.holder,
-                epoch=token.epoch,
-                stalled_seconds=round(stalled, 1),
-                able_peers=peers,
-                sink=self._sink.name,
-            )
-
-    def _hand_over(self, token: LeaseToken) -> None:
-        """Rebalancing: this replica holds more shards than its fair share, and this one
-        goes to a replica with fewer; nothing says the sink is out of reach, so only
-        stragglers (which could land after the taker's rows of their keys) are dropped."""
-        if self._let_go(token, "rebalanced", reset_sink=False):
-            log.info(
-                "lease.handed_over",
-                lease=token.name,
-                holder=token.holder,
-                epoch=token.epoch,
-                reason="this replica holds more shards than its fair share",
-            )
-
-    def _let_go(
-        self, token: LeaseToken, reason: lease_metrics.LossReason, *, reset_sink: bool
-    ) -> bool:
-        """Stop publishing under `token` and have the elector expire its row: the last
-        settle lands first (it is fenced on our epoch), then what the sink holds is
-        dropped (`reset_sink`, or stragglers left). False if the token was gone."""
-        self._pipeline.land_quietly()
-        self._reader.forget()
-        if self._pipeline.drop_stragglers() or reset_sink:
-            self._sink.reset()
-        given = self._lease.give_up(token)
-        if given:
-            lease_metrics.lease_transition(
-                self._lease.shard, held=False, epoch=token.epoch, reason=reason
-            )
-        self._progress.reset()
-        return given
 
     # --- what each outcome means for its row (relay/outcomes.py decides) ---
 
@@ -371,38 +315,10 @@ class Drainer:
             batch,
             results,
             max_attempts=self._config.max_attempts,
-            retry_delay=self._retry_delay,
+            retry_delay=partial(retry_delay, self._row_backoff),
         )
         self._recorder.decided(decision)
         return decision.settlement, decision.unavailable, decision.reached
-
-    def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
-        """Our backoff, or the sink's Retry-After when longer, spread by up to 20 % so
-        the rows it throttled do not all come back in the same instant."""
-        backoff = self._row_backoff.delay(attempts)
-        if retry_after is None or retry_after <= backoff:
-            return backoff
-        return min(retry_after * random.uniform(1.0, 1.2), self._config.retry_max)
-
-    # --- idle and housekeeping ---
-
-    def _idle_wait(self) -> None:
-        # Adaptive polling: right after traffic we look again within milliseconds; a
-        # quiet outbox settles at one cheap index probe per poll_interval_max, and
-        # wakes for the next scheduled row's time.
-        delay = min(
-            self._config.poll_max,
-            self._config.poll_min * (2 ** min(self._idle_polls, 16)),
-            self._reader.next_due_in(),
-        )
-        self._idle_polls += 1
-        if self._wakeup is not None:
-            # A NOTIFY, the poll, or shutdown: whichever first. A NOTIFY may announce a
-            # row scheduled sooner than any we knew of: look for due rows too.
-            if self._wakeup.wait(delay):
-                self._reader.look_for_due_rows()
-        else:
-            self._shutdown.wait(delay)
 
     def close(self) -> None:
         self._pipeline.close()

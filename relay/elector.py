@@ -15,42 +15,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psycopg
-from psycopg import IsolationLevel
-
-from relay import db, lease_metrics
+from relay import lease_metrics
 from relay.backoff import jittered
-from relay.db import Conn
 from relay.lease import Acquired, Clock, HeldByOther, Lease, LeaseToken, OtherShardCount
 from relay.logging import get_logger
 from relay.metrics import Health
-from relay.settings import Settings
-from relay.store.lease import ensure_row, release, renew, try_acquire
+from relay.store.port import LeaseStore, StoreError
 
 log = get_logger("relay.lease")
 
 
 @dataclass(frozen=True, slots=True)
 class ElectorTimings:
-    """All the elector reads of the settings."""
+    """All the elector reads of the settings (made in relay/lanes.py)."""
 
     ttl: float  # RELAY_LEASE_TTL_SECONDS, written into the row by each acquisition
     renew_interval: float  # renew when no settle has for this long
     standby_poll: float  # a standby tries to acquire this often (jittered)
-
-    @classmethod
-    def of(cls, settings: Settings) -> ElectorTimings:
-        return cls(
-            settings.lease_ttl_seconds, settings.renew_interval, settings.standby_poll_seconds
-        )
-
-
-def lease_session(settings: Settings) -> Callable[[], Conn]:
-    """How the elector opens its session: REPEATABLE READ, which the CAS acquisition
-    relies on (relay/lease.py)."""
-    return lambda: db.connect(
-        settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
-    )
 
 
 class Elector(threading.Thread):
@@ -61,7 +42,7 @@ class Elector(threading.Thread):
     def __init__(
         self,
         timings: ElectorTimings,
-        connect: Callable[[], Conn],
+        store: LeaseStore,
         lease: Lease,
         clock: Clock = time.monotonic,
         health: Health | None = None,
@@ -71,7 +52,7 @@ class Elector(threading.Thread):
     ) -> None:
         super().__init__(name=f"relay-{loop}", daemon=True)
         self._timings = timings
-        self._connect = connect
+        self._store = store
         self._lease = lease
         self._clock = clock
         self._health = health
@@ -87,7 +68,6 @@ class Elector(threading.Thread):
         # the loss is an "error", not a plain "expired" (a paused or slow process).
         self._renew_error = False
         self._stop_event = threading.Event()
-        self._session = db.Session(self._open)
         self._last_other: tuple[str | None, int] | None = None
         self._standby_since = clock()
         # When a lease statement last came back from the database (readiness). Only real
@@ -114,20 +94,20 @@ class Elector(threading.Thread):
         try:
             self._write_release(token)
         finally:
-            self._session.close()
+            self._store.close()
 
     def _write_release(self, token: LeaseToken) -> bool:
         try:
-            released = release(self._session.get(), token)
-        except psycopg.Error as exc:
+            released = self._store.release(token)
+        except StoreError as exc:
             log.warning(
                 "lease.release_failed",
                 lease=token.name,
                 holder=token.holder,
                 epoch=token.epoch,
-                error=db.describe_error(exc),
+                error=str(exc),
             )
-            self._session.close()
+            self._store.reset()
             return False
         self.last_db_ok = self._clock()
         log.info(
@@ -143,43 +123,48 @@ class Elector(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            if self._health is not None:
-                self._health.beat(self.loop)
-            try:
-                fenced = self._lease.take_fenced()
-                if fenced is not None:
-                    self._on_lost(fenced, "fenced")
-                given_up = self._lease.take_release()
-                if given_up is not None:
-                    # Expire the row now, on this thread: a renewal of ours can then
-                    # never land after it and keep the lease from the peer for a ttl.
-                    # Failed (a blip, a lock): again next turn, and no campaign in
-                    # this one (our own live row would let us take it straight back).
-                    if not self._write_release(given_up):
-                        self._lease.release_later(given_up)
-                elif self._lease.held_token() is None:
-                    self._attempt()
-                else:
-                    self._keep()
-                self._renew_error = False
-            except psycopg.Error as exc:
-                self._renew_error = self._lease.held_token() is not None
-                log.warning(
-                    "lease.renew_failed" if self._lease.held_token() else "lease.db_error",
-                    lease=self._lease.name,
-                    holder=self._lease.holder,
-                    error=db.describe_error(exc),
-                )
-                self._session.close()
-                self._expire_if_past_deadline()
-            except Exception:
-                # A bug must not silently end the elector: this replica would never
-                # campaign again. Log it, start over with a fresh connection.
-                log.exception("lease.elector_error", lease=self._lease.name)
-                self._renew_error = self._lease.held_token() is not None
-                self._session.close()
-                self._expire_if_past_deadline()
+            self.turn()
             self._lease.doze(self._next_wait())
+
+    def turn(self) -> None:
+        """One pass: report a fencing, expire a lease the drain gave up, else campaign
+        as a standby or keep the lease as its holder."""
+        if self._health is not None:
+            self._health.beat(self.loop)
+        try:
+            fenced = self._lease.take_fenced()
+            if fenced is not None:
+                self._on_lost(fenced, "fenced")
+            given_up = self._lease.take_release()
+            if given_up is not None:
+                # Expire the row now, on this thread: a renewal of ours can then never
+                # land after it and keep the lease from the peer for a ttl. Failed (a
+                # blip, a lock): again next turn, and no campaign in this one (our own
+                # live row would let us take it straight back).
+                if not self._write_release(given_up):
+                    self._lease.release_later(given_up)
+            elif self._lease.held_token() is None:
+                self._attempt()
+            else:
+                self._keep()
+            self._renew_error = False
+        except StoreError as exc:
+            self._renew_error = self._lease.held_token() is not None
+            log.warning(
+                "lease.renew_failed" if self._lease.held_token() else "lease.db_error",
+                lease=self._lease.name,
+                holder=self._lease.holder,
+                error=str(exc),
+            )
+            self._store.reset()
+            self._expire_if_past_deadline()
+        except Exception:
+            # A bug must not silently end the elector: this replica would never
+            # campaign again. Log it, start over with a fresh session.
+            log.exception("lease.elector_error", lease=self._lease.name)
+            self._renew_error = self._lease.held_token() is not None
+            self._store.reset()
+            self._expire_if_past_deadline()
 
     def _next_wait(self) -> float:
         if self._lease.held_token() is None:
@@ -203,52 +188,15 @@ class Elector(threading.Thread):
             return
         if self._at_fair_share is not None and self._at_fair_share():
             return
-        conn = self._session.get()
         started = self._clock()
-        outcome = try_acquire(
-            conn,
-            self._lease.name,
-            self._lease.holder,
-            self._timings.ttl,
-            self._lease.shard,
-        )
+        outcome = self._store.try_acquire(self._lease.holder, self._timings.ttl)
         self.last_db_ok = self._clock()
         if isinstance(outcome, Acquired):
-            self._lease.acquired(outcome.token, started)
-            self._last_other = None
-            lease_metrics.lease_transition(self._lease.shard, held=True, epoch=outcome.token.epoch)
-            log.info(
-                "lease.acquired",
-                lease=outcome.token.name,
-                holder=outcome.token.holder,
-                epoch=outcome.token.epoch,
-                waited_seconds=round(started - self._standby_since, 3),
-                db_time=outcome.at.isoformat() if outcome.at else None,
-            )
+            self._on_acquired(outcome, started)
         elif isinstance(outcome, HeldByOther):
-            seen = (outcome.holder, outcome.epoch)
-            if seen != self._last_other:
-                self._last_other = seen
-                lease_metrics.lease_observed(self._lease.shard, outcome.epoch)
-                log.info(
-                    "lease.standby",
-                    lease=self._lease.name,
-                    holder=self._lease.holder,
-                    leader=outcome.holder,
-                    epoch=outcome.epoch,
-                )
+            self._on_held_by_other(outcome)
         elif isinstance(outcome, OtherShardCount):
-            seen = (outcome.lease, -1)
-            if seen != self._last_other:
-                self._last_other = seen
-                log.warning(
-                    "lease.other_shard_count",
-                    lease=self._lease.name,
-                    holder=self._lease.holder,
-                    live=outcome.lease,
-                    hint="replicas with another RELAY_SHARDS still hold a lease; this one"
-                    " waits until they stop",
-                )
+            self._on_other_shard_count(outcome)
         else:
             log.debug(
                 "lease.lost_race",
@@ -256,6 +204,48 @@ class Elector(threading.Thread):
                 holder=self._lease.holder,
                 detail=outcome.detail,
             )
+
+    def _on_acquired(self, outcome: Acquired, started: float) -> None:
+        self._lease.acquired(outcome.token, started)
+        self._last_other = None
+        lease_metrics.lease_transition(self._lease.shard, held=True, epoch=outcome.token.epoch)
+        log.info(
+            "lease.acquired",
+            lease=outcome.token.name,
+            holder=outcome.token.holder,
+            epoch=outcome.token.epoch,
+            waited_seconds=round(started - self._standby_since, 3),
+            db_time=outcome.at.isoformat() if outcome.at else None,
+        )
+
+    def _on_held_by_other(self, outcome: HeldByOther) -> None:
+        """Said once per leader and epoch, not at every poll."""
+        seen = (outcome.holder, outcome.epoch)
+        if seen == self._last_other:
+            return
+        self._last_other = seen
+        lease_metrics.lease_observed(self._lease.shard, outcome.epoch)
+        log.info(
+            "lease.standby",
+            lease=self._lease.name,
+            holder=self._lease.holder,
+            leader=outcome.holder,
+            epoch=outcome.epoch,
+        )
+
+    def _on_other_shard_count(self, outcome: OtherShardCount) -> None:
+        seen = (outcome.lease, -1)
+        if seen == self._last_other:
+            return
+        self._last_other = seen
+        log.warning(
+            "lease.other_shard_count",
+            lease=self._lease.name,
+            holder=self._lease.holder,
+            live=outcome.lease,
+            hint="replicas with another RELAY_SHARDS still hold a lease; this one"
+            " waits until they stop",
+        )
 
     def _keep(self) -> None:
         if self._expire_if_past_deadline():
@@ -265,9 +255,8 @@ class Elector(threading.Thread):
         token = self._lease.held_token()
         if token is None:
             return
-        conn = self._session.get()
         started = self._clock()
-        renewed = renew(conn, token, self._timings.ttl)
+        renewed = self._store.renew(token, self._timings.ttl)
         self.last_db_ok = self._clock()
         if renewed:
             self._lease.renewed(token, started)
@@ -290,14 +279,3 @@ class Elector(threading.Thread):
         log.warning(
             "lease.lost", lease=token.name, holder=token.holder, epoch=token.epoch, reason=reason
         )
-
-    # -- connection --
-
-    def _open(self) -> Conn:
-        conn = self._connect()
-        try:
-            ensure_row(conn, self._lease.name, self._lease.shard)
-        except BaseException:
-            conn.close()
-            raise
-        return conn

@@ -26,7 +26,6 @@ from relay.db import Conn
 from relay.logging import OutageLog, get_logger
 from relay.metrics import Health
 from relay.queries import QUERIES
-from relay.settings import Settings
 
 log = get_logger("relay.lag")
 
@@ -148,8 +147,18 @@ def publish(sample: LagSample) -> None:
     metrics.OUTBOX_COUNT_CAP.set(sample.count_cap)
 
 
+@dataclass(frozen=True, slots=True)
+class LagConfig:
+    """All the sampler reads of the settings, made once (relay/app.py, `lag_config`)."""
+
+    lease_name: str  # RELAY_LEASE_NAME, the `lease` label of the per-shard series
+    interval_seconds: float  # RELAY_LAG_SAMPLE_SECONDS
+    count_cap: int  # RELAY_LAG_COUNT_CAP
+    shards: int  # RELAY_SHARDS; above 1, each shard is sampled too
+
+
 class LagSampler(threading.Thread):
-    """Refreshes the lag gauges every `lag_sample_seconds`.
+    """Refreshes the lag gauges every `interval_seconds`.
 
     On a failed sample the gauges keep their last values (the errors counter and
     `relay_lag_sample_age_seconds` say they are stale) rather than drop to zero, which
@@ -157,10 +166,15 @@ class LagSampler(threading.Thread):
     """
 
     def __init__(
-        self, settings: Settings, health: Health, clock: Callable[[], float] = time.monotonic
+        self,
+        config: LagConfig,
+        connect: Callable[[str], db.Conn],
+        health: Health,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="relay-lag", daemon=True)
-        self._settings = settings
+        self._config = config
+        self._connect = connect
         self._health = health
         self._clock = clock
         self._stop_event = threading.Event()
@@ -177,20 +191,18 @@ class LagSampler(threading.Thread):
             while not self._stop_event.is_set():
                 self._health.beat("lag")
                 self.sample_once()
-                self._stop_event.wait(self._settings.lag_sample_seconds)
+                self._stop_event.wait(self._config.interval_seconds)
         finally:
             self._session.close()
 
     def sample_once(self) -> LagSample | None:
         started = self._clock()
-        settings = self._settings
+        config = self._config
         try:
             conn = self._session.get()
-            sample = measure(conn, settings.lag_count_cap)
+            sample = measure(conn, config.count_cap)
             shards = (
-                measure_shards(conn, settings.shards, settings.lag_count_cap)
-                if settings.shards > 1
-                else []
+                measure_shards(conn, config.shards, config.count_cap) if config.shards > 1 else []
             )
         except Exception as exc:
             # Any failure, not only the database's: this thread only feeds metrics, and
@@ -201,13 +213,13 @@ class LagSampler(threading.Thread):
             return None
         self._outage.success()
         publish(sample)
-        SHARD_LAG.set(settings.lease_name, shards)
+        SHARD_LAG.set(config.lease_name, shards)
         self._sampled_at = self._clock()
         metrics.LAG_SAMPLE_SECONDS.set(self._sampled_at - started)
         return sample
 
     def _open(self) -> Conn:
-        conn = db.connect(self._settings, purpose="lag")
+        conn = self._connect("lag")
         try:
             # No JIT for millisecond queries; custom plans match the shard indexes.
             conn.execute(QUERIES.force_custom_plans)

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from relay import db, lease_metrics
-from relay.batch import BatchLimits
-from relay.drain import DrainConfig, Drainer
-from relay.elector import Elector, ElectorTimings, lease_session
+from relay.configs import drain_config, elector_timings
+from relay.drain import Drainer
+from relay.elector import Elector
 from relay.guard import DeadlineGuard
 from relay.lease import Lease, Shard
 from relay.logging import get_logger
@@ -35,43 +35,14 @@ from relay.presence import Presence
 from relay.progress import Progress
 from relay.settings import Settings
 from relay.shutdown import Shutdown
-from relay.sinks import Sink, message_max_bytes
-from relay.store.postgres import PostgresStore
+from relay.sinks import Sink
+from relay.store.postgres import PostgresLeaseStore, PostgresStore
 from relay.wakeup import Wakeup
 
 if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
     from relay.tracing import Tracing
 
 log = get_logger("relay.lanes")
-
-
-def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
-    """The batch bounds and the per-key cap, with the sink's default for the cap."""
-    per_key = settings.batch_max_per_key
-    if per_key is None:
-        per_key = 4 if sink.serial_per_key else max(1, settings.batch_size // 5)
-    return BatchLimits(
-        rows=settings.batch_size,
-        bytes=settings.batch_max_bytes,
-        per_key=per_key,
-        fill=not sink.serial_per_key,
-        message_bytes=message_max_bytes(settings),
-    )
-
-
-def drain_config(settings: Settings, sink: Sink) -> DrainConfig:
-    """All the drain reads of the settings (the drain itself never sees them)."""
-    return DrainConfig(
-        limits=batch_limits(settings, sink),
-        max_attempts=settings.max_attempts,
-        retry_base=settings.retry_base_seconds,
-        retry_max=settings.retry_max_seconds,
-        give_way_seconds=settings.give_way_seconds,
-        poll_min=settings.poll_interval_min_seconds,
-        poll_max=settings.poll_interval_max_seconds,
-        lease_ttl=settings.lease_ttl_seconds,
-        delete_sent=not settings.keep_sent_rows,
-    )
 
 
 class FairShare:
@@ -129,8 +100,8 @@ class Lane:
         )
         self.progress = Progress()
         self.elector = Elector(
-            ElectorTimings.of(settings),
-            lease_session(settings),
+            elector_timings(settings),
+            PostgresLeaseStore(settings, shard),
             self.lease,
             health=health,
             defer=presence.defer,

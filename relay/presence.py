@@ -29,13 +29,23 @@ import psycopg
 from relay import db, metrics
 from relay.logging import OutageLog, get_logger
 from relay.queries import QUERIES
-from relay.settings import Settings
 from relay.sinks import Sink
 
 log = get_logger("relay.presence")
 
 # A replica's rows silent this long are deleted by the others: it is gone for good.
 FORGET_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceConfig:
+    """All the presence loop reads of the settings, made once (relay/app.py, `presence_config`)."""
+
+    lease_name: str  # RELAY_LEASE_NAME: the group whose replicas count each other
+    replica_id: str  # RELAY_REPLICA_ID
+    heartbeat_seconds: float  # RELAY_HEARTBEAT_SECONDS
+    live_seconds: float  # max(RELAY_LEASE_TTL_SECONDS, 3 x RELAY_HEARTBEAT_SECONDS)
+    give_way_seconds: float  # RELAY_GIVE_WAY_SECONDS; 0: never give way nor defer
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +58,15 @@ class Peers:
 class Presence(threading.Thread):
     def __init__(
         self,
-        settings: Settings,
+        config: PresenceConfig,
+        connect: Callable[[str], db.Conn],
         leading: Callable[[], bool],
         sink: Sink,
         stalled_for: Callable[[], float],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="relay-presence", daemon=True)
-        self._settings = settings
+        self._config = config
         # Does this replica hold a lease (any shard's), and for how long has it had
         # rows to deliver and no answer (the worst of its shards).
         self._leading = leading
@@ -63,7 +74,7 @@ class Presence(threading.Thread):
         self._stalled_for = stalled_for
         self._clock = clock
         self._stop_event = threading.Event()
-        self._session = db.Session(lambda: db.connect(settings, purpose="presence"))
+        self._session = db.Session(lambda: connect("presence"))
         self._outage = OutageLog(log, "presence.beat_failed", "presence.beat_recovered")
         # Single writer (this thread), replaced whole: readers see one heartbeat's count.
         self._peers = Peers(0, 0, float("-inf"))
@@ -81,7 +92,7 @@ class Presence(threading.Thread):
         self._probe_failing = False
         # When a heartbeat last came back from the database (readiness).
         self.last_db_ok = 0.0
-        metrics.SINK_REACHABLE.labels(settings.lease_name).set(1)
+        metrics.SINK_REACHABLE.labels(config.lease_name).set(1)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -91,14 +102,14 @@ class Presence(threading.Thread):
     def able_peers(self) -> int:
         """Other live replicas that reach the sink, by a heartbeat recent enough to trust."""
         peers = self._peers
-        if self._clock() - peers.at > self._settings.replica_live_seconds:
+        if self._clock() - peers.at > self._config.live_seconds:
             return 0
         return peers.able
 
     def defer(self) -> bool:
         """Leave the lease to a peer: we cannot reach the sink (or just gave way for
         want of it), and a live peer can."""
-        if self._settings.give_way_seconds <= 0:
+        if self._config.give_way_seconds <= 0:
             return False
         with self._able_lock:
             unable = not self._sink_ok or self._clock() < self._defer_until
@@ -108,7 +119,7 @@ class Presence(threading.Thread):
         """The drain loop gave the lease up for want of the sink."""
         with self._able_lock:
             self._sink_ok = False
-            self._defer_until = self._clock() + self._settings.give_way_seconds
+            self._defer_until = self._clock() + self._config.give_way_seconds
 
     # --- the loop ---
 
@@ -117,7 +128,7 @@ class Presence(threading.Thread):
             while True:
                 self.beat_once()
                 # Without its table or grants it cannot help: look again now and then.
-                wait = 60.0 if self._missing_schema else self._settings.heartbeat_seconds
+                wait = 60.0 if self._missing_schema else self._config.heartbeat_seconds
                 if self._stop_event.wait(wait):
                     break
         finally:
@@ -128,19 +139,19 @@ class Presence(threading.Thread):
         sink_ok, error = self._sink_state()
         with self._able_lock:
             self._sink_ok = sink_ok
-        metrics.SINK_REACHABLE.labels(self._settings.lease_name).set(1 if sink_ok else 0)
+        metrics.SINK_REACHABLE.labels(self._config.lease_name).set(1 if sink_ok else 0)
         try:
             row = (
                 self._session.get()
                 .execute(
                     QUERIES.replica_beat,
                     {
-                        "lease": self._settings.lease_name,
-                        "replica": self._settings.replica_id,
+                        "lease": self._config.lease_name,
+                        "replica": self._config.replica_id,
                         "sink_ok": sink_ok,
                         "sink_error": error,
                         "first": self._first_beat,
-                        "live": self._settings.replica_live_seconds,
+                        "live": self._config.live_seconds,
                         "forget": FORGET_SECONDS,
                     },
                 )
@@ -167,21 +178,21 @@ class Presence(threading.Thread):
         assert row is not None  # an aggregate-only SELECT always returns one row
         self.last_db_ok = self._clock()
         self._peers = Peers(int(row["live_peers"]), int(row["able_peers"]), self.last_db_ok)
-        metrics.PEERS.labels(self._settings.lease_name, "live").set(self._peers.live)
-        metrics.PEERS.labels(self._settings.lease_name, "able").set(self._peers.able)
+        metrics.PEERS.labels(self._config.lease_name, "live").set(self._peers.live)
+        metrics.PEERS.labels(self._config.lease_name, "able").set(self._peers.able)
 
     def _sink_state(self) -> tuple[bool, str | None]:
         if self._leading():
             # The leader's traffic is its probe. Past half the give-way window without
             # progress it reports itself unable, so a peer deciding whether to defer
             # sees the truth before the leader gives way.
-            limit = max(self._settings.give_way_seconds / 2, 2 * self._settings.heartbeat_seconds)
+            limit = max(self._config.give_way_seconds / 2, 2 * self._config.heartbeat_seconds)
             stalled = self._stalled_for()
             if stalled < limit:
                 return True, None
             return False, f"leader delivered nothing for {stalled:.0f} s"
         try:
-            self._sink.check(timeout=min(5.0, self._settings.heartbeat_seconds))
+            self._sink.check(timeout=min(5.0, self._config.heartbeat_seconds))
         except Exception as exc:  # any failure to reach it is an answer, not a bug
             error = f"{type(exc).__name__}: {exc}"[:300]
             if not self._probe_failing:
@@ -198,7 +209,7 @@ class Presence(threading.Thread):
         try:
             self._session.get().execute(
                 QUERIES.replica_leave,
-                {"lease": self._settings.lease_name, "replica": self._settings.replica_id},
+                {"lease": self._config.lease_name, "replica": self._config.replica_id},
             )
         except psycopg.Error as exc:
             log.debug("presence.leave_failed", error=db.describe_error(exc))

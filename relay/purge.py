@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from relay import db, metrics, repository
 from relay.lease import Lease
 from relay.logging import OutageLog, get_logger
-from relay.settings import Settings
 
 log = get_logger("relay.purge")
 
@@ -26,29 +26,39 @@ log = get_logger("relay.purge")
 RUN_SECONDS = 2.0
 
 
+@dataclass(frozen=True, slots=True)
+class PurgeConfig:
+    """All the purge reads of the settings, made once (relay/app.py, `purge_config`)."""
+
+    retention_seconds: float  # RELAY_RETENTION_SECONDS: sent rows older than this go
+    interval_seconds: float  # RELAY_PURGE_INTERVAL_SECONDS
+    batch_size: int  # RELAY_PURGE_BATCH_SIZE
+
+
 class Purger(threading.Thread):
     def __init__(
         self,
-        settings: Settings,
+        config: PurgeConfig,
+        connect: Callable[[str], db.Conn],
         lease: Lease,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="relay-purge", daemon=True)
-        self._settings = settings
+        self._config = config
         self._lease = lease
         self._clock = clock
         self._stop_event = threading.Event()
-        self._session = db.Session(lambda: db.connect(settings, purpose="purge"))
+        self._session = db.Session(lambda: connect("purge"))
         self._outage = OutageLog(log, "outbox.purge_failed", "outbox.purge_recovered")
 
     def stop(self) -> None:
         self._stop_event.set()
 
     def run(self) -> None:
-        wait = self._settings.purge_interval_seconds
+        wait = self._config.interval_seconds
         try:
             while not self._stop_event.wait(wait):
-                wait = self._settings.purge_interval_seconds
+                wait = self._config.interval_seconds
                 if self._lease.token() is not None and self.purge_once() is None:
                     wait = 0.05  # more rows are due: go on, after a breath
         finally:
@@ -67,11 +77,11 @@ class Purger(threading.Thread):
                     return None
                 count = repository.purge_sent(
                     self._session.get(),
-                    self._settings.retention_seconds,
-                    self._settings.purge_batch_size,
+                    self._config.retention_seconds,
+                    self._config.batch_size,
                 )
                 deleted += count
-                if count < self._settings.purge_batch_size:
+                if count < self._config.batch_size:
                     break
         except Exception as exc:
             # Any failure: this thread only keeps the table small, and its death would

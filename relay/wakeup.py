@@ -10,6 +10,8 @@ hint to look now; what to send is still decided by the fetch alone.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
@@ -17,7 +19,6 @@ from psycopg import sql
 from relay import db, metrics
 from relay.backoff import Backoff, Retrying
 from relay.logging import get_logger
-from relay.settings import Settings
 from relay.shutdown import Shutdown
 
 log = get_logger("relay.wakeup")
@@ -41,6 +42,13 @@ class Wakeup:
         self._event.set()
 
 
+@dataclass(frozen=True, slots=True)
+class ListenerConfig:
+    """All the listener reads of the settings, made once (relay/app.py, `listener_config`)."""
+
+    channel: str  # RELAY_NOTIFY_CHANNEL
+
+
 class Listener:
     """LISTENs on its own session and wakes every lane's drain loop on a notification.
 
@@ -51,11 +59,15 @@ class Listener:
     """
 
     def __init__(
-        self, settings: Settings, channel: str, wakeups: list[Wakeup], shutdown: Shutdown
+        self,
+        config: ListenerConfig,
+        connect: Callable[[str], db.Conn],
+        wakeups: list[Wakeup],
+        shutdown: Shutdown,
     ) -> None:
-        self._settings = settings
-        self._listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel))
-        self._channel = channel
+        self._connect = connect
+        self._listen = sql.SQL("LISTEN {}").format(sql.Identifier(config.channel))
+        self._channel = config.channel
         self._wakeups = wakeups
         self._shutdown = shutdown
         self._stopping = threading.Event()
@@ -91,7 +103,7 @@ class Listener:
         metrics.NOTIFY_LISTENING.set(0)
 
     def _listen_until_stopped(self) -> None:
-        with db.connect(self._settings, purpose="listen") as conn:
+        with self._connect("listen") as conn:
             conn.execute(self._listen)
             self._retry.reset()
             metrics.NOTIFY_LISTENING.set(1)

@@ -20,8 +20,9 @@ from prometheus_client import REGISTRY, generate_latest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
-from relay import lag, repository
+from relay import db, lag, repository
 from relay.batch import BatchLimits
+from relay.configs import lag_config
 from relay.lease import Acquired, LostRace, OtherShardCount, Shard
 from relay.metrics import Health
 from relay.migrate import create_shard_indexes, shard_index_names
@@ -199,7 +200,10 @@ def test_the_lag_sampler_exports_each_shard_beside_the_total(
 ) -> None:
     create_shard_indexes(CommonSettings(database_url=database), SHARDS)
     insert_rows(database, "t", keyed_rows(keys=20, per_key=3))
-    sampler = lag.LagSampler(make_settings(shards=SHARDS), Health())
+    settings = make_settings(shards=SHARDS)
+    sampler = lag.LagSampler(
+        lag_config(settings), lambda purpose: db.connect(settings, purpose=purpose), Health()
+    )
     try:
         assert sampler.sample_once() is not None
         text = generate_latest(REGISTRY).decode()
@@ -218,7 +222,10 @@ def test_the_lag_sampler_exports_each_shard_beside_the_total(
 
 
 def test_without_shards_no_shard_lag_series_exist(make_settings: SettingsFactory) -> None:
-    sampler = lag.LagSampler(make_settings(), Health())
+    settings = make_settings()
+    sampler = lag.LagSampler(
+        lag_config(settings), lambda purpose: db.connect(settings, purpose=purpose), Health()
+    )
     try:
         assert sampler.sample_once() is not None
         text = generate_latest(REGISTRY).decode()

@@ -480,11 +480,13 @@ def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_th
 def _elector(now: list[float]) -> tuple[Any, Any]:
     from relay.elector import Elector, ElectorTimings
 
-    def no_database() -> Any:
-        raise AssertionError("this transition needs no database")
+    class NoDatabase:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"this transition needs no database ({name})")
 
     lease = _lease(now)  # ttl 10, margin 2
-    return Elector(ElectorTimings(10.0, 3.0, 0.5), no_database, lease, clock=lambda: now[0]), lease
+    elector = Elector(ElectorTimings(10.0, 3.0, 0.5), NoDatabase(), lease, clock=lambda: now[0])
+    return elector, lease
 
 
 def test_the_elector_polls_as_a_standby_and_wakes_to_renew_and_to_see_its_deadline() -> None:

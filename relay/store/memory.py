@@ -3,9 +3,11 @@ of the drain loop (`./dev test --unit`) and for reading the protocol without SQL
 
 It keeps the rules the loop relies on: id order, rows in flight and held keys left out,
 a key blocked by an earlier row in backoff or not yet due, the per-key cap, the byte
-bounds, and the settle fenced on the lease's holder and epoch, all of it at once. It
-does not model the fair round over keys (relay/sql/drain.sql's `fetch_batch`, tested
-on PostgreSQL): a batch here is the head, capped per key.
+bounds, the settle fenced on the lease's holder and epoch, all of it at once, and the
+lease rows' compare-and-swap by the store's clock. It does not model the fair round
+over keys (relay/sql/drain.sql's `fetch_batch`) nor the shard count's group row
+(`lease_group_claim`), both tested on PostgreSQL: a batch here is the head, capped per
+key.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from relay.batch import BatchLimits, Settlement
-from relay.lease import LeaseToken
+from relay.lease import Acquired, Attempt, HeldByOther, LeaseToken
 from relay.message import OutboxMessage
 from relay.store.port import Fetched, Promoted, StoreError
 
@@ -56,6 +58,7 @@ class LeaseRow:
     holder: str | None = None
     epoch: int = 0
     expires: float = 0.0
+    released: bool = False
 
 
 class MemoryStore:
@@ -91,9 +94,13 @@ class MemoryStore:
     def take(self, name: str, holder: str, ttl: float = 30.0) -> LeaseToken:
         """The lease row taken by `holder` under a new epoch (fencing any older one)."""
         with self._lock:
-            row = self.leases.setdefault(name, LeaseRow())
-            row.holder, row.epoch, row.expires = holder, row.epoch + 1, self.clock() + ttl
-            return LeaseToken(name, holder, row.epoch)
+            return self._take(name, holder, ttl)
+
+    def _take(self, name: str, holder: str, ttl: float) -> LeaseToken:
+        row = self.leases.setdefault(name, LeaseRow())
+        row.holder, row.epoch, row.expires = holder, row.epoch + 1, self.clock() + ttl
+        row.released = False
+        return LeaseToken(name, holder, row.epoch)
 
     def fail_next(self, statements: int = 1) -> None:
         """The next `statements` statements fail, as a cut session would."""
@@ -107,6 +114,49 @@ class MemoryStore:
     def dead(self) -> list[Row]:
         with self._lock:
             return [row for row in self.rows if row.dead_reason is not None]
+
+    # --- the lease rows ---
+
+    def lease_session(self, name: str) -> MemoryLeaseStore:
+        """A `LeaseStore` for the row `name`."""
+        return MemoryLeaseStore(self, name)
+
+    def try_acquire(self, name: str, holder: str, ttl: float) -> Attempt:
+        with self._lock:
+            self._statement()
+            row = self.leases.setdefault(name, LeaseRow())
+            now = self.clock()
+            if row.expires > now and not row.released and row.holder != holder:
+                return HeldByOther(row.holder, row.epoch)
+            token = self._take(name, holder, ttl)
+            return Acquired(token, datetime.fromtimestamp(now, UTC))
+
+    def renew(self, token: LeaseToken, ttl: float) -> bool:
+        with self._lock:
+            self._statement()
+            return self._renew(token, ttl)
+
+    def _renew(self, token: LeaseToken, ttl: float) -> bool:
+        """`lease_renew`, and the settles' fence: a row taken since, or released, is not
+        ours any more (an expired one nobody took still is)."""
+        row = self.leases.get(token.name)
+        if row is None or (row.holder, row.epoch, row.released) != (
+            token.holder,
+            token.epoch,
+            False,
+        ):
+            return False
+        row.expires = self.clock() + ttl
+        return True
+
+    def release(self, token: LeaseToken) -> bool:
+        with self._lock:
+            self._statement()
+            row = self.leases.get(token.name)
+            if row is None or (row.holder, row.epoch) != (token.holder, token.epoch):
+                return False
+            row.expires, row.released = self.clock(), True
+            return True
 
     # --- DrainStore ---
 
@@ -186,10 +236,8 @@ class MemoryStore:
         with self._lock:
             self._statement()
             now = self.clock()
-            lease = self.leases.get(token.name)
-            if lease is None or (lease.holder, lease.epoch) != (token.holder, token.epoch):
-                return None  # fenced: a newer holder, or given up; nothing is written
-            lease.expires = now + ttl
+            if not self._renew(token, ttl):
+                return None  # fenced: a newer holder, or released; nothing is written
             by_id = {row.id: row for row in self.rows}
             for row_id in settlement.sent:
                 row = by_id[row_id]
@@ -252,3 +300,26 @@ def _message(row: Row, limits: BatchLimits) -> OutboxMessage:
         due_epoch=row.available_at if row.available_at is not None else row.created,
         attempts=row.attempts,
     )
+
+
+class MemoryLeaseStore:
+    """One lease row of a `MemoryStore`, as the elector's session sees it."""
+
+    def __init__(self, store: MemoryStore, name: str) -> None:
+        self._store = store
+        self._name = name
+
+    def try_acquire(self, holder: str, ttl: float) -> Attempt:
+        return self._store.try_acquire(self._name, holder, ttl)
+
+    def renew(self, token: LeaseToken, ttl: float) -> bool:
+        return self._store.renew(token, ttl)
+
+    def release(self, token: LeaseToken) -> bool:
+        return self._store.release(token)
+
+    def reset(self) -> None:
+        """Sessions are not modelled."""
+
+    def close(self) -> None:
+        """Nothing to close."""

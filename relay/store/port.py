@@ -1,9 +1,10 @@
-"""The drain's store interface (pure: no database driver here).
+"""The store interfaces of the drain and the elector (pure: no database driver here).
 
-Two sessions, each owned by one thread: the drain loop reads (`ReadStore`) and the
-settler writes outcomes (`SettleStore`), so the next batch is read while the last is
-being settled. A failed statement raises `StoreError`; the loop then retries on a fresh
-session, and rows published but not settled stay unsent (a duplicate, never a loss).
+Three sessions per lane, each owned by one thread: the drain loop reads (`ReadStore`),
+the settler writes outcomes (`SettleStore`), so the next batch is read while the last is
+being settled, and the elector runs the lease protocol (`LeaseStore`). A failed
+statement raises `StoreError`; the loop then retries on a fresh session, and rows
+published but not settled stay unsent (a duplicate, never a loss).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from datetime import datetime
 from typing import Protocol
 
 from relay.batch import BatchLimits, Settlement
-from relay.lease import LeaseToken
+from relay.lease import Attempt, LeaseToken
 from relay.message import OutboxMessage
 
 
@@ -93,3 +94,24 @@ class DrainStore(Protocol):
     def reading(self) -> ReadStore: ...
 
     def settling(self) -> SettleStore: ...
+
+
+class LeaseStore(Protocol):
+    """The elector's session, for one lease row (relay/lease.py has the protocol)."""
+
+    def try_acquire(self, holder: str, ttl: float) -> Attempt:
+        """One compare-and-swap attempt on the row (and its group's shard count)."""
+        ...
+
+    def renew(self, token: LeaseToken, ttl: float) -> bool:
+        """Extend the lease by `ttl`; False once a newer holder took it, or it was
+        released (fencing)."""
+        ...
+
+    def release(self, token: LeaseToken) -> bool:
+        """Expire the row now, so a standby takes it at its next poll."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...

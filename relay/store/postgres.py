@@ -1,5 +1,6 @@
-"""The drain's store on PostgreSQL: the named statements of relay/sql/drain.sql (run by
-relay/repository.py), each session opened on first use and again after a failure."""
+"""The stores on PostgreSQL: the named statements of relay/sql/drain.sql (run by
+relay/repository.py) and relay/sql/lease.sql (relay/store/lease.py), each session opened
+on first use and again after a failure."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from contextlib import contextmanager
 from datetime import datetime
 
 import psycopg
+from psycopg import IsolationLevel
 
 from relay import db, repository
 from relay.batch import BatchLimits, Settlement
-from relay.lease import LeaseToken, Shard
+from relay.lease import Attempt, LeaseToken, Shard
 from relay.queries import QUERIES
+from relay.settings import Settings
+from relay.store import lease as lease_steps
 from relay.store.port import Fetched, Promoted, StoreError
 
 
@@ -103,6 +107,47 @@ class PostgresSettleStore:
             return repository.settle(
                 self._session.get(), token, ttl, settlement, delete_sent=delete_sent
             )
+
+    def reset(self) -> None:
+        self._session.close()
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class PostgresLeaseStore:
+    """The elector's session: REPEATABLE READ, which the CAS acquisition relies on
+    (relay/lease.py); opening it makes sure the lease row exists."""
+
+    def __init__(self, settings: Settings, shard: Shard) -> None:
+        self._settings = settings
+        self._shard = shard
+        self._session = db.Session(self._open)
+
+    def _open(self) -> db.Conn:
+        conn = db.connect(
+            self._settings, purpose="lease", isolation_level=IsolationLevel.REPEATABLE_READ
+        )
+        try:
+            lease_steps.ensure_row(conn, self._shard.name, self._shard)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def try_acquire(self, holder: str, ttl: float) -> Attempt:
+        with _failing_as_store_error(self._session):
+            return lease_steps.try_acquire(
+                self._session.get(), self._shard.name, holder, ttl, self._shard
+            )
+
+    def renew(self, token: LeaseToken, ttl: float) -> bool:
+        with _failing_as_store_error(self._session):
+            return lease_steps.renew(self._session.get(), token, ttl)
+
+    def release(self, token: LeaseToken) -> bool:
+        with _failing_as_store_error(self._session):
+            return lease_steps.release(self._session.get(), token)
 
     def reset(self) -> None:
         self._session.close()

@@ -1,0 +1,86 @@
+"""What each component reads of the settings, made once at start-up: the components
+themselves take these small configs, never the whole `Settings`, so their constructors
+say what they depend on and the fast tests build them by hand."""
+
+from __future__ import annotations
+
+from relay.batch import BatchLimits
+from relay.drain import DrainConfig
+from relay.elector import ElectorTimings
+from relay.lag import LagConfig
+from relay.presence import PresenceConfig
+from relay.purge import PurgeConfig
+from relay.settings import Settings
+from relay.sinks import Sink, message_max_bytes
+from relay.wakeup import ListenerConfig
+
+
+def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
+    """The batch bounds and the per-key cap, with the sink's default for the cap."""
+    per_key = settings.batch_max_per_key
+    if per_key is None:
+        per_key = 4 if sink.serial_per_key else max(1, settings.batch_size // 5)
+    return BatchLimits(
+        rows=settings.batch_size,
+        bytes=settings.batch_max_bytes,
+        per_key=per_key,
+        fill=not sink.serial_per_key,
+        message_bytes=message_max_bytes(settings),
+    )
+
+
+def elector_timings(settings: Settings) -> ElectorTimings:
+    return ElectorTimings(
+        ttl=settings.lease_ttl_seconds,
+        renew_interval=settings.renew_interval,
+        standby_poll=settings.standby_poll_seconds,
+    )
+
+
+def drain_config(settings: Settings, sink: Sink) -> DrainConfig:
+    """All the drain reads of the settings (the drain itself never sees them)."""
+    return DrainConfig(
+        limits=batch_limits(settings, sink),
+        max_attempts=settings.max_attempts,
+        retry_base=settings.retry_base_seconds,
+        retry_max=settings.retry_max_seconds,
+        give_way_seconds=settings.give_way_seconds,
+        poll_min=settings.poll_interval_min_seconds,
+        poll_max=settings.poll_interval_max_seconds,
+        lease_ttl=settings.lease_ttl_seconds,
+        delete_sent=not settings.keep_sent_rows,
+    )
+
+
+def presence_config(settings: Settings) -> PresenceConfig:
+    return PresenceConfig(
+        lease_name=settings.lease_name,
+        replica_id=settings.replica_id,
+        heartbeat_seconds=settings.heartbeat_seconds,
+        live_seconds=settings.replica_live_seconds,
+        give_way_seconds=settings.give_way_seconds,
+    )
+
+
+def purge_config(settings: Settings) -> PurgeConfig:
+    return PurgeConfig(
+        retention_seconds=settings.retention_seconds,
+        interval_seconds=settings.purge_interval_seconds,
+        batch_size=settings.purge_batch_size,
+    )
+
+
+def lag_config(settings: Settings) -> LagConfig:
+    return LagConfig(
+        lease_name=settings.lease_name,
+        interval_seconds=settings.lag_sample_seconds,
+        count_cap=settings.lag_count_cap,
+        shards=settings.shards,
+    )
+
+
+def listener_config(settings: Settings) -> ListenerConfig | None:
+    """None without RELAY_NOTIFY_CHANNEL: no listener, the lanes only poll."""
+    if not settings.notify_channel:
+        return None
+    return ListenerConfig(channel=settings.notify_channel)
