@@ -47,7 +47,7 @@ class RelayApp:
         metrics.TOPIC_LABELS.reset(settings.metrics_topic_labels)
         # One sink per shard: giving way, a deadline cut or a hand-over resets one
         # shard's producer, never another's in-flight messages.
-        sinks = [create_sink(settings) for _ in shards]
+        sinks = [create_sink(settings, self.tracing) for _ in shards]
         self.lanes: list[Lane] = []
         self.presence = Presence(
             presence_config(settings),

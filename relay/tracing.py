@@ -49,10 +49,6 @@ def configure(settings: Settings) -> Tracing | None:
         return _made[0]
 
 
-def current() -> Tracing | None:
-    return _made[0] if _made else None
-
-
 def shutdown(timeout: float = 3.0) -> None:
     """Export what is buffered (at the end of `relay run`), waiting `timeout` at most:
     with the collector down the SDK would retry for 30 s, past the pod's grace period."""

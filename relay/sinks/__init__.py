@@ -17,6 +17,7 @@ from relay.sinks.base import Outcome, Result, Sink, SinkSpec
 
 if TYPE_CHECKING:  # relay.settings is made of the sinks' own settings modules
     from relay.settings import Settings
+    from relay.tracing import Tracing
 
 __all__ = [
     "Outcome",
@@ -55,7 +56,9 @@ def message_max_bytes(settings: Settings) -> int:
     return (16 << 20) if spec is None else spec.message_max_bytes(settings)
 
 
-def create_sink(settings: Settings) -> Sink:
+def create_sink(settings: Settings, tracing: Tracing | None = None) -> Sink:
+    """The chosen sink; `tracing` (RELAY_TRACING) for the sinks that make spans of
+    their own (HTTP: one per request)."""
     spec = sink_specs().get(settings.sink)
     if spec is None:  # Settings validated the name; only a hand-built one gets here
         raise SettingsError("RELAY_SINK", f"no sink named {settings.sink!r}")
@@ -71,4 +74,4 @@ def create_sink(settings: Settings) -> Sink:
             f" pip install 'pg-outbox-relay[{spec.extra}]'",
         ) from None
     factory = getattr(module, class_name)
-    return cast(Sink, factory(settings))
+    return cast(Sink, factory(settings, tracing=tracing))

@@ -156,7 +156,9 @@ class SinkSpec:
 
     name: str  # the value of RELAY_SINK
     settings: type[BaseModel]  # its RELAY_<NAME>_* fields, mixed into `Settings`
-    implementation: str  # "module:Class", imported only when this sink is chosen
+    # "module:Class", imported only when this sink is chosen; made as
+    # Class(settings, tracing=...) (the process's Tracing, or None)
+    implementation: str
     secrets: tuple[str, ...] = ()  # fields that may come from RELAY_<FIELD>_FILE
     # Raises `SettingsError` if a setting this sink cannot run without is missing;
     # called only when this sink is the chosen one.

@@ -45,7 +45,7 @@ from urllib.parse import quote, unquote, urlsplit
 import httpx
 from prometheus_client import Counter, Histogram
 
-from relay import __version__, tracing
+from relay import __version__
 from relay.cloudevents import CloudEvents, is_attribute_header, percent_encoded
 from relay.logging import get_logger
 from relay.message import MalformedRow, OutboxMessage
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from relay.sinks.http_tracing import RequestSpans
+    from relay.tracing import Tracing
 
 log = get_logger("relay.sinks.http")
 
@@ -359,11 +360,11 @@ def ssl_context(settings: HttpSettings) -> ssl.SSLContext:
 class HttpSink(KeyedSink):
     name = "http"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracing: Tracing | None = None) -> None:
         options = settings.sink_options(HttpSettings)
         self._options = options
         self._builder = RequestBuilder(options, CloudEvents.from_settings(settings))
-        self._spans = _request_spans()  # RELAY_TRACING: a span per request
+        self._spans = _request_spans(tracing)  # RELAY_TRACING: a span per request
         self._ssl = ssl_context(options)
         self._retry_cap = settings.retry_max_seconds
         self._also_retry = options.http_retry_status_codes
@@ -478,15 +479,14 @@ class HttpSink(KeyedSink):
         await self._client.aclose()
 
 
-def _request_spans() -> RequestSpans | None:
+def _request_spans(tracing: Tracing | None) -> RequestSpans | None:
     """A span per request with RELAY_TRACING, else None: OpenTelemetry is imported
     only then."""
-    traced = tracing.current()
-    if traced is None:
+    if tracing is None:
         return None
     from relay.sinks.http_tracing import RequestSpans
 
-    return RequestSpans(traced)
+    return RequestSpans(tracing)
 
 
 async def _read_capped(response: httpx.Response) -> bytes:

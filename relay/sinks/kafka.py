@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
@@ -25,6 +25,9 @@ from relay.message import TOPIC, MalformedRow, OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
 from relay.sinks.kafka_settings import KafkaSettings
+
+if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
+    from relay.tracing import Tracing
 
 log = get_logger("relay.sinks.kafka")
 
@@ -201,7 +204,7 @@ class KafkaSink:
     name = "kafka"
     serial_per_key = False
 
-    def __init__(self, common: Settings) -> None:
+    def __init__(self, common: Settings, tracing: Tracing | None = None) -> None:
         settings = common.sink_options(KafkaSettings)
         self._config = producer_config(common)
         self._config["error_cb"] = self._on_client_error

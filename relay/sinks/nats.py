@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import ssl
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import nats.js.errors
@@ -41,6 +41,9 @@ from relay.settings import Settings
 from relay.sinks.base import ACKED, Outcome, Result
 from relay.sinks.keyed import KeyedSink
 from relay.sinks.nats_settings import NatsSettings, nats_servers, subject_problem
+
+if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
+    from relay.tracing import Tracing
 
 log = get_logger("relay.sinks.nats")
 
@@ -127,7 +130,7 @@ def classify(exc: Exception) -> Result:
 class NatsSink(KeyedSink):
     name = "nats"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracing: Tracing | None = None) -> None:
         options = settings.sink_options(NatsSettings)
         self._options = options
         self._cloudevents = CloudEvents.from_settings(settings)

@@ -25,6 +25,7 @@ import contextlib
 import ssl
 import time
 from datetime import datetime
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aio_pika
@@ -44,6 +45,9 @@ from relay.settings import Settings
 from relay.sinks.base import ACKED, Outcome, Result
 from relay.sinks.keyed import KeyedSink
 from relay.sinks.rabbitmq_settings import MAX_SHORTSTR, RabbitmqSettings, uses_tls
+
+if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
+    from relay.tracing import Tracing
 
 log = get_logger("relay.sinks.rabbitmq")
 
@@ -139,7 +143,7 @@ def classify(exc: BaseException, exchange: str) -> Result:
 class RabbitmqSink(KeyedSink):
     name = "rabbitmq"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracing: Tracing | None = None) -> None:
         options = settings.sink_options(RabbitmqSettings)
         self._options = options
         self._cloudevents = CloudEvents.from_settings(settings)
