@@ -127,8 +127,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"-- relay migrate --own-table for {settings.outbox_table}: nothing applied")
         print("\n\n".join(text.rstrip(";") + ";" for text in texts))
         return EXIT_OK
-    applied = migrate(settings)
+    migrated = migrate(settings)
+    applied = migrated.applied
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    if migrated.waiting is not None:
+        print(migrated.waiting)
     if args.own_table:
         migrate_own_table(settings)
         print(

@@ -20,6 +20,9 @@ from relay.settings import CommonSettings
 log = get_logger("relay.migrate")
 
 _FILE = re.compile(r"^(?P<version>\d{4})_[a-z0-9_]+\.sql$")
+# A migration that removes what relays of an earlier release read says which migration
+# those relays predate: it is applied only once that one was applied by an earlier run.
+_AFTER_ROLLOUT = re.compile(r"^-- after-rollout-of: (?P<version>\d{4})$", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,21 @@ class Migration:
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def after_rollout_of(self) -> str | None:
+        found = _AFTER_ROLLOUT.search(self.sql)
+        return found["version"] if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """What a `relay migrate` run did."""
+
+    applied: list[str]
+    # The first migration held back until a rolling upgrade is done, and why; the ones
+    # after it wait too (migrations apply in order).
+    waiting: str | None = None
 
 
 def migrations_dir() -> Path:
@@ -54,10 +72,17 @@ def load(directory: Path | None = None) -> list[Migration]:
     return found
 
 
-def migrate(settings: CommonSettings, directory: Path | None = None) -> list[str]:
-    """Apply what is pending; return the names applied. Safe to run concurrently."""
+def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated:
+    """Apply what is pending, in order, each in its transaction. Safe to run concurrently.
+
+    A migration marked `-- after-rollout-of: NNNN` drops what relays from before NNNN
+    read: it waits (and so do the later ones) while this run is the one that applied
+    NNNN, since replicas of that earlier release may still be running; a fresh database
+    (nothing applied yet) has none, and takes everything at once.
+    """
     migrations = load(directory)
     applied_now: list[str] = []
+    waiting: str | None = None
     with db.connect(settings, purpose="migrate") as conn:
         # DDL may wait behind the app's traffic; do not let the relay's own timeouts
         # (meant for the hot path) cut a migration short.
@@ -70,12 +95,12 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> list[str
             }
             for migration in migrations:
                 if migration.version in applied:
-                    if applied[migration.version] != migration.checksum:
-                        raise MigrationError(
-                            f"{migration.name} was changed after it was applied; "
-                            "add a new migration instead"
-                        )
+                    _check_unchanged(migration, applied[migration.version])
                     continue
+                waiting = _waits_for_rollout(migration, applied)
+                if waiting is not None:
+                    log.warning("migration.waiting", name=migration.name, reason=waiting)
+                    break
                 with conn.transaction():
                     # A migration file is trusted SQL shipped with the relay.
                     conn.execute(migration.sql)
@@ -90,7 +115,26 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> list[str
         finally:
             if not conn.closed and not conn.broken:
                 conn.execute(QUERIES.migrations_unlock)
-    return applied_now
+    return Migrated(applied_now, waiting)
+
+
+def _check_unchanged(migration: Migration, checksum: str) -> None:
+    if checksum != migration.checksum:
+        raise MigrationError(
+            f"{migration.name} was changed after it was applied; add a new migration instead"
+        )
+
+
+def _waits_for_rollout(migration: Migration, applied_before: dict[str, str]) -> str | None:
+    """Why `migration` may not run in this run, if it may not."""
+    needs = migration.after_rollout_of
+    if needs is None or not applied_before or needs in applied_before:
+        return None
+    return (
+        f"{migration.name} waits: it drops what relays from before migration {needs}"
+        f" read, and this run applied {needs}; run `relay migrate` again once every"
+        " replica runs this release"
+    )
 
 
 def shard_index_names(shards: int) -> tuple[str, str]:

@@ -211,7 +211,8 @@ def test_an_upgrade_keeps_the_previous_releases_indexes_for_a_rolling_upgrade(
         for statement in OLD_SHARD_INDEXES:
             conn.execute(statement)
     before = indexes(db_at_0007)
-    migrate(CommonSettings(database_url=db_at_0007))
+    migrated = migrate(CommonSettings(database_url=db_at_0007))
+    assert migrated.waiting is not None and "0010" in migrated.waiting  # tests/test_upgrade.py
     after = indexes(db_at_0007)
     # A relay of the previous release, still running, reads exactly these.
     for name in ("outbox_unsent_idx", "outbox_key_idx", "outbox_shards_3_idx"):
@@ -248,7 +249,7 @@ def test_a_dba_can_build_the_indexes_concurrently_first_and_a_failed_build_is_na
             " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
             " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
         )
-    applied = migrate(CommonSettings(database_url=db_at_0007))  # 0008 went in before
+    applied = migrate(CommonSettings(database_url=db_at_0007)).applied  # 0008 went in before
     assert [name[:4] for name in applied] == ["0009"]
     assert "outbox_scheduled_key_idx" in indexes(db_at_0007)
 

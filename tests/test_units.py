@@ -517,3 +517,15 @@ def test_the_elector_renews_only_when_due_and_drops_a_lease_past_its_deadline() 
     now[0] = 8.0  # past the local deadline, with no renewal: gone, without asking
     elector._keep()
     assert lease.held_token() is None
+
+
+def test_a_migration_that_retires_indexes_waits_for_the_rollout_of_the_one_it_follows() -> None:
+    from relay.migrate import Migration, _waits_for_rollout
+
+    retire = Migration("0010", "0010_x.sql", "-- after-rollout-of: 0009\nDROP INDEX i;")
+    assert retire.after_rollout_of == "0009"
+    assert Migration("0009", "0009_x.sql", "CREATE INDEX i ...;").after_rollout_of is None
+    assert _waits_for_rollout(retire, {}) is None  # a fresh database: nothing ran before
+    assert _waits_for_rollout(retire, {"0009": "c"}) is None  # an earlier run applied it
+    waits = _waits_for_rollout(retire, {"0007": "c"})  # this run is applying 0009
+    assert waits is not None and "0010_x.sql waits" in waits and "relay migrate" in waits

@@ -1,0 +1,221 @@
+"""Upgrades: the index set a fresh outbox carries, and the rolling upgrade that retires
+the previous release's indexes (migration 0010) with a relay of that release running
+beside this one, nothing lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import uuid
+from collections.abc import Iterator
+from io import BytesIO
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from relay.migrate import migrate, migrations_dir
+from relay.settings import CommonSettings
+from tests.conftest import REPO, relay_command, relay_env
+from tests.harness.kafka import TansuBroker, consume
+from tests.harness.postgres import PostgresServer
+from tests.support import dedup_by_message_id, insert_rows, unsent_count, wait_until
+
+# The relay before scheduled delivery (migrations 0008-0009), which reads
+# outbox_unsent_idx and outbox_key_idx: "the previous release" of this upgrade.
+BEFORE_0009 = "26f30cd^"
+LEGACY = ("outbox_unsent_idx", "outbox_key_idx")
+
+# What a fresh outbox carries, and which of them an app's INSERT writes (a partial
+# index whose predicate a new row fails costs the insert nothing).
+INDEXES = {
+    "outbox_pkey": "the id",
+    "outbox_due_idx": "the fetch's walk in id order (written by every insert)",
+    "outbox_due_key_idx": "the fair fetch's walk over keys (written by every insert)",
+    "outbox_backoff_idx": "rows waiting out a backoff, blocking their keys",
+    "outbox_failing_rows_idx": "rows that failed, for the lag and the CLI",
+    "outbox_dead_letter_idx": "dead letters, for listing and requeueing",
+    "outbox_sent_idx": "sent rows, for the retention purge",
+    "outbox_scheduled_idx": "scheduled rows by due time, for their promotion",
+    "outbox_scheduled_key_idx": "scheduled rows by key, blocking their keys",
+}
+WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_idx", "outbox_due_key_idx"}
+
+
+def indexes(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
+        ).fetchall()
+    return {name: definition for name, definition in rows}
+
+
+def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: str) -> None:
+    assert set(indexes(database)) == set(INDEXES)
+    # Which ones a plain INSERT writes: an index gains an entry per row it holds.
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT 't', 'k' || g % 10, 'x' FROM generate_series(1, 1000) g"
+        )
+        grown = {
+            name
+            for (name,) in conn.execute(
+                "SELECT indexrelname FROM pg_stat_user_indexes"
+                " WHERE relname = 'outbox' AND pg_relation_size(indexrelid) > 8192"
+            )
+        }
+    assert grown == WRITTEN_BY_EVERY_INSERT
+
+
+@pytest.fixture
+def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
+    """A database migrated up to 0007, as a relay of the release before 0009 left it."""
+    name = f"u_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name)
+    folder = tmp_path / "migrations-0007"
+    folder.mkdir()
+    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
+        shutil.copy(path, folder / path.name)
+    migrate(CommonSettings(database_url=dsn), folder)
+    yield dsn
+    pg.drop_database(name)
+
+
+@pytest.fixture
+def previous_release(tmp_path: Path) -> Path:
+    """The relay of the release before 0009, from the repository's history."""
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", BEFORE_0009, "relay"],
+            check=True,
+            capture_output=True,
+        ).stdout
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"needs the repository's history (a full clone): {exc.stderr.decode()}")
+    folder = tmp_path / "previous"
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def start(code: Path, dsn: str, kafka: TansuBroker, replica: str) -> subprocess.Popen[str]:
+    env = relay_env(
+        dsn,
+        kafka.bootstrap_servers,
+        PYTHONPATH=str(code),
+        RELAY_REPLICA_ID=replica,
+        RELAY_LEASE_TTL_SECONDS="3",
+        RELAY_STANDBY_POLL_SECONDS="0.2",
+        RELAY_BATCH_SIZE="50",
+    )
+    return subprocess.Popen(
+        relay_command("run"),
+        env=env,
+        cwd=code,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop(process: subprocess.Popen[str]) -> str:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        _, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err
+
+
+def relay_migrate(dsn: str) -> str:
+    done = subprocess.run(
+        relay_command("migrate"), env=relay_env(dsn), capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def holder(dsn: str) -> str | None:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT holder FROM leases WHERE expires_at > now() ORDER BY epoch DESC LIMIT 1"
+        ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are_gone(
+    db_at_0007: str, previous_release: Path, kafka: TansuBroker, topic: str
+) -> None:
+    """The previous release drains; this release's `relay migrate` adds 0008-0009 and
+    holds 0010 back; a relay of this release joins, the old one stops and the new one
+    takes over; a second `relay migrate` drops the old indexes; the new relay goes on.
+    Every row arrives, each key in order."""
+    rows = [(f"k{n % 7}", f"k{n % 7}:{n // 7}".encode()) for n in range(700)]
+    old = start(previous_release, db_at_0007, kafka, "old")
+    new: subprocess.Popen[str] | None = None
+    try:
+        wait_until(lambda: holder(db_at_0007) == "old", timeout=20, message="old relay leads")
+        insert_rows(db_at_0007, topic, rows[:200])
+        output = relay_migrate(db_at_0007)
+        assert "0008" in output and "0009" in output and "0010" not in output.splitlines()[0]
+        assert "0010_retire_legacy_indexes.sql waits" in output, output
+        assert set(LEGACY) <= set(indexes(db_at_0007))
+        insert_rows(db_at_0007, topic, rows[200:400])  # the old relay drains on
+        new = start(REPO, db_at_0007, kafka, "new")
+        wait_until(lambda: unsent_count(db_at_0007) < 300, timeout=30, message="old drains")
+        old_err = stop(old)
+        assert "Traceback" not in old_err, old_err[-2000:]
+        wait_until(lambda: holder(db_at_0007) == "new", timeout=20, message="new takes over")
+        insert_rows(db_at_0007, topic, rows[400:550])
+        output = relay_migrate(db_at_0007)
+        assert output.startswith("applied 1 migration(s): 0010_retire_legacy_indexes.sql")
+        assert not set(LEGACY) & set(indexes(db_at_0007))
+        insert_rows(db_at_0007, topic, rows[550:])
+        wait_until(lambda: unsent_count(db_at_0007) == 0, timeout=60, message="all sent")
+    finally:
+        stop(old)
+        if new is not None:
+            new_err = stop(new)
+            assert "Traceback" not in new_err, new_err[-2000:]
+    records = dedup_by_message_id(consume(kafka.bootstrap_servers, topic, min_count=700))
+    assert sorted((r.key, r.value) for r in records) == sorted(rows)
+    for key in {k for k, _ in rows}:
+        assert [r.value for r in records if r.key == key] == [p for k, p in rows if k == key]
+
+
+def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
+    db_at_0007: str, tmp_path: Path
+) -> None:
+    """Past 0009 (a release that no longer reads them runs everywhere), 0010 goes in."""
+    folder = tmp_path / "migrations-0009"
+    folder.mkdir()
+    for path in sorted(migrations_dir().glob("000[89]_*.sql")):
+        shutil.copy(path, folder / path.name)
+    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
+        shutil.copy(path, folder / path.name)
+    assert [n[:4] for n in migrate(CommonSettings(database_url=db_at_0007), folder).applied] == [
+        "0008",
+        "0009",
+    ]
+    migrated = migrate(CommonSettings(database_url=db_at_0007))
+    assert migrated.applied == ["0010_retire_legacy_indexes.sql"] and migrated.waiting is None
+    assert set(indexes(db_at_0007)) == set(INDEXES)
+
+
+def test_the_previous_release_is_in_the_history() -> None:
+    """A guard for the upgrade test: BEFORE_0009 names a commit whose migrations stop at
+    0007 (so its relay is one that reads the old indexes)."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", BEFORE_0009, "migrations/"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GIT_PAGER": "cat"},
+    ).stdout.split()
+    assert max(Path(p).name for p in listed if Path(p).name[0].isdigit())[:4] == "0007"
