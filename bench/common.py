@@ -12,6 +12,12 @@ from relay.settings import Settings
 PAYLOAD = b"x" * 200
 KEYS = 100
 TOPIC = "bench"
+# "Unsent and due" as the drain's indexes (outbox_due_idx, outbox_due_key_idx) state it, so
+# the benchmark's own probes use them.
+DUE = (
+    "sent_at IS NULL AND dead_lettered_at IS NULL"
+    " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
+)
 
 
 def preload(
@@ -42,9 +48,7 @@ def preload(
 
 
 def first_unsent_id(conn: psycopg.Connection[Any]) -> int | None:
-    row = conn.execute(
-        "SELECT min(id) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-    ).fetchone()
+    row = conn.execute("SELECT min(id) FROM outbox WHERE " + DUE).fetchone()
     return None if row is None else row[0]
 
 

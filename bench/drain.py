@@ -8,18 +8,15 @@ import psycopg
 from confluent_kafka import Producer
 
 from bench import cpu
-from bench.common import PAYLOAD, TOPIC, preload
+from bench.common import DUE, PAYLOAD, TOPIC, preload
 from relay.queries import QUERIES
 
 # The bare loop's select: the next unsent rows through the partial index, nothing else
 # (no per-key blocking or fairness, no byte bound): the database's limit, not the relay's.
-RAW_FETCH = """
-SELECT id, message_id, topic, key, payload, headers, created_at, attempts
-FROM outbox
-WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-ORDER BY id
-LIMIT %(limit)s
-"""
+RAW_FETCH = (
+    "SELECT id, message_id, topic, key, payload, headers, created_at, attempts"
+    " FROM outbox WHERE " + DUE + " ORDER BY id LIMIT %(limit)s"
+)
 
 
 def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:

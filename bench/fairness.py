@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from bench.common import TOPIC, relay_settings
+from bench.common import DUE, TOPIC, relay_settings
 from bench.processes import holder, rss_mib, start_relay, stop, wait_for
 from relay import repository
 from relay.batch import BatchLimits
@@ -48,10 +48,9 @@ def _others(conn: psycopg.Connection[Any]) -> float:
 
 
 def _left(conn: psycopg.Connection[Any], key: str) -> int:
-    """Unsent rows of `key` (an index range of outbox_key_idx)."""
+    """Unsent rows of `key` (an index range of outbox_due_key_idx)."""
     row = conn.execute(
-        "SELECT count(*) FROM outbox WHERE key = %s"
-        " AND sent_at IS NULL AND dead_lettered_at IS NULL",
+        "SELECT count(*) FROM outbox WHERE key = %s AND " + DUE,
         (key,),
     ).fetchone()
     return 0 if row is None else int(row[0])
@@ -61,8 +60,7 @@ def _others_left(conn: psycopg.Connection[Any]) -> bool:
     """Any unsent row of the other keys ('o0'...'o49'), by one short index range, so
     polling it does not load the database the relay is being measured on."""
     row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM outbox WHERE key >= 'o' AND key < 'p'"
-        " AND sent_at IS NULL AND dead_lettered_at IS NULL)"
+        "SELECT EXISTS (SELECT 1 FROM outbox WHERE key >= 'o' AND key < 'p' AND " + DUE + ")"
     ).fetchone()
     return bool(row and row[0])
 
@@ -70,7 +68,7 @@ def _others_left(conn: psycopg.Connection[Any]) -> bool:
 def _any_left(conn: psycopg.Connection[Any], key: str | None = None) -> bool:
     row = conn.execute(
         "SELECT EXISTS (SELECT 1 FROM outbox WHERE (%(key)s::text IS NULL OR key = %(key)s)"
-        " AND sent_at IS NULL AND dead_lettered_at IS NULL)",
+        " AND " + DUE + ")",
         {"key": key},
     ).fetchone()
     return bool(row and row[0])
@@ -78,8 +76,7 @@ def _any_left(conn: psycopg.Connection[Any], key: str | None = None) -> bool:
 
 def _first_left(conn: psycopg.Connection[Any], key: str) -> int | None:
     row = conn.execute(
-        "SELECT min(id) FROM outbox WHERE key = %s"
-        " AND sent_at IS NULL AND dead_lettered_at IS NULL",
+        "SELECT min(id) FROM outbox WHERE key = %s AND " + DUE,
         (key,),
     ).fetchone()
     return None if row is None else row[0]

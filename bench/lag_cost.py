@@ -22,15 +22,14 @@ from typing import Any, LiteralString
 
 import psycopg
 
+from bench.common import DUE
 from relay.lag import AGE_WINDOW
 from relay.migrate import migrate
 from relay.queries import QUERIES
 from relay.settings import CommonSettings
 from tests.harness.postgres import PostgresServer
 
-FULL_COUNT: LiteralString = (
-    "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-)
+FULL_COUNT: LiteralString = "SELECT count(*) FROM outbox WHERE " + DUE
 
 
 def build(dsn: str, rows: int, unsent: int) -> None:
