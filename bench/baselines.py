@@ -53,6 +53,13 @@ from bench.common import DUE, KEYS, PAYLOAD, TOPIC, preload
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
+# `outbox` as it was before migration 0010: its indexes plus the two it retired, for the
+# write path's before and after in one run.
+BEFORE_0010 = "outbox_before_0010"
+RETIRED = (
+    "(id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+    "(key, id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+)
 # What "unsent" is in each table's one-index-per-purpose world: on `outbox` the
 # predicate of outbox_due_idx (as bench/drain.py's raw loop), on the minimal table that
 # of its one partial index.
@@ -82,6 +89,11 @@ def _sizes(quick: bool) -> tuple[int, int, int, int]:
 
 
 def create_tables(conn: Conn) -> None:
+    before = sql.Identifier(BEFORE_0010)
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(before))
+    conn.execute(sql.SQL("CREATE TABLE {} (LIKE outbox INCLUDING ALL)").format(before))
+    for definition in RETIRED:
+        conn.execute(sql.SQL("CREATE INDEX ON {} " + definition).format(before))
     for table in (MINIMAL, BARE):
         name = sql.Identifier(table)
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name))
@@ -99,7 +111,7 @@ def create_tables(conn: Conn) -> None:
 
 
 def drop_tables(conn: Conn) -> None:
-    for table in (MINIMAL, BARE):
+    for table in (MINIMAL, BARE, BEFORE_0010):
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
 
@@ -116,10 +128,10 @@ def fresh(conn: Conn) -> None:
     due in the middle of a short run)."""
     conn.execute(
         sql.SQL("TRUNCATE {}").format(
-            sql.SQL(", ").join(sql.Identifier(t) for t in (OUTBOX, MINIMAL, BARE))
+            sql.SQL(", ").join(sql.Identifier(t) for t in (OUTBOX, MINIMAL, BARE, BEFORE_0010))
         )
     )
-    for table in (OUTBOX, MINIMAL, BARE):
+    for table in (OUTBOX, MINIMAL, BARE, BEFORE_0010):
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
     conn.execute("CHECKPOINT")
 
@@ -341,11 +353,12 @@ def copy_rate(dsn: str, table: str, data: bytes, rows: int) -> float:
 
 
 def write_path(dsn: str, seconds: int, copy_rows: int) -> dict[str, Any]:
-    """outbox, bare, outbox, bare for each way of writing: each run's figure."""
-    order = (OUTBOX, BARE, OUTBOX, BARE)
+    """outbox, bare, outbox before 0010, then the other way round, for each way of
+    writing: each run's figure."""
+    order = (OUTBOX, BARE, BEFORE_0010, BEFORE_0010, BARE, OUTBOX)
     report: dict[str, Any] = {"clients": CLIENTS, "threads": THREADS, "seconds": seconds}
     with psycopg.connect(dsn, autocommit=True) as conn, tempfile.TemporaryDirectory() as tmp:
-        written = {table: scripts(Path(tmp), table) for table in (OUTBOX, BARE)}
+        written = {table: scripts(Path(tmp), table) for table in (OUTBOX, BARE, BEFORE_0010)}
         for way in ("one_row", "ten_rows"):
             runs: list[dict[str, Any]] = []
             for table in order:
@@ -365,8 +378,16 @@ def write_path(dsn: str, seconds: int, copy_rows: int) -> dict[str, Any]:
 
 def _summary(runs: list[dict[str, Any]], field: str) -> dict[str, Any]:
     outbox = statistics.mean(r[field] for r in runs if r["table"] == OUTBOX)
+    before = statistics.mean(r[field] for r in runs if r["table"] == BEFORE_0010)
     bare = statistics.mean(r[field] for r in runs if r["table"] == BARE)
-    return {"runs": runs, "outbox": outbox, "bare": bare, "ratio": outbox / bare}
+    return {
+        "runs": runs,
+        "outbox": outbox,
+        "before_0010": before,
+        "bare": bare,
+        "ratio": outbox / bare,
+        "ratio_before_0010": before / bare,
+    }
 
 
 # --- the section -------------------------------------------------------------------
@@ -376,7 +397,7 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
     raw_rows, relay_rows, seconds, copy_rows = _sizes(quick)
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_tables(conn)
-        counts = {table: indexes(conn, table) for table in (OUTBOX, MINIMAL, BARE)}
+        counts = {table: indexes(conn, table) for table in (OUTBOX, MINIMAL, BARE, BEFORE_0010)}
     try:
         print(
             f"\n14. baselines (issue 36): `outbox` ({counts[OUTBOX]} indexes) against a"
@@ -461,6 +482,7 @@ def _print_writes(writes: dict[str, Any]) -> None:
         runs = "  ".join(f"{r['table']} {r[unit]:,.0f}" for r in figures["runs"])
         print(
             f"    {label:>21} ({'tps' if unit == 'tps' else 'rows/s'}): {runs}"
-            f"  -> outbox / bare {figures['ratio']:.2f}",
+            f"  -> outbox / bare {figures['ratio']:.2f}"
+            f" (before 0010: {figures['ratio_before_0010']:.2f})",
             flush=True,
         )
