@@ -264,3 +264,46 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key() -> None:
     assert sink.delivered == [("other", b"other:0"), ("k", b"k:0"), ("k", b"k:1")]
     assert due_at[0] - started < 1.0  # the other key did not wait
     assert due_at[1] - started >= 30.0
+
+
+def test_a_surplus_shard_is_handed_over_once_its_last_settle_landed() -> None:
+    """Rebalancing: the loop lets the lease go, but only after every batch it published
+    was settled under its epoch (the taker must not publish a key's later rows first)."""
+    clock, store, sink = FakeClock(), MemoryStore(), ScriptedSink()
+    store.clock = clock
+    rows(store, 40, keys=4)
+    lease = Lease(LEASE, "me", ttl=1e6, margin=1.0, clock=clock)
+    token = store.take(LEASE, "me")
+    lease.acquired(token, clock.now)
+    drainer = Drainer(
+        config(),
+        store,
+        sink,
+        lease,
+        StopWhen(clock, lambda: False),
+        Health(clock),
+        clock=clock,
+        surplus=lambda: len(sink.published) >= 8,
+    )
+    try:
+        drainer.drain()
+    finally:
+        drainer.close()
+    assert lease.token() is None and lease.take_release() == token  # the elector expires it
+    settled = {row.payload for row in store.rows if not row.unsent}
+    assert settled == {payload for _, payload in sink.published}  # nothing left in flight
+    assert 8 <= len(settled) < 40
+
+
+def test_the_fair_share_hands_over_each_replicas_highest_shards() -> None:
+    from relay.lanes import FairShare
+
+    peers = [1]
+    held = [0, 1, 2, 3, 4, 5]
+    share = FairShare(8, lambda: peers[0], lambda: held)
+    assert share.cap() == 4 and share.at_cap()
+    assert [s for s in held if share.surplus(s)] == [4, 5]
+    peers[0] = 2  # a third replica joined: at most ceil(8 / 3)
+    assert [s for s in held if share.surplus(s)] == [3, 4, 5]
+    peers[0] = 0  # alone: everything is its share
+    assert not any(share.surplus(s) for s in held) and not share.at_cap()
