@@ -168,7 +168,7 @@ class ScriptedSink(OnePhase):
 def scripted(monkeypatch: pytest.MonkeyPatch) -> Callable[..., ScriptedSink]:
     def install(failures: dict[str, int], outcome: Outcome = Outcome.RETRY) -> ScriptedSink:
         sink = ScriptedSink(failures, outcome)
-        monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
+        monkeypatch.setattr("relay.app.create_sink", lambda _settings, _tracing=None: sink)
         return sink
 
     return install
@@ -240,7 +240,7 @@ def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_lande
     the next step lets that batch's settle land first, so nothing is in flight when the
     prefetched k0:1 comes up: it must still wait for k0:0's retry."""
     sink = ScriptedSink({"k0": 1})
-    monkeypatch.setattr("relay.app.create_sink", lambda _settings: sink)
+    monkeypatch.setattr("relay.app.create_sink", lambda _settings, _tracing=None: sink)
     real_step = Drainer._step
 
     def step_slowly(self: Drainer, token: Any) -> None:
