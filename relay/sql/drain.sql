@@ -66,29 +66,42 @@ coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 -- in %(held)s (the relay holds a key back while an earlier row of it is in flight, say
 -- in a sick partition), and no earlier row of its key is waiting: neither in a backoff
 -- (one probe of the tiny outbox_backoff_idx) nor scheduled and not yet promoted (one
--- probe of the tiny outbox_scheduled_key_idx).
+-- probe of the tiny outbox_scheduled_key_idx). Each per-row probe is asked only if the
+-- statement's one look into that index (an InitPlan, run once) found any row at all:
+-- with nothing failing and nothing scheduled, as usual, a batch costs no probe per row.
 (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
 AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
-AND NOT EXISTS (
-    SELECT 1
-    FROM outbox AS blocker
-    WHERE blocker.key = o.key
-      AND blocker.id < o.id
-      AND blocker.sent_at IS NULL
-      AND blocker.dead_lettered_at IS NULL
-      AND blocker.next_attempt_at IS NOT NULL
-      AND blocker.next_attempt_at > now()
-)
-AND NOT EXISTS (
-    SELECT 1
-    FROM outbox AS scheduled
-    WHERE scheduled.key = o.key
-      AND scheduled.id < o.id
-      AND scheduled.sent_at IS NULL
-      AND scheduled.dead_lettered_at IS NULL
-      AND scheduled.available_at IS NOT NULL
-      AND scheduled.promoted_at IS NULL
-)
+AND (NOT EXISTS (SELECT 1
+                 FROM outbox AS failing
+                 WHERE failing.sent_at IS NULL
+                   AND failing.dead_lettered_at IS NULL
+                   AND failing.next_attempt_at IS NOT NULL)
+     OR NOT EXISTS (
+         SELECT 1
+         FROM outbox AS blocker
+         WHERE blocker.key = o.key
+           AND blocker.id < o.id
+           AND blocker.sent_at IS NULL
+           AND blocker.dead_lettered_at IS NULL
+           AND blocker.next_attempt_at IS NOT NULL
+           AND blocker.next_attempt_at > now()
+     ))
+AND (NOT EXISTS (SELECT 1
+                 FROM outbox AS waiting
+                 WHERE waiting.sent_at IS NULL
+                   AND waiting.dead_lettered_at IS NULL
+                   AND waiting.available_at IS NOT NULL
+                   AND waiting.promoted_at IS NULL)
+     OR NOT EXISTS (
+         SELECT 1
+         FROM outbox AS scheduled
+         WHERE scheduled.key = o.key
+           AND scheduled.id < o.id
+           AND scheduled.sent_at IS NULL
+           AND scheduled.dead_lettered_at IS NULL
+           AND scheduled.available_at IS NOT NULL
+           AND scheduled.promoted_at IS NULL
+     ))
 
 -- fragment: header_array
 -- A fetched row's headers as one flat text array [name, value, ...], exactly as
