@@ -4,35 +4,18 @@ from __future__ import annotations
 
 import time
 
-import psycopg
 from confluent_kafka import Producer
 
 from bench import cpu
-from bench.common import DUE, PAYLOAD, TOPIC, preload
-from relay.queries import QUERIES
-
-# The bare loop's select: the next unsent rows through the partial index, nothing else
-# (no per-key blocking or fairness, no byte bound): the database's limit, not the relay's.
-RAW_FETCH = (
-    "SELECT id, message_id, topic, key, payload, headers, created_at, attempts"
-    " FROM outbox WHERE " + DUE + " ORDER BY id LIMIT %(limit)s"
-)
+from bench.baselines import raw_loop
+from bench.common import PAYLOAD, TOPIC, preload
 
 
 def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
-    """rows/s of a bare loop: select a batch through the partial index, mark or delete it."""
-    settle = QUERIES.delete_sent if delete else QUERIES.mark_sent
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        total = 0
-        started = time.perf_counter()
-        while True:
-            with conn.transaction():
-                rows = conn.execute(RAW_FETCH, {"limit": batch}).fetchall()
-                if not rows:
-                    break
-                conn.execute(settle, {"ids": [r[0] for r in rows]})
-            total += len(rows)
-        return total / (time.perf_counter() - started)
+    """rows/s of a bare loop on the relay's outbox: select a batch through
+    outbox_due_idx, mark or delete it (bench/baselines.py runs the same loop on a
+    minimal table)."""
+    return raw_loop(dsn, "outbox", batch, delete=delete)
 
 
 def producer_rate(bootstrap: str, count: int) -> float:

@@ -4,6 +4,7 @@ database per test (cloned from a migrated template), a fresh topic per test."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,3 +161,18 @@ def start_relay(
 
 def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
     return psycopg.connect(dsn, autocommit=True)
+
+
+@pytest.fixture
+def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
+    """A database migrated up to 0007 only, as a relay from before scheduled delivery
+    (0008-0009) left it."""
+    name = f"m_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name)
+    folder = tmp_path / "migrations-0007"
+    folder.mkdir()
+    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
+        shutil.copy(path, folder / path.name)
+    migrate(CommonSettings(database_url=dsn), folder)
+    yield dsn
+    pg.drop_database(name)

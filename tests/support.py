@@ -80,6 +80,15 @@ def lease(dsn: str, name: str = "default") -> tuple[str | None, int]:
     return holder, int(epoch)
 
 
+def outbox_indexes(dsn: str) -> dict[str, str]:
+    """The outbox's indexes: name -> definition."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
+        ).fetchall()
+    return {name: definition for name, definition in rows}
+
+
 def unsent_count(dsn: str) -> int:
     return int(
         scalar(

@@ -4,12 +4,8 @@ its key meanwhile, is not lag until due, and a large schedule costs the fetch no
 
 from __future__ import annotations
 
-import shutil
 import time
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -18,13 +14,18 @@ from psycopg.rows import dict_row
 import relay
 from relay import lag, repository
 from relay.errors import MigrationError
-from relay.migrate import create_shard_indexes, migrate, migrations_dir, shard_index_names
+from relay.migrate import create_shard_indexes, migrate, shard_index_names
 from relay.queries import QUERIES
 from relay.settings import CommonSettings
 from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume
-from tests.harness.postgres import PostgresServer
-from tests.support import assert_per_key_order, running_relay, scalar, wait_until
+from tests.support import (
+    assert_per_key_order,
+    outbox_indexes,
+    running_relay,
+    scalar,
+    wait_until,
+)
 from tests.test_fetch import _fetch_cost, fetch
 
 DELAY = 4.0  # seconds: long enough to watch the row wait, short enough for a test
@@ -176,18 +177,6 @@ def test_enqueue_says_when_by_the_database_clock_and_refuses_ambiguity(database:
                 relay.enqueue(conn, "t", b"x", **bad)
 
 
-@pytest.fixture
-def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0007 only, as a relay of the previous release left it."""
-    name = f"m_{uuid.uuid4().hex[:10]}"
-    dsn = pg.create_database(name)
-    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
-        shutil.copy(path, tmp_path / path.name)
-    migrate(CommonSettings(database_url=dsn), tmp_path)
-    yield dsn
-    pg.drop_database(name)
-
-
 OLD_SHARD_INDEXES = (  # what `relay migrate --shards 3` built before scheduled delivery
     "CREATE INDEX outbox_shards_3_idx ON outbox (outbox_shard(key, id, 3), id)"
     " WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
@@ -196,24 +185,16 @@ OLD_SHARD_INDEXES = (  # what `relay migrate --shards 3` built before scheduled 
 )
 
 
-def indexes(dsn: str) -> dict[str, str]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
-        ).fetchall()
-    return {name: definition for name, definition in rows}
-
-
 def test_an_upgrade_keeps_the_previous_releases_indexes_for_a_rolling_upgrade(
     db_at_0007: str,
 ) -> None:
     with psycopg.connect(db_at_0007, autocommit=True) as conn:
         for statement in OLD_SHARD_INDEXES:
             conn.execute(statement)
-    before = indexes(db_at_0007)
+    before = outbox_indexes(db_at_0007)
     migrated = migrate(CommonSettings(database_url=db_at_0007))
     assert migrated.waiting is not None and "0010" in migrated.waiting  # tests/test_upgrade.py
-    after = indexes(db_at_0007)
+    after = outbox_indexes(db_at_0007)
     # A relay of the previous release, still running, reads exactly these.
     for name in ("outbox_unsent_idx", "outbox_key_idx", "outbox_shards_3_idx"):
         assert after[name] == before[name]
@@ -251,12 +232,12 @@ def test_a_dba_can_build_the_indexes_concurrently_first_and_a_failed_build_is_na
         )
     applied = migrate(CommonSettings(database_url=db_at_0007)).applied  # 0008 went in before
     assert [name[:4] for name in applied] == ["0009"]
-    assert "outbox_scheduled_key_idx" in indexes(db_at_0007)
+    assert "outbox_scheduled_key_idx" in outbox_indexes(db_at_0007)
 
 
 def test_new_shard_indexes_leave_out_scheduled_rows(database: str) -> None:
     relay_migrate(database, "--shards", "2")
-    found = indexes(database)
+    found = outbox_indexes(database)
     defs = [found[name] for name in shard_index_names(2)]
     assert all("promoted_at IS NOT NULL" in d for d in defs), defs
 

@@ -9,8 +9,6 @@ import shutil
 import signal
 import subprocess
 import tarfile
-import uuid
-from collections.abc import Iterator
 from io import BytesIO
 from pathlib import Path
 
@@ -21,8 +19,13 @@ from relay.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings
 from tests.conftest import REPO, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
-from tests.harness.postgres import PostgresServer
-from tests.support import dedup_by_message_id, insert_rows, unsent_count, wait_until
+from tests.support import (
+    dedup_by_message_id,
+    insert_rows,
+    outbox_indexes,
+    unsent_count,
+    wait_until,
+)
 
 # The relay before scheduled delivery (migrations 0008-0009), which reads
 # outbox_unsent_idx and outbox_key_idx: "the previous release" of this upgrade.
@@ -45,16 +48,8 @@ INDEXES = {
 WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_idx", "outbox_due_key_idx"}
 
 
-def indexes(dsn: str) -> dict[str, str]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
-        ).fetchall()
-    return {name: definition for name, definition in rows}
-
-
 def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: str) -> None:
-    assert set(indexes(database)) == set(INDEXES)
+    assert set(outbox_indexes(database)) == set(INDEXES)
     # Which ones a plain INSERT writes: an index gains an entry per row it holds.
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
@@ -69,20 +64,6 @@ def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: st
             )
         }
     assert grown == WRITTEN_BY_EVERY_INSERT
-
-
-@pytest.fixture
-def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0007, as a relay of the release before 0009 left it."""
-    name = f"u_{uuid.uuid4().hex[:10]}"
-    dsn = pg.create_database(name)
-    folder = tmp_path / "migrations-0007"
-    folder.mkdir()
-    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
-        shutil.copy(path, folder / path.name)
-    migrate(CommonSettings(database_url=dsn), folder)
-    yield dsn
-    pg.drop_database(name)
 
 
 @pytest.fixture
@@ -165,7 +146,7 @@ def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are
         output = relay_migrate(db_at_0007)
         assert "0008" in output and "0009" in output and "0010" not in output.splitlines()[0]
         assert "0010_retire_legacy_indexes.sql waits" in output, output
-        assert set(LEGACY) <= set(indexes(db_at_0007))
+        assert set(LEGACY) <= set(outbox_indexes(db_at_0007))
         insert_rows(db_at_0007, topic, rows[200:400])  # the old relay drains on
         new = start(REPO, db_at_0007, kafka, "new")
         wait_until(lambda: unsent_count(db_at_0007) < 300, timeout=30, message="old drains")
@@ -175,7 +156,7 @@ def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are
         insert_rows(db_at_0007, topic, rows[400:550])
         output = relay_migrate(db_at_0007)
         assert output.startswith("applied 1 migration(s): 0010_retire_legacy_indexes.sql")
-        assert not set(LEGACY) & set(indexes(db_at_0007))
+        assert not set(LEGACY) & set(outbox_indexes(db_at_0007))
         insert_rows(db_at_0007, topic, rows[550:])
         wait_until(lambda: unsent_count(db_at_0007) == 0, timeout=60, message="all sent")
     finally:
@@ -205,7 +186,7 @@ def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
     ]
     migrated = migrate(CommonSettings(database_url=db_at_0007))
     assert migrated.applied == ["0010_retire_legacy_indexes.sql"] and migrated.waiting is None
-    assert set(indexes(db_at_0007)) == set(INDEXES)
+    assert set(outbox_indexes(db_at_0007)) == set(INDEXES)
 
 
 def test_the_previous_release_is_in_the_history() -> None:
