@@ -5,7 +5,8 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
-    ./dev bench --only shards|fairness|notify|interop|baselines [--quick]  one section alone
+    ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits [--quick]
+        one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
         rows/s in alternating runs, and the bare select-and-mark loop (bench/compare.py)
@@ -34,6 +35,8 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
      every ack, delete: the job's floor) against the relay at its defaults; the app's
      write path (pgbench one-row and ten-row INSERT transactions, COPY) into `outbox`
      and into a table with only a primary key, alternating
+  15. rate limits per HTTP destination (bench/rate_limits.py; `--only rate-limits`
+     only): two origins, one limited to 40 requests/s and answering 429 above 50
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -67,7 +70,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["fairness", "shards", "notify", "interop", "baselines"],
+        choices=["fairness", "shards", "notify", "interop", "baselines", "rate-limits"],
         default=None,
         help="run one section alone",
     )
@@ -104,6 +107,8 @@ def main() -> int:
         return bench_interop(args.quick)
     if args.only == "baselines":
         return bench_baselines(args.quick)
+    if args.only == "rate-limits":
+        return bench_rate_limits(args.quick)
     return bench_kafka(args)
 
 
@@ -163,6 +168,15 @@ def bench_baselines(quick: bool) -> int:
     with servers() as (dsn, bootstrap):
         report = baselines.run(dsn, bootstrap, quick)
     save({"sink": "kafka", "quick": quick, "baselines": report})
+    return 0
+
+
+def bench_rate_limits(quick: bool) -> int:
+    from bench import rate_limits
+
+    with servers() as (dsn, _bootstrap):
+        report = rate_limits.run(dsn, quick)
+    save({"sink": "http", "quick": quick, "rate_limits": report})
     return 0
 
 

@@ -30,7 +30,10 @@ class Backoff:
 def retry_delay(backoff: Backoff, attempts: int, retry_after: float | None) -> float:
     """When a failed row goes again: our backoff, or the sink's Retry-After when longer,
     spread by up to 20 % so the rows it throttled do not all come back in the same
-    instant; never past the backoff's cap."""
+    instant; never past the backoff's cap. With no attempt (a row the sink deferred:
+    nothing failed) the sink's time as it is: it spread its rows itself."""
+    if attempts < 1:
+        return min(max(retry_after or 0.0, 0.0), backoff.cap)
     delay = backoff.delay(attempts)
     if retry_after is None or retry_after <= delay:
         return delay

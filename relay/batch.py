@@ -30,6 +30,7 @@ class Settlement:
 
     sent: list[int] = field(default_factory=list)
     retry_ids: list[int] = field(default_factory=list)
+    retry_attempted: list[int] = field(default_factory=list)  # 0: sent back, no attempt
     retry_delays: list[float] = field(default_factory=list)
     retry_errors: list[str] = field(default_factory=list)
     dead_ids: list[int] = field(default_factory=list)
@@ -37,8 +38,9 @@ class Settlement:
     dead_reasons: list[str] = field(default_factory=list)
     sent_text: str | None = None  # `sent` as `id_text`, when the caller has it already
 
-    def retry(self, row_id: int, delay: float, error: str) -> None:
+    def retry(self, row_id: int, delay: float, error: str, *, attempted: bool = True) -> None:
         self.retry_ids.append(row_id)
+        self.retry_attempted.append(1 if attempted else 0)
         self.retry_delays.append(delay)
         self.retry_errors.append(error)
 

@@ -7,6 +7,10 @@ a database or a sink. The drain loop applies the decision: counts, logs, the set
     acked                 -> mark sent (or delete)
     retry                 -> one more attempt, back off the row; past RELAY_MAX_ATTEMPTS,
                              dead-letter it
+    retry, collateral     -> deferred: the sink sent the row back unsent, or its
+                             destination refused it as a whole (a rate limit, a
+                             Retry-After pause): no attempt spent, the row waits as long
+                             as the sink said, and its key is held back meanwhile
     dead                  -> dead-letter with the sink's reason
     unavailable           -> leave the row untouched, back the whole sink off; but if
                              the sink acknowledged others in the same batch and the
@@ -26,8 +30,10 @@ from relay.batch import Settlement
 from relay.message import ID, TOPIC, OutboxMessage
 from relay.sinks.base import ACKED, Outcome, Result
 
-# (attempts so far including this one, the sink's Retry-After) -> seconds to wait
+# (attempts so far including this one, the sink's Retry-After) -> seconds to wait; with
+# attempts 0 (a deferral: nothing failed) the Retry-After as it is, capped.
 RetryDelay = Callable[[int, float | None], float]
+DEFERRED = "deferred"  # the outcome label of a retry that spends no attempt
 
 
 @dataclass(slots=True)
@@ -68,15 +74,17 @@ def decide(
     sink_up = any(result.outcome is Outcome.ACKED for result in results)
     if any(result.reached for result in results):
         decision.reached = True
-    elif any(
-        result.outcome in (Outcome.RETRY, Outcome.UNAVAILABLE, Outcome.IN_FLIGHT)
-        for result in results
-    ):
+    elif any(_asked(result) for result in results):
         decision.reached = False
     for message, result in zip(batch, results, strict=True):
         outcome = result.outcome
         if outcome is Outcome.UNAVAILABLE and sink_up and not result.collateral:
             outcome = Outcome.RETRY
+        if outcome is Outcome.RETRY and result.collateral:
+            decision.counts[(message.topic, DEFERRED)] += 1
+            delay = retry_delay(0, result.retry_after)
+            settlement.retry(message.id, delay, result.error or "deferred", attempted=False)
+            continue
         decision.counts[(message.topic, outcome.value)] += 1
         if outcome is Outcome.ACKED:
             settlement.sent.append(message.id)
@@ -97,3 +105,11 @@ def decide(
         elif outcome is Outcome.UNAVAILABLE:
             decision.unavailable = result
     return decision
+
+
+def _asked(result: Result) -> bool:
+    """The sink tried this message and has no answer to show (a deferred row was never
+    tried: a batch of them says nothing of whether the sink can be reached)."""
+    if result.outcome is Outcome.RETRY:
+        return not result.collateral
+    return result.outcome in (Outcome.UNAVAILABLE, Outcome.IN_FLIGHT)

@@ -163,6 +163,7 @@ def settle(
                 QUERIES.record_failures,
                 {
                     "ids": settlement.retry_ids,
+                    "attempted": settlement.retry_attempted,
                     "delays": settlement.retry_delays,
                     "errors": settlement.retry_errors,
                 },

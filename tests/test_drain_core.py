@@ -185,6 +185,25 @@ def test_a_failed_row_backs_off_and_holds_back_only_its_key() -> None:
     assert store.rows[0].attempts == 1 and store.rows[0].last_error == "try later"
 
 
+def test_a_deferred_row_spends_no_attempt_waits_and_holds_back_only_its_key() -> None:
+    """Sent back by its destination's rate limit five times, with max_attempts 3: it
+    is never dead-lettered, comes back each time after the sink's time, in order."""
+    clock, store = FakeClock(), MemoryStore()
+    store.clock = clock
+    deferred = Result(Outcome.RETRY, "over its limit", retry_after=2.0, collateral=True)
+    sink = ScriptedSink({"k0": [deferred] * 5})
+    written = rows(store, 12, keys=3)
+    started = clock.now
+    drain(store, sink, clock, done=lambda: not store.unsent(), drain_config=config(retry_max=10.0))
+    assert per_key(sink.delivered) == per_key(written)
+    first_k0 = sink.delivered.index(("k0", b"k0:0"))
+    others = [key for key, _ in sink.delivered[:first_k0]]
+    assert others.count("k1") == 4 and others.count("k2") == 4  # they did not wait
+    assert clock.now - started >= 5 * 2.0
+    assert not store.dead()
+    assert store.rows[0].attempts == 0 and store.rows[0].last_error == "over its limit"
+
+
 def test_a_row_that_keeps_failing_is_dead_lettered_and_its_key_goes_on() -> None:
     clock, store = FakeClock(), MemoryStore()
     store.clock = clock

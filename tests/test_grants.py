@@ -155,7 +155,8 @@ def _run_every_write(conn: db.Conn, ids: list[int]) -> None:
     a, b, c, d = ids
     with conn.transaction():
         conn.execute(
-            QUERIES.record_failures, {"ids": [a], "delays": [60.0], "errors": ["no broker"]}
+            QUERIES.record_failures,
+            {"ids": [a], "attempted": [1], "delays": [60.0], "errors": ["no broker"]},
         )
         conn.execute(QUERIES.dead_letter, {"ids": [b], "attempted": [1], "reasons": ["bad"]})
     assert repository.requeue_dead_letters(conn, ids=[b]) == [b]

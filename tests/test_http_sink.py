@@ -115,6 +115,12 @@ def test_classification() -> None:
     assert len(dead.error) < 300
     assert classify_response(301, None, b"", 300).outcome is Outcome.DEAD
     assert classify_response(429, "7", b"", 300).retry_after == 7
+    # With a Retry-After, a 429 or 503 pauses the endpoint's origin: no attempt spent.
+    assert classify_response(429, "7", b"", 300).collateral
+    assert classify_response(503, "7", b"", 300).collateral
+    assert not classify_response(429, None, b"", 300).collateral
+    assert not classify_response(429, "0", b"", 300).collateral  # asks for no pause
+    assert not classify_response(500, "7", b"", 300).collateral
     # RELAY_HTTP_RETRY_STATUSES: a 401 during a token rotation is worth retrying.
     assert classify_response(401, None, b"", 300, frozenset({401})).outcome is Outcome.RETRY
     assert classify_response(403, None, b"", 300, frozenset({401})).outcome is Outcome.DEAD
@@ -294,27 +300,36 @@ def test_transient_failures_retried_with_one_webhook_id_and_valid_signatures(
     assert max(d.attempt for d in history if d.body == b"k0:1") == 3
 
 
-def test_retry_after_is_honoured(
+def test_retry_after_pauses_the_endpoint_as_a_whole_and_spends_no_attempt(
     make_settings: SettingsFactory, database: str, server: WebhookServer
 ) -> None:
+    """A 429 with Retry-After speaks for the endpoint, not the row: no request goes
+    there until it is over (before: only that row waited, spending an attempt, and
+    the other keys' rows kept coming)."""
+
     def respond(d: Delivery) -> Reply:
         if d.body == b"k0:0" and d.attempt == 1:
             return Reply(429, headers={"Retry-After": "2"})
-        return Reply(200)
+        return Reply(200, delay=0.05)
 
     server.respond = respond
-    insert_rows(database, TOPIC, keyed_rows(2, 2))
-    settings = http_settings(make_settings, server.url, retry_max_seconds=10.0)
+    insert_rows(database, TOPIC, keyed_rows(4, 3))
+    settings = http_settings(
+        make_settings, server.url, retry_max_seconds=10.0, retention_seconds=3600.0
+    )
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
     tries = [d for d in server.history() if d.body == b"k0:0"]
     assert [d.status for d in tries] == [429, 200]
     gap = tries[1].started - tries[0].ended
     assert gap >= 1.9, f"retried {gap:.2f}s after a Retry-After of 2s"
-    assert_in_order(server.history(), 2, 2)
-    # The other key did not wait for it.
-    k1_done = max(d.ended for d in server.acked() if d.key == "k1")
-    assert k1_done < tries[1].started
+    # Requests already on their way may land; after them, none until the pause is over.
+    during = [
+        d.body for d in server.history() if tries[0].ended + 0.1 < d.started < tries[0].ended + 1.9
+    ]
+    assert during == []
+    assert_in_order(server.history(), 4, 3)
+    assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
 
 
 def test_permanent_4xx_dead_lettered_while_other_keys_flow(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from relay.backoff import Backoff, retry_delay
 from relay.message import OutboxMessage
 from relay.outcomes import decide
 from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
@@ -79,6 +80,37 @@ def test_a_sick_partition_retries_its_own_rows_while_the_sink_acknowledges_other
     assert settlement.retry_ids == [2]  # its own failure: one attempt, backoff
     assert 3 not in settlement.retry_ids + settlement.dead_ids  # collateral: untouched
     assert decision.unavailable is collateral
+
+
+def test_a_deferred_row_spends_no_attempt_and_waits_what_the_sink_said() -> None:
+    """A row its destination's rate limit or Retry-After pause sent back: out of
+    attempts or not, it is never dead-lettered for it, and it waits as long as the
+    sink said (the sink spread its rows)."""
+    over_budget = Result(Outcome.RETRY, "over its limit", retry_after=0.35, collateral=True)
+    paused = Result(Outcome.RETRY, "HTTP 503", retry_after=4.0, collateral=True, reached=True)
+    decision = decide(
+        [row(1, "a", attempts=9), row(2, "b"), row(3, "c")],
+        [over_budget, paused, ACKED],
+        max_attempts=10,
+        retry_delay=lambda attempts, after: -1.0 if attempts else after or 0.0,
+    )
+    settlement = decision.settlement
+    assert settlement.retry_ids == [1, 2] and settlement.retry_attempted == [0, 0]
+    assert settlement.retry_delays == [0.35, 4.0]
+    assert settlement.retry_errors == ["over its limit", "HTTP 503"]
+    assert not settlement.dead_ids and decision.unavailable is None
+    assert decision.counts[("t", "deferred")] == 2
+    # A batch of rows sent back unsent asked the sink nothing: no stall for give-way.
+    alone = decide([row(1)], [over_budget], max_attempts=1, retry_delay=delay)
+    assert alone.reached is None and alone.settlement.retry_attempted == [0]
+
+
+def test_a_deferral_comes_back_when_the_sink_said_capped_without_jitter() -> None:
+    backoff = Backoff(base=1.0, cap=300.0)
+    assert retry_delay(backoff, 0, 0.35) == 0.35
+    assert retry_delay(backoff, 0, None) == 0.0
+    assert retry_delay(backoff, 0, 9999.0) == 300.0
+    assert 0.5 <= retry_delay(backoff, 1, None) <= 1.0  # a failure still backs off
 
 
 class Answers:

@@ -175,7 +175,10 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
         conn.execute(QUERIES.force_custom_plans)
         for statement, args in (
             (QUERIES.delete_sent, {"ids": ids}),
-            (QUERIES.record_failures, {"ids": ids, "delays": [1.0] * 10, "errors": ["e"] * 10}),
+            (
+                QUERIES.record_failures,
+                {"ids": ids, "attempted": [1] * 10, "delays": [1.0] * 10, "errors": ["e"] * 10},
+            ),
             (QUERIES.dead_letter, {"ids": ids, "attempted": [1] * 10, "reasons": ["r"] * 10}),
         ):
             plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + statement, args))

@@ -39,8 +39,10 @@ class Result:
     outcome: Outcome
     error: str | None = None
     retry_after: float | None = None  # seconds the sink asked us to wait (HTTP 429)
-    # The message failed for another's sake (its producer died or was purged): never
-    # its own fault, so it spends no attempt even while the sink acks other messages.
+    # The message failed for another's sake (its producer died or was purged), or was
+    # sent back unsent (its destination's rate limit or Retry-After pause): never its
+    # own fault, so it spends no attempt even while the sink acks other messages. A
+    # RETRY so marked is deferred: the row waits `retry_after`, its key held meanwhile.
     collateral: bool = False
     # The sink answered about this message (acknowledged it, or refused it: an HTTP
     # status, a broker error), as opposed to no answer at all (refused connection,

@@ -9,6 +9,9 @@ Outcomes, from the endpoint's answer:
 - 2xx: acknowledged, the row is marked sent.
 - 408, 425, 429, 500 and other 5xx, timeouts, a connection dropped mid-request: `RETRY`
   (the row backs off; `Retry-After` is honoured).
+- 429 or 503 with a `Retry-After`: the origin (scheme, host, port) asked for a pause,
+  and it is paused as a whole (`http_budgets`): no attempt is spent, its rows wait it
+  out, other origins go on. Each origin's rate limit is kept there too.
 - 502, 503, 504 and refused or failed connections, with ONE endpoint configured:
   `UNAVAILABLE` (the endpoint is down, not the message wrong): the whole sink backs off
   without spending attempts, so an outage does not dead-letter the outbox. With several
@@ -52,9 +55,17 @@ from relay.message import MalformedRow, OutboxMessage
 from relay.metrics import LATENCY_BUCKETS
 from relay.settings import Settings
 from relay.sinks.base import ACKED, Outcome, Result
-from relay.sinks.http_destinations import Destination, configured_origins, destinations
+from relay.sinks.http_budgets import OriginBudgets
+from relay.sinks.http_destinations import (
+    Destination,
+    Origin,
+    configured_origins,
+    destinations,
+    origin_limits,
+    url_origin,
+)
 from relay.sinks.http_settings import HEADER_TOKEN, HttpSettings, signing_key
-from relay.sinks.keyed import KeyedSink
+from relay.sinks.keyed import Batch, KeyedSink, Turn
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -82,6 +93,8 @@ _DELTA_SECONDS = re.compile(r"[0-9]{1,10}")
 # RFC 9110 field-value: visible ASCII and obs-text, inner spaces/tabs, no edge whitespace.
 _FIELD_VALUE = re.compile(rb"[\x21-\x7e\x80-\xff]([\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?")
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+# With a Retry-After, these speak for the whole origin: it is paused, no attempt spent.
+_PAUSE_STATUSES = frozenset({429, 503})
 # Never taken from a row: they describe the connection or the body, or are the relay's.
 _NOT_FORWARDED = frozenset(
     {
@@ -111,6 +124,7 @@ class Request:
     url: str
     headers: list[tuple[str, bytes]] = field(repr=False)  # the credentials among them
     body: bytes
+    origin: Origin | None = None  # whose budget it spends
 
 
 _TOPIC = "{topic}"
@@ -182,6 +196,7 @@ class _Route:
     url: UrlTemplate
     credentials: tuple[tuple[str, bytes], ...]  # the auth header, if any
     key: bytes | None  # the signing key, if any
+    origin: Origin
 
 
 def _route(destination: Destination) -> _Route:
@@ -190,7 +205,7 @@ def _route(destination: Destination) -> _Route:
         name, value = destination.auth
         credentials = ((name, value.get_secret_value().encode()),)
     key = None if destination.signing_secret is None else signing_key(destination.signing_secret)
-    return _Route(UrlTemplate(destination.url), credentials, key)
+    return _Route(UrlTemplate(destination.url), credentials, key, url_origin(destination.url))
 
 
 def sign(key: bytes, message_id: str, timestamp: int, body: bytes) -> str:
@@ -236,13 +251,13 @@ def classify_response(
     text = f"HTTP {status}"
     if body:
         text += f": {snippet(body)}"
-    if status in _UNAVAILABLE_STATUSES:
-        return Result(
-            Outcome.UNAVAILABLE, text, parse_retry_after(retry_after, retry_cap), reached=True
-        )
-    if status in _RETRY_STATUSES or status >= 500 or status in also_retry:
-        return Result(Outcome.RETRY, text, parse_retry_after(retry_after, retry_cap), reached=True)
-    return Result(Outcome.DEAD, text, reached=True)
+    if not (status in _RETRY_STATUSES or status >= 500 or status in also_retry):
+        return Result(Outcome.DEAD, text, reached=True)
+    seconds = parse_retry_after(retry_after, retry_cap)
+    # A pause asked for: the origin's, not this row's fault (0 asks for none).
+    pause = status in _PAUSE_STATUSES and bool(seconds)
+    outcome = Outcome.UNAVAILABLE if status in _UNAVAILABLE_STATUSES else Outcome.RETRY
+    return Result(outcome, text, seconds, collateral=pause, reached=True)
 
 
 def classify_error(exc: Exception) -> Result:
@@ -288,6 +303,11 @@ class RequestBuilder:
     def url_for(self, topic: str) -> str:
         return self._route_for(topic).url.fill(topic)
 
+    def origin_of(self, topic: str) -> Origin | None:
+        """The origin a row of `topic` goes to; None if none (it is dead-lettered)."""
+        route = self._routes.get(topic, self._default)
+        return None if route is None else route.origin
+
     def _route_for(self, topic: str) -> _Route:
         route = self._routes.get(topic, self._default)
         if route is None:
@@ -330,7 +350,7 @@ class RequestBuilder:
             headers.append(("webhook-id", message_id.encode()))
             headers.append(("webhook-timestamp", str(ts).encode()))
             headers.append(("webhook-signature", sign(route.key, message_id, ts, body).encode()))
-        return Request(route.url.fill(message.topic), headers, body)
+        return Request(route.url.fill(message.topic), headers, body, route.origin)
 
 
 def cloudevents_headers(
@@ -376,6 +396,12 @@ class HttpSink(KeyedSink):
             "accept-encoding": "identity",
         }
         self._single_endpoint = len(configured_origins(options)) == 1
+        self._budgets = OriginBudgets(
+            origin_limits(options),
+            lambda message: self._builder.origin_of(message.topic),
+            single=self._single_endpoint,
+            retry_cap=self._retry_cap,
+        )
         if not options.http_tls_verify:
             log.warning("http.tls_verify_disabled", reason="RELAY_HTTP_TLS_VERIFY=false")
         super().__init__(
@@ -401,6 +427,9 @@ class HttpSink(KeyedSink):
 
     # --- publishing (KeyedSink schedules the keys) ---
 
+    async def turn(self, message: OutboxMessage, batch: Batch) -> Result | Turn:
+        return await self._budgets.turn(message, batch)
+
     async def send(self, message: OutboxMessage) -> Result:
         try:
             request = self._builder.build(message)
@@ -408,13 +437,21 @@ class HttpSink(KeyedSink):
             return Result(Outcome.DEAD, str(exc))
         except UnicodeError:
             return Result(Outcome.DEAD, "a header cannot be encoded")
+        held = await self._budgets.starting(request.origin)
+        if held is not None:
+            return held
         if self._spans is None:
             result = await self._post(request)
         else:
             with self._spans.request(message, request.url, request.headers) as (span, headers):
                 result = await self._post(Request(request.url, headers, request.body), span)
                 self._spans.answered(span, result)
-        if result.outcome is Outcome.UNAVAILABLE and not self._single_endpoint:
+        result = self._budgets.answered(request.origin, result)
+        if (
+            result.outcome is Outcome.UNAVAILABLE
+            and not result.collateral
+            and not self._single_endpoint
+        ):
             # One endpoint among several: its outage must not pause the others.
             return Result(Outcome.RETRY, result.error, result.retry_after, reached=result.reached)
         return result

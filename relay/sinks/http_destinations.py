@@ -21,15 +21,46 @@ if TYPE_CHECKING:  # the settings module checks its values with these
     from relay.sinks.http_settings import HttpSettings, TopicUrl
 
 
-def url_origin(url: str) -> tuple[str, str, int]:
+Origin = tuple[str, str, int]  # scheme, host, port
+
+
+def url_origin(url: str) -> Origin:
     """(scheme, host, port) of an endpoint URL: what one connection pool talks to."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return parts.scheme, parts.hostname or "", port
 
 
-def configured_origins(settings: HttpSettings) -> set[tuple[str, str, int]]:
+def origin_name(origin: Origin) -> str:
+    """`https://host:443`: an origin as logs and metric labels show it."""
+    scheme, host, port = origin
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def configured_origins(settings: HttpSettings) -> set[Origin]:
     return {url_origin(d.url) for d in destinations(settings).values()}
+
+
+def origin_limits(settings: HttpSettings) -> dict[Origin, float | None]:
+    """Every configured origin's limit in requests a second (None: none): the one its
+    RELAY_HTTP_TOPIC_URLS entries set, else RELAY_HTTP_MAX_REQUESTS_PER_SECOND. An origin
+    has one budget, so entries on one origin must agree."""
+    default = settings.http_max_requests_per_second
+    limits: dict[Origin, float | None] = dict.fromkeys(configured_origins(settings), default)
+    set_by: dict[Origin, str] = {}
+    for topic, entry in settings.http_topic_urls.items():
+        if entry.max_requests_per_second is None:
+            continue
+        origin = url_origin(entry.url)
+        if origin in set_by and limits[origin] != entry.max_requests_per_second:
+            raise SettingsError(
+                "RELAY_HTTP_TOPIC_URLS",
+                f"topics {set_by[origin]!r} and {topic!r} are on one origin (scheme, host,"
+                " port) with different max_requests_per_second: an origin has one budget",
+            )
+        set_by[origin] = topic
+        limits[origin] = entry.max_requests_per_second
+    return limits
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,10 @@ from relay.sinks.http_destinations import (
     check_credentials_go_somewhere,
     check_not_plaintext,
     destinations,
+    origin_limits,
 )
+
+MAX_RATE = 1_000_000.0  # requests a second: past this a limit is no limit, likely a typo
 
 # Webhook URLs often carry a token; a topic URL may hold its own credentials.
 HTTP_SECRETS = ("http_url", "http_topic_urls", "http_signing_secret", "http_auth_header_value")
@@ -45,6 +48,8 @@ class TopicUrl(BaseModel):
     auth_header_name: str | None = None
     auth_header_value: SecretStr | None = None
     signing_secret: SecretStr | None = None
+    # Its origin's limit, in place of RELAY_HTTP_MAX_REQUESTS_PER_SECOND.
+    max_requests_per_second: float | None = Field(default=None, gt=0, le=MAX_RATE)
 
     @field_validator("url")
     @classmethod
@@ -84,12 +89,21 @@ class HttpSettings(BaseModel):
         default_factory=dict,
         description="JSON: outbox topic -> URL, e.g. "
         '{"orders": "https://x/orders"}, or -> an object {"url": ..., "share_credentials": '
-        'true, "auth_header_name": ..., "auth_header_value": ..., "signing_secret": ...}. '
+        'true, "auth_header_name": ..., "auth_header_value": ..., "signing_secret": ..., '
+        '"max_requests_per_second": ...}. '
         "RELAY_HTTP_AUTH_HEADER_VALUE and RELAY_HTTP_SIGNING_SECRET go to RELAY_HTTP_URL's "
         "origin (scheme, host, port) and to topic URLs on that origin; a topic URL on "
         "another origin gets them only with share_credentials, or has its own.",
     )
     http_max_in_flight: int = Field(default=16, ge=1, le=1024)
+    http_max_requests_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_RATE,
+        description="Requests a second to each destination origin (scheme, host, port), "
+        "each its own budget; a RELAY_HTTP_TOPIC_URLS entry's max_requests_per_second sets "
+        "its origin's instead. Unset: no limit.",
+    )
     http_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=300)
     http_read_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
     http_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
@@ -281,6 +295,7 @@ def _require(settings: HttpSettings) -> None:
         )
     found = list(destinations(settings).values())
     check_credentials_go_somewhere(settings, found)
+    origin_limits(settings)  # entries on one origin agree on its limit
     if not settings.http_allow_plaintext_credentials:
         for destination in found:
             check_not_plaintext(destination)

@@ -7,6 +7,12 @@ message is never overtaken by a later one of its key; once one fails, the rest o
 key is `SKIPPED` and goes out after the failed row is settled. The drain loop's call is
 synchronous; the sends run on an event loop this class owns (one thread), so hundreds
 of keys can be in flight without a thread each.
+
+A sink may make a message wait its turn before it takes one of the in-flight slots
+(`turn`: the HTTP sink's rate limits), told by `Batch` whether the batch has other work
+still: a wait while it has costs the batch nothing. A message whose turn came at a
+set time takes the next free slot before those in line: behind them it would start
+late, bunched with the next one of its turn.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TypeVar
 
 from relay.logging import get_logger
@@ -26,6 +34,111 @@ from relay.sinks.base import SKIPPED, OnePhase, Outcome, Result
 
 log = get_logger("relay.sinks.keyed")
 T = TypeVar("T")
+
+
+class Turn(enum.Enum):
+    IN_LINE = "in_line"  # take a slot when one is free, first come first served
+    NOW = "now"  # its set time came (a rate limit's): the next free slot is its
+
+
+class Slots:
+    """The in-flight slots of one publish: first come, first served, except for sends
+    whose turn came at a set time (`Turn.NOW`), which go first while such sends hold
+    fewer than half the slots (a limit that allows more than the slots can carry must
+    not crowd every other send out)."""
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._first_cap = max(1, count // 2)
+        self._first_held = 0  # slots taken by going first, or waiting to
+        self._first: deque[asyncio.Future[None]] = deque()
+        self._in_line: deque[asyncio.Future[None]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def take(self, turn: Turn) -> AsyncIterator[None]:
+        first = turn is Turn.NOW and self._first_held < self._first_cap
+        if first:
+            self._first_held += 1
+        try:
+            await self._acquire(self._first if first else self._in_line)
+            try:
+                yield
+            finally:
+                self._release()
+        finally:
+            if first:
+                self._first_held -= 1
+
+    async def _acquire(self, line: deque[asyncio.Future[None]]) -> None:
+        if self._free > 0 and not (self._first or self._in_line):
+            self._free -= 1
+            return
+        granted = asyncio.get_running_loop().create_future()
+        line.append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release()  # handed a slot just as it was cancelled: pass it on
+            else:
+                line.remove(granted)
+            raise
+
+    def _release(self) -> None:
+        for line in (self._first, self._in_line):
+            while line:
+                waiter = line.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the slot goes straight to it
+                    return
+        self._free += 1
+
+
+def chain_of(message: OutboxMessage) -> str:
+    """The chain a message is sent in: its key's; a row without a key has no order to
+    keep and is a chain of its own."""
+    return message.key if message.key is not None else f"\0{message.id}"
+
+
+class Batch:
+    """One publish as a send waiting its turn sees it: its deadline, and whether it is
+    busy: whether a key that never waited for a turn still has rows to send. The sends
+    of a key that waited are what waiting brings: they do not keep the batch busy (a
+    limited origin's own paced requests would otherwise keep its waits "free")."""
+
+    def __init__(self, messages: Sequence[OutboxMessage], chains: int, deadline: float) -> None:
+        self.messages = messages
+        self.deadline = deadline  # no send starts after it
+        self._busy = chains
+        self._waited: set[str] = set()
+        self._idle = asyncio.Event()
+        self._update()
+
+    @property
+    def idle(self) -> bool:
+        return self._busy == 0
+
+    async def until_idle(self) -> None:
+        await self._idle.wait()
+
+    def waiting(self, message: OutboxMessage) -> None:
+        """`message` waits for its turn: its key keeps the batch busy no more."""
+        self._not_busy(chain_of(message))
+
+    def chain_done(self, chain: str) -> None:
+        self._not_busy(chain)
+
+    def _not_busy(self, chain: str) -> None:
+        if chain not in self._waited:
+            self._waited.add(chain)
+            self._busy -= 1
+            self._update()
+
+    def _update(self) -> None:
+        if self._busy == 0:
+            self._idle.set()
+        else:
+            self._idle.clear()
 
 
 class KeyedSink(OnePhase, abc.ABC):
@@ -69,6 +182,12 @@ class KeyedSink(OnePhase, abc.ABC):
     async def send(self, message: OutboxMessage) -> Result:
         """Deliver one message and return its outcome; never raise."""
 
+    async def turn(self, message: OutboxMessage, batch: Batch) -> Result | Turn:
+        """Wait until `message` may be sent (its `Turn`), or return its outcome unsent
+        (a row sent back to wait its turn later). Runs before the message takes an
+        in-flight slot, so a wait holds no other key up."""
+        return Turn.IN_LINE
+
     async def stop(self) -> None:
         """Close the client (on the loop), after every send was cancelled."""
         return
@@ -109,49 +228,60 @@ class KeyedSink(OnePhase, abc.ABC):
     ) -> None:
         chains: dict[str, list[int]] = {}
         for index, message in enumerate(messages):
-            # A row without a key has no order to keep: it is a chain of its own.
-            chain = message.key if message.key is not None else f"\0{index}"
-            chains.setdefault(chain, []).append(index)
-        slots = asyncio.Semaphore(self._max_in_flight)
-        stop_starting = time.monotonic() + self._batch_seconds
+            chains.setdefault(chain_of(message), []).append(index)
+        slots = Slots(self._max_in_flight)
+        batch = Batch(messages, len(chains), time.monotonic() + self._batch_seconds)
         try:
             async with asyncio.TaskGroup() as group:
-                for indexes in chains.values():
+                for chain, indexes in chains.items():
                     group.create_task(
-                        self._deliver_chain(messages, indexes, results, slots, stop_starting)
+                        self._deliver_chain(chain, messages, indexes, results, slots, batch)
                     )
         finally:
             done.set()
 
     async def _deliver_chain(
         self,
+        chain: str,
         messages: Sequence[OutboxMessage],
         indexes: list[int],
         results: list[Result | None],
-        slots: asyncio.Semaphore,
-        stop_starting: float,
+        slots: Slots,
+        batch: Batch,
     ) -> None:
-        for index in indexes:
-            if time.monotonic() > stop_starting:
-                return  # left SKIPPED: unsent, untouched, first in the next batch
-            async with slots:
+        try:
+            for index in indexes:
+                result = await self._deliver_one(messages[index], slots, batch)
+                if result is None:
+                    return  # left SKIPPED: unsent, untouched, first in the next batch
+                results[index] = result
+                if result.outcome is not Outcome.ACKED:
+                    return  # the rest of this key waits for this row to be settled
+        finally:
+            batch.chain_done(chain)
+
+    async def _deliver_one(
+        self, message: OutboxMessage, slots: Slots, batch: Batch
+    ) -> Result | None:
+        """The message's outcome; None if it was not sent because the batch is over."""
+        if time.monotonic() > batch.deadline:
+            return None
+        try:
+            turn = await self.turn(message, batch)
+            if isinstance(turn, Result):
+                return turn  # not sent: back to the outbox, or left for the next batch
+            async with slots.take(turn):
                 # Again once a slot is ours: against a server that never answers, the
                 # wait for a slot is itself a timeout, and starting then would stretch
                 # the batch by one timeout per round of slots.
-                if time.monotonic() > stop_starting:
-                    return
-                try:
-                    result = await self.send(messages[index])
-                except Exception as exc:
-                    # A bug in a send must not take the other keys down with it. An
-                    # unknown error's message may quote a header: only its type is kept.
-                    log.exception(
-                        "sink.unexpected_error", sink=self.name, error_type=type(exc).__name__
-                    )
-                    result = Result(Outcome.RETRY, f"unexpected error: {type(exc).__name__}")
-            results[index] = result
-            if result.outcome is not Outcome.ACKED:
-                return  # the rest of this key waits for this row to be settled
+                if time.monotonic() > batch.deadline:
+                    return None
+                return await self.send(message)
+        except Exception as exc:
+            # A bug in a send must not take the other keys down with it. An unknown
+            # error's message may quote a header: only its type is kept.
+            log.exception("sink.unexpected_error", sink=self.name, error_type=type(exc).__name__)
+            return Result(Outcome.RETRY, f"unexpected error: {type(exc).__name__}")
 
     # --- shutting down ---
 

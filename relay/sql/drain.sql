@@ -578,12 +578,15 @@ DELETE FROM outbox
 WHERE id = ANY(%(ids)s::bigint[]);
 
 -- name: record_failures
--- Transient failures: count the attempt and schedule the next one.
+-- Transient failures: count the attempt and schedule the next one. A row the sink sent
+-- back unsent, or refused for its destination as a whole (a rate limit, a Retry-After
+-- pause), spends none (`attempted` 0).
 UPDATE outbox AS o
-SET attempts        = o.attempts + 1,
+SET attempts        = o.attempts + f.attempted,
     next_attempt_at = now() + make_interval(secs => f.delay),
     last_error      = f.error
-FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[]) AS f (id, delay, error)
+FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(delays)s::float8[], %(errors)s::text[])
+     AS f (id, attempted, delay, error)
 WHERE o.id = f.id;
 
 -- name: dead_letter

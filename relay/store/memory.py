@@ -242,14 +242,15 @@ class MemoryStore:
             for row_id in settlement.sent:
                 row = by_id[row_id]
                 row.sent, row.deleted = not delete_sent, delete_sent
-            for row_id, delay, error in zip(
+            for row_id, attempted, delay, error in zip(
                 settlement.retry_ids,
+                settlement.retry_attempted,
                 settlement.retry_delays,
                 settlement.retry_errors,
                 strict=True,
             ):
                 row = by_id[row_id]
-                row.attempts += 1
+                row.attempts += attempted
                 row.next_attempt_at = now + delay
                 row.last_error = error
             for row_id, attempted, reason in zip(

@@ -11,6 +11,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,9 +62,47 @@ def always_ok(_: Delivery) -> Reply:
     return Reply()
 
 
+class LimitedTo:
+    """A receiver's rate limit: a request beyond `limit` in the last `window` seconds
+    (by arrival) is answered 429 with `Retry-After: 1`; the others go to `inner`."""
+
+    def __init__(self, limit: int, inner: Responder = always_ok, window: float = 1.0) -> None:
+        self.limit = limit
+        self.inner = inner
+        self.window = window
+        self.refused = 0
+        self._accepted: deque[float] = deque()
+        self._lock = threading.Lock()
+
+    def __call__(self, delivery: Delivery) -> Reply:
+        with self._lock:
+            now = time.monotonic()  # taken under the lock: arrivals in order
+            while self._accepted and now - self._accepted[0] >= self.window:
+                self._accepted.popleft()
+            if len(self._accepted) >= self.limit:
+                self.refused += 1
+                return Reply(429, headers={"Retry-After": "1"}, body=b"rate limited")
+            self._accepted.append(now)
+        return self.inner(delivery)
+
+
+def most_in_a_window(deliveries: list[Delivery], window: float = 1.0) -> int:
+    """The most requests that arrived within any `window` seconds."""
+    starts = sorted(d.started for d in deliveries)
+    most, first = 0, 0
+    for last, start in enumerate(starts):
+        while start - starts[first] >= window:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    # The default backlog of 5 drops connection attempts made at once (a pool opening
+    # its connections), and a dropped SYN is retried only after a second.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: Any, owner: WebhookServer) -> None:
         self.owner = owner
