@@ -8,6 +8,7 @@ from relay.batch import BatchLimits
 from relay.drain import DrainConfig
 from relay.elector import ElectorTimings
 from relay.lag import LagConfig
+from relay.pacer import PaceLimits
 from relay.presence import PresenceConfig
 from relay.purge import PurgeConfig
 from relay.settings import Settings
@@ -15,14 +16,21 @@ from relay.sinks import Sink, message_max_bytes
 from relay.wakeup import ListenerConfig
 
 
+def pace_limits(settings: Settings) -> PaceLimits:
+    return PaceLimits(settings.max_messages_per_second, settings.max_bytes_per_second)
+
+
 def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
-    """The batch bounds and the per-key cap, with the sink's default for the cap."""
+    """The batch bounds and the per-key cap, with the sink's default for the cap. With
+    a cap on the pace, a batch is at most a tenth of a second of it (relay/pacer.py)."""
+    pace = pace_limits(settings)
+    rows = pace.batch_rows(settings.batch_size)
     per_key = settings.batch_max_per_key
     if per_key is None:
-        per_key = 4 if sink.serial_per_key else max(1, settings.batch_size // 5)
+        per_key = 4 if sink.serial_per_key else max(1, rows // 5)
     return BatchLimits(
-        rows=settings.batch_size,
-        bytes=settings.batch_max_bytes,
+        rows=rows,
+        bytes=pace.batch_bytes(settings.batch_max_bytes),
         per_key=per_key,
         fill=not sink.serial_per_key,
         message_bytes=message_max_bytes(settings),
@@ -49,6 +57,7 @@ def drain_config(settings: Settings, sink: Sink) -> DrainConfig:
         poll_max=settings.poll_interval_max_seconds,
         lease_ttl=settings.lease_ttl_seconds,
         delete_sent=not settings.keep_sent_rows,
+        pace=pace_limits(settings),
     )
 
 

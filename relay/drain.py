@@ -24,16 +24,16 @@ read-ahead, scheduled rows let in), what each outcome means (relay/outcomes.py),
 settle pipeline (relay/pipeline.py: the batch being settled on the settler's session,
 relay/settler.py, and the stragglers, relay/stragglers.py), the give-way decision
 (relay/give_way.py) and the letting go it leads to (relay/hand_over.py), the idle wait
-(relay/idle.py), and what is recorded (relay/recorder.py: metrics, dead-letter lines,
-spans). The database is a store (relay/store/port.py). What stays here is the loop
-that ties them together, and backing off while the sink is down.
+(relay/idle.py), the pace (relay/pacer.py), and what is recorded (relay/recorder.py:
+metrics, dead-letter lines, spans). The database is a store (relay/store/port.py). What
+stays here is the loop that ties them together, and backing off while the sink is down.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,7 @@ from relay.logging import get_logger
 from relay.message import ID, OutboxMessage
 from relay.metrics import Health
 from relay.outcomes import decide
+from relay.pacer import TICK_SECONDS, PaceLimits, Pacer
 from relay.pipeline import SettlePipeline
 from relay.progress import Progress
 from relay.reader import Reader
@@ -77,6 +78,7 @@ class DrainConfig:
     poll_max: float  # RELAY_POLL_INTERVAL_MAX_SECONDS
     lease_ttl: float  # RELAY_LEASE_TTL_SECONDS, which each settle extends the lease by
     delete_sent: bool  # not RELAY_RETENTION_SECONDS
+    pace: PaceLimits = field(default_factory=PaceLimits)  # RELAY_MAX_*_PER_SECOND
 
 
 class Drainer:
@@ -126,6 +128,7 @@ class Drainer:
             lease, sink, self._reader, self._pipeline, self._give_way_policy, self._progress
         )
         self._recorder = Recorder(sink.name, tracing)
+        self._pacer = Pacer(config.pace, sink.name, loop, clock)
 
     # --- the loop ---
 
@@ -176,8 +179,9 @@ class Drainer:
             self._nothing_to_publish(token)
             return
         self._idle.busy()
-        if self._lease.token() != token:
-            return  # our deadline passed while we read: publish nothing
+        paced = self._pacer.admit(batch, lambda wait: self._pause(wait, token, TICK_SECONDS))
+        if not paced or self._lease.token() != token:
+            return  # a wait for budget cut short, or the deadline passed: publish nothing
         unavailable = self._publish(token, batch, fetched_ns)
         if unavailable is not None:
             self._back_off(token, unavailable)
@@ -285,17 +289,18 @@ class Drainer:
         self._reader.forget()
         return False
 
-    def _pause(self, delay: float, token: LeaseToken) -> None:
-        """Wait out a sink outage in short slices: the liveness probe keeps seeing a
-        beating loop (a Retry-After may ask for minutes), and a lost lease or a
-        shutdown ends the wait at once."""
+    def _pause(self, delay: float, token: LeaseToken, tick: float = 1.0) -> bool:
+        """Wait out a sink outage (or the pacer's budget) in slices of `tick`: the
+        liveness probe keeps seeing a beating loop (a Retry-After may ask for minutes),
+        a shutdown ends the wait at once, a lost lease within a slice. False if cut short."""
         deadline = self._clock() + delay
         while (left := deadline - self._clock()) > 0:
             self._health.beat(self._loop)
-            if self._shutdown.wait(min(left, 1.0)) or self._lease.token() != token:
-                return
+            if self._shutdown.wait(min(left, tick)) or self._lease.token() != token:
+                return False
             if self._cannot_deliver():
-                return  # the loop gives the lease way
+                return False  # the loop gives the lease way
+        return True
 
     def _abandon(self, token: LeaseToken) -> bool:
         """Stop waiting on the sink: lease gone, shutdown grace used up, or time to

@@ -390,6 +390,22 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "fifth of the batch for Kafka (a key alone still fills whole batches); 4 for HTTP, "
         "which sends a key's rows one at a time (there it holds even when nobody waits).",
     )
+    max_messages_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        le=10_000_000,
+        description="A cap on the messages each drain loop (each lane: a shard held) hands "
+        "the sink a second, whatever the sink; a batch waits until the budget allows it, "
+        "and is made at most a tenth of a second of it. Unset: no cap.",
+    )
+    max_bytes_per_second: int | None = Field(
+        default=None,
+        gt=0,
+        le=1 << 40,
+        description="A cap on the bytes (payload, topic, key and the row's headers, as "
+        "RELAY_BATCH_MAX_BYTES counts them) each drain loop hands the sink a second; a batch "
+        "is made at most a tenth of a second of it (at least one row). Unset: no cap.",
+    )
     poll_interval_min_seconds: float = Field(default=0.005, gt=0, le=10)
     poll_interval_max_seconds: float = Field(default=0.1, gt=0, le=60)
     max_attempts: int = Field(default=10, ge=1)

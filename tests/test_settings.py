@@ -42,6 +42,10 @@ def env_for(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
         ("RELAY_LOG_FORMAT", "xml", "'json' or 'console'"),
         ("RELAY_METRICS_PORT", "70000", "less than or equal to 65535"),
         ("RELAY_NOTIFY_CHANNEL", "Outbox; DROP", "should match pattern"),
+        ("RELAY_MAX_MESSAGES_PER_SECOND", "0", "greater than 0"),
+        ("RELAY_MAX_MESSAGES_PER_SECOND", "fast", "valid number"),
+        ("RELAY_MAX_BYTES_PER_SECOND", "-1", "greater than 0"),
+        ("RELAY_MAX_BYTES_PER_SECOND", "1MB", "valid integer"),
     ],
 )
 def test_invalid_value_names_the_variable(
@@ -114,6 +118,17 @@ def test_cli_exits_2_with_one_clear_line_and_no_password() -> None:
     ]
     assert "s3cr3t-pw" not in err + done.stdout.decode()
     assert "Traceback" not in err
+
+
+def test_a_pace_cap_of_zero_exits_2_naming_it() -> None:
+    env = relay_env(URL, "127.0.0.1:1", RELAY_MAX_MESSAGES_PER_SECOND="0")
+    done = subprocess.run(
+        relay_command("run"), env=env, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().strip().splitlines() == [
+        "relay: configuration error: RELAY_MAX_MESSAGES_PER_SECOND: Input should be greater than 0"
+    ]
 
 
 @pytest.mark.parametrize(

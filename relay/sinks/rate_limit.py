@@ -123,7 +123,8 @@ class Budget:
 
 class RecentRate:
     """Requests started in about the last second (ten buckets of 100 ms), read from
-    another thread (a scrape): a torn read is off by a request, never an error."""
+    another thread (a scrape): a torn read is off by a request, never an error. The
+    drain's pacer (relay/pacer.py) counts messages and bytes with it, `count` at once."""
 
     _BUCKETS = 10
     _WIDTH = 0.1
@@ -132,13 +133,13 @@ class RecentRate:
         self._counts = [0] * self._BUCKETS
         self._slots = [-self._BUCKETS] * self._BUCKETS  # which 100 ms each bucket counts
 
-    def record(self, now: float) -> None:
+    def record(self, now: float, count: int = 1) -> None:
         slot = int(now / self._WIDTH)
         index = slot % self._BUCKETS
         if self._slots[index] != slot:
             self._slots[index] = slot
             self._counts[index] = 0
-        self._counts[index] += 1
+        self._counts[index] += count
 
     def per_second(self, now: float) -> float:
         slot = int(now / self._WIDTH)
