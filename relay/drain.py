@@ -154,7 +154,6 @@ class Drainer:
                     self._reader.forget()
                     delay = self._db_retry.next_delay()
                     log.warning("drain.db_error", error=str(exc), retry_in=round(delay, 3))
-                    self._reader.session_failed()
                     self._shutdown.wait(delay)
                 token = self._lease.token()
         finally:

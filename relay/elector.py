@@ -107,7 +107,6 @@ class Elector(threading.Thread):
                 epoch=token.epoch,
                 error=str(exc),
             )
-            self._store.reset()
             return False
         self.last_db_ok = self._clock()
         log.info(
@@ -156,7 +155,6 @@ class Elector(threading.Thread):
                 holder=self._lease.holder,
                 error=str(exc),
             )
-            self._store.reset()
             self._expire_if_past_deadline()
         except Exception:
             # A bug must not silently end the elector: this replica would never

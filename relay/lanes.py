@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from relay import db, lease_metrics
+from relay import lease_metrics
 from relay.configs import drain_config, elector_timings
 from relay.drain import Drainer
 from relay.elector import Elector
@@ -111,7 +111,7 @@ class Lane:
         self.guard = DeadlineGuard(self.lease, sink)
         self.drainer = Drainer(
             drain_config(settings, sink),
-            PostgresStore(lambda purpose: db.connect(settings, purpose=purpose), shard),
+            PostgresStore(settings, shard),
             sink,
             self.lease,
             shutdown,

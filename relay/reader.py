@@ -1,7 +1,8 @@
 """The drain's reading side (docs/DESIGN.md, "Draining"): the next batch in id order,
 fair across keys, read ahead while the previous batch is being acknowledged, and the
 scheduled rows let in when due. It owns the drain's session (a `ReadStore`) and where
-the rounds over keys stand; the loop tells it which rows are unsettled and which keys are held back.
+the rounds over keys stand; the loop tells it which rows are unsettled and which keys
+are held back.
 """
 
 from __future__ import annotations
@@ -79,9 +80,7 @@ class Reader:
         try:
             rows = self._fetch(id_array([*unsettled, published]), held)
         except StoreError:
-            # The next step's own fetch will meet (and report) the same trouble.
-            self._store.reset()
-            return
+            return  # the next step's own fetch will meet (and report) the same trouble
         self._prefetched = Prefetched(rows, held)
 
     def hold(self, keys: frozenset[str]) -> None:
@@ -145,10 +144,6 @@ class Reader:
         self._promote_at = 0.0
 
     # --- the session ---
-
-    def session_failed(self) -> None:
-        """A statement failed: the next one starts on a fresh session."""
-        self._store.reset()
 
     def close(self) -> None:
         self._store.close()

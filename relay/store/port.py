@@ -3,8 +3,9 @@
 Three sessions per lane, each owned by one thread: the drain loop reads (`ReadStore`),
 the settler writes outcomes (`SettleStore`), so the next batch is read while the last is
 being settled, and the elector runs the lease protocol (`LeaseStore`). A failed
-statement raises `StoreError`; the loop then retries on a fresh session, and rows
-published but not settled stay unsent (a duplicate, never a loss).
+statement raises `StoreError`, its session already closed, so the loop's next try
+starts on a fresh one; rows published but not settled stay unsent (a duplicate, never
+a loss). `reset()` closes the session after any other failure (a bug, an interrupt).
 """
 
 from __future__ import annotations
@@ -63,10 +64,6 @@ class ReadStore(Protocol):
 
     def promote_due(self, limit: int) -> Promoted:
         """Let at most `limit` scheduled rows that are due into the drain."""
-        ...
-
-    def reset(self) -> None:
-        """A statement failed: the next one starts on a fresh session."""
         ...
 
     def close(self) -> None: ...

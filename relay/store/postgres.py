@@ -87,9 +87,6 @@ class PostgresReadStore:
                 self._session.get(), limit, shards=self._shard.shards, shard=self._shard.shard
             )
 
-    def reset(self) -> None:
-        self._session.close()
-
     def close(self) -> None:
         self._session.close()
 
@@ -157,15 +154,14 @@ class PostgresLeaseStore:
 
 
 class PostgresStore:
-    """One lane's sessions: `connect(purpose)` opens one (its purpose names it in
-    pg_stat_activity)."""
+    """One lane's drain sessions, each named for its purpose in pg_stat_activity."""
 
-    def __init__(self, connect: Callable[[str], db.Conn], shard: Shard) -> None:
-        self._connect = connect
+    def __init__(self, settings: Settings, shard: Shard) -> None:
+        self._settings = settings
         self._shard = shard
 
     def reading(self) -> PostgresReadStore:
-        return PostgresReadStore(lambda: self._connect("drain"), self._shard)
+        return PostgresReadStore(lambda: db.connect(self._settings, purpose="drain"), self._shard)
 
     def settling(self) -> PostgresSettleStore:
-        return PostgresSettleStore(lambda: self._connect("settle"))
+        return PostgresSettleStore(lambda: db.connect(self._settings, purpose="settle"))
