@@ -49,7 +49,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from psycopg import sql
 
 from bench import cpu
-from bench.common import DUE, KEYS, PAYLOAD, TOPIC, preload
+from bench.common import BARE_PRODUCER, DUE, KEYS, PAYLOAD, TOPIC, preload
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
@@ -203,15 +203,7 @@ def bare_relay(dsn: str, bootstrap: str, table: str, rows: int) -> dict[str, flo
         " FROM {} WHERE {} ORDER BY id LIMIT %(limit)s"
     ).format(sql.SQL(CREATED_AT), name, sql.SQL(UNSENT[table]))
     delete = sql.SQL("DELETE FROM {} WHERE id = ANY(%(ids)s::bigint[])").format(name)
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "enable.idempotence": True,
-            "acks": "all",
-            "compression.type": "lz4",
-            "linger.ms": 5,
-        }
-    )
+    producer = Producer({"bootstrap.servers": bootstrap, **BARE_PRODUCER})
     producer.produce(TOPIC, PAYLOAD, key="warm-up")  # the producer id, before the clock
     producer.flush(10)
     failed: list[str] = []

@@ -12,6 +12,14 @@ from relay.settings import Settings
 PAYLOAD = b"x" * 200
 KEYS = 100
 TOPIC = "bench"
+# The relay's producer guarantees, for the bench's own bare loops (the relay's own
+# config is relay/sinks/kafka.py's producer_config).
+BARE_PRODUCER = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "compression.type": "lz4",
+    "linger.ms": 5,
+}
 # "Unsent and due" as the drain's indexes (outbox_due_idx, outbox_due_key_idx) state it, so
 # the benchmark's own probes use them.
 DUE = (

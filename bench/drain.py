@@ -8,7 +8,7 @@ from confluent_kafka import Producer
 
 from bench import cpu
 from bench.baselines import raw_loop
-from bench.common import PAYLOAD, TOPIC, preload
+from bench.common import BARE_PRODUCER, PAYLOAD, TOPIC, preload
 
 
 def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
@@ -20,15 +20,7 @@ def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
 
 def producer_rate(bootstrap: str, count: int) -> float:
     """msg/s of one Python loop producing to the broker with the relay's guarantees."""
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "enable.idempotence": True,
-            "acks": "all",
-            "compression.type": "lz4",
-            "linger.ms": 5,
-        }
-    )
+    producer = Producer({"bootstrap.servers": bootstrap, **BARE_PRODUCER})
     producer.produce(TOPIC, PAYLOAD, key="warm-up")
     producer.flush(10)
     started = time.perf_counter()
