@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import threading
 import time
@@ -10,7 +11,7 @@ from types import FrameType
 
 import psycopg
 
-from relay import __version__, db, metrics, runtime, tracing
+from relay import __version__, db, fairness, metrics, runtime, tracing
 from relay.configs import lag_config, listener_config, presence_config, purge_config
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
@@ -18,7 +19,7 @@ from relay.lease import Lease, Shard
 from relay.logging import get_logger
 from relay.metrics import Health
 from relay.metrics_server import MetricsServer
-from relay.migrate import shard_index_state
+from relay.migrate import index_state, shard_index_state
 from relay.presence import Presence
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
@@ -168,6 +169,27 @@ class RelayApp:
                 f" run `relay migrate --shards {self.settings.shards}` first",
             )
 
+    def _check_fairness_index(self) -> None:
+        """RELAY_FAIRNESS_GROUP: its index must exist, or each fetch with a full head
+        would read every waiting row to find the groups. As for the shard indexes."""
+        s = self.settings
+        assert s.fairness_group is not None
+        group = fairness.parse(s.fairness_group)
+        name = group.index_name(s.shards)
+        try:
+            with db.connect(s, purpose="check") as conn:
+                valid = index_state(conn, [name])[name]
+        except psycopg.Error as exc:
+            log.warning("fairness.index_check_skipped", error=db.describe_error(exc))
+            return
+        if not valid:
+            shards = f" --shards {s.shards}" if s.shards > 1 else ""
+            raise SettingsError(
+                "RELAY_FAIRNESS_GROUP",
+                f"{group.spec} needs the index {name}: run"
+                f" `relay migrate --fairness-group {shlex.quote(group.spec)}{shards}` first",
+            )
+
     def _check_own_table(self) -> None:
         """RELAY_OUTBOX_TABLE: its view must exist (`db.connect` raises SettingsError
         if not). As for the shard indexes, a database down now is not a reason not to
@@ -183,6 +205,8 @@ class RelayApp:
             log.warning("settings.insecure", setting=variable, problem=problem)
         if s.shards > 1:
             self._check_shard_indexes()
+        if s.fairness_group is not None:
+            self._check_fairness_index()
         if s.outbox_table is not None:
             self._check_own_table()
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})

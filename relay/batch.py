@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from relay.fairness import FairnessGroup
+
 
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
@@ -22,6 +24,8 @@ class BatchLimits:
     # A row over this many bytes (payload, topic, key, headers) comes without them, with the
     # reason it is dead-lettered: the relay never loads a row it cannot send.
     message_bytes: int = 16 << 20
+    # RELAY_FAIRNESS_GROUP: every waiting group's share first, then keys within groups.
+    group: FairnessGroup | None = None
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from relay import __version__, db, lag, repository
+from relay import __version__, db, fairness, lag, repository
 from relay.errors import MigrationError
 from relay.logging import configure
 from relay.queries import QUERIES
@@ -107,7 +107,12 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from relay.migrate import create_shard_indexes, migrate, set_notify_trigger
+    from relay.migrate import (
+        create_fairness_index,
+        create_shard_indexes,
+        migrate,
+        set_notify_trigger,
+    )
     from relay.own_table import migrate_own_table
 
     if args.dry_run and not args.own_table:
@@ -144,6 +149,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f"shard indexes for {args.shards} shards: "
             + (f"built {', '.join(built)}" if built else "already there")
         )
+    if args.fairness_group is not None:
+        group = args.fairness_group
+        built_now = create_fairness_index(settings, group, args.shards)
+        print(
+            f"fairness index for {group.spec}"
+            + (f" with {args.shards} shards" if args.shards > 1 else "")
+            + f": {'built' if built_now else 'already there'} {group.index_name(args.shards)}"
+        )
     if args.notify_trigger is not None:
         set_notify_trigger(settings, args.notify_trigger)
         print(f"notify trigger: every INSERT into outbox notifies {args.notify_trigger!r}")
@@ -151,6 +164,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         set_notify_trigger(settings, None)
         print("notify trigger: dropped")
     return EXIT_OK
+
+
+def _fairness_group(text: str) -> fairness.FairnessGroup:
+    try:
+        return fairness.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _channel(text: str) -> str:
@@ -468,6 +488,13 @@ def _migrate_arguments(migrate_cmd: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         help="also build the indexes N shards fetch through (CONCURRENTLY; idempotent)",
+    )
+    migrate_cmd.add_argument(
+        "--fairness-group",
+        type=_fairness_group,
+        metavar="SPEC",
+        help="also build the index RELAY_FAIRNESS_GROUP=SPEC fetches through (with --shards"
+        " N: for N shards; CONCURRENTLY; idempotent)",
     )
     migrate_cmd.add_argument(
         "--own-table",

@@ -4,6 +4,7 @@ say what they depend on and the fast tests build them by hand."""
 
 from __future__ import annotations
 
+from relay import fairness
 from relay.batch import BatchLimits
 from relay.drain import DrainConfig
 from relay.elector import ElectorTimings
@@ -34,6 +35,7 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         per_key=per_key,
         fill=not sink.serial_per_key,
         message_bytes=message_max_bytes(settings),
+        group=fairness.parse(settings.fairness_group) if settings.fairness_group else None,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -13,6 +14,7 @@ from psycopg import sql
 
 from relay import db
 from relay.errors import MigrationError
+from relay.fairness import FairnessGroup
 from relay.logging import get_logger
 from relay.queries import QUERIES
 from relay.settings import CommonSettings
@@ -147,7 +149,11 @@ def shard_index_names(shards: int) -> tuple[str, str]:
 def shard_index_state(conn: db.Conn, shards: int) -> dict[str, bool]:
     """Each index `shards` needs: built and valid (False: absent, or an invalid leftover
     of a CONCURRENTLY build that failed)."""
-    names = shard_index_names(shards)
+    return index_state(conn, shard_index_names(shards))
+
+
+def index_state(conn: db.Conn, names: Sequence[str]) -> dict[str, bool]:
+    """Each of these indexes of the outbox: built and valid."""
     found = {
         r["name"]: bool(r["valid"])
         for r in conn.execute(QUERIES.shard_index_state, {"names": list(names)})
@@ -182,6 +188,46 @@ def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
         except psycopg.Error as exc:
             raise MigrationError(db.describe_error(exc)) from exc
     return built
+
+
+def create_fairness_index(settings: CommonSettings, group: FairnessGroup, shards: int) -> bool:
+    """`relay migrate --fairness-group SPEC`: build (CONCURRENTLY) the index the round
+    over `group`'s groups walks, for a shard count. Idempotent, as the shard indexes.
+    Whether it was built now."""
+    name = group.index_name(shards)
+    index = sql.Identifier(name)
+    with db.connect(settings, purpose="migrate") as conn:
+        conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside a transaction
+        conn.execute(QUERIES.migrations_no_timeout)
+        try:
+            if index_state(conn, [name])[name]:
+                return False
+            conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+            shard_column = (
+                sql.SQL("outbox_shard(key, id, {}),").format(sql.Literal(shards))
+                if shards > 1
+                else sql.SQL("")
+            )
+            conn.execute(
+                sql.SQL(QUERIES.fairness_index).format(
+                    index=index,
+                    shard_column=shard_column,
+                    kind=sql.Literal(group.kind),
+                    arg=sql.Literal(group.arg),
+                )
+            )
+            comment = f"RELAY_FAIRNESS_GROUP={group.spec}" + (
+                f" with RELAY_SHARDS={shards}" if shards > 1 else ""
+            )
+            conn.execute(
+                sql.SQL(QUERIES.fairness_index_comment).format(
+                    index=index, comment=sql.Literal(comment)
+                )
+            )
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
+    log.info("migration.fairness_index", name=name, group=group.spec, shards=shards)
+    return True
 
 
 def set_notify_trigger(settings: CommonSettings, channel: str | None) -> None:

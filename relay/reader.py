@@ -53,6 +53,7 @@ class Reader:
         self._clock = clock
         self._prefetched: Prefetched | None = None  # fetched, not published yet
         self._after_key: str | None = None  # where the next round over keys starts
+        self._after_group: str | None = None  # ... over fairness groups
         self._look_for_others_at = 0.0
         self._promote_at = 0.0  # when to look for scheduled rows that are due
 
@@ -103,14 +104,20 @@ class Reader:
                 self._after_key,
                 held=sorted(held),
                 share_busy_keys=self._clock() >= self._look_for_others_at,
+                after_group=self._after_group,
             )
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to
+                self._after_group = fetched.walked_group
             if fetched.alone:
                 # A key drains alone: look for others only every so often, so a lone
                 # hot key keeps the cheap fetch (they wait this much longer at most).
                 self._look_for_others_at = self._clock() + LOOK_FOR_OTHERS_SECONDS
-            if fetched.messages or not fetched.fair or fetched.walked_to is None:
+            if (
+                fetched.messages
+                or not fetched.fair
+                or (fetched.walked_to, fetched.walked_group) == (None, None)
+            ):
                 break
         return fetched.messages
 

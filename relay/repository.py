@@ -31,6 +31,7 @@ def fetch_batch(
     share_busy_keys: bool = True,
     shards: int = 1,
     shard: int = 0,
+    after_group: str | None = None,
 ) -> Fetched:
     """The next batch (README "Fetching: fair and bounded").
 
@@ -46,6 +47,8 @@ def fetch_batch(
     anyway (`limits.fill`): the caller's way to look for other keys less often while
     a key drains alone.
     `shards`, `shard`: with more than one shard, only that shard's rows (migration 0007).
+    With `limits.group` (RELAY_FAIRNESS_GROUP), a full head is shared out too: groups
+    past it may wait. `after_group`: where the round over groups starts.
     """
     params: dict[str, Any] = {
         "shards": shards,
@@ -64,15 +67,28 @@ def fetch_batch(
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
             return Fetched(_within_bytes(head))
-    params.update(key_cap=limits.per_key, fill=limits.fill, after_key=after_key)
-    with conn.cursor(row_factory=tuple_row, binary=True) as cur:  # rows, then walked_to
+    group = limits.group
+    params.update(
+        key_cap=limits.per_key,
+        fill=limits.fill,
+        after_key=after_key,
+        grouped=group is not None,
+        group_kind=group.kind if group else None,
+        group_arg=group.arg if group else None,
+        after_group=after_group,
+    )
+    with conn.cursor(row_factory=tuple_row, binary=True) as cur:  # rows, then the walks
         *rows, last = cur.execute(QUERIES.fetch_batch, params).fetchall()
-    walked_to = last[-1]
+    walked_to, walked_group = last[-2:]
     ids = [row[0] for row in rows]
-    # Not when the round stopped partway (say, at a run of keys in backoff): keys
-    # beyond it may be waiting.
-    alone = walked_to is None and ids == [m.id for m in head[: len(ids)] if m.ready]
-    return Fetched([_MAKE_MESSAGE(row[:-1]) for row in rows], walked_to, True, alone)
+    # Not when a round stopped partway (say, at a run of keys in backoff): keys or
+    # groups beyond it may be waiting.
+    alone = (
+        walked_to is None
+        and walked_group is None
+        and ids == [m.id for m in head[: len(ids)] if m.ready]
+    )
+    return Fetched([_MAKE_MESSAGE(row[:-2]) for row in rows], walked_to, walked_group, True, alone)
 
 
 # tuple.__new__ with the class: the named tuple made in C from psycopg's row tuple
@@ -94,6 +110,8 @@ def _needs_sharing(head: list[OutboxMessage], limits: BatchLimits, busy_keys: bo
         return True
     if not busy_keys:
         return False
+    if limits.group is not None and len(head) == limits.rows:
+        return True  # other groups may wait past a full head
     if all_ready:
         counts = Counter(map(KEY, head))
         counts.pop(None, None)

@@ -39,6 +39,7 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as PydanticSettingsError
 
+from relay import fairness
 from relay.errors import SettingsError
 from relay.setting_checks import read_secret, unreadable
 from relay.sinks import sink_specs
@@ -390,6 +391,14 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "fifth of the batch for Kafka (a key alone still fills whole batches); 4 for HTTP, "
         "which sends a key's rows one at a time (there it holds even when nobody waits).",
     )
+    fairness_group: str | None = Field(
+        default=None,
+        description="Fairness per tenant: what a tenant is, `key-prefix:<delimiter>` (the key "
+        "up to the first delimiter; `key-prefix::` makes `tenant-42:order-7` tenant-42's) or "
+        "`header:<name>`. Each batch then gives every waiting tenant its share first, then "
+        "keys within it. Needs `relay migrate --fairness-group <same value>` first (its "
+        "index). Unset: fair across keys only.",
+    )
     max_messages_per_second: float | None = Field(
         default=None,
         gt=0,
@@ -434,6 +443,13 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         'topic per tenant cannot grow /metrics without end. 0: every topic counts as "_other".',
     )
 
+    @field_validator("fairness_group")
+    @classmethod
+    def _fairness_group_shape(cls, value: str | None) -> str | None:
+        if value is not None:
+            fairness.parse(value)
+        return value
+
     @field_validator("sink")
     @classmethod
     def _known_sink(cls, value: str) -> str:
@@ -473,6 +489,10 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         if self.outbox_table is not None and self.shards > 1:
             raise SettingsError(
                 "RELAY_SHARDS", "must be 1 with RELAY_OUTBOX_TABLE (not supported yet)"
+            )
+        if self.outbox_table is not None and self.fairness_group is not None:
+            raise SettingsError(
+                "RELAY_FAIRNESS_GROUP", "must be unset with RELAY_OUTBOX_TABLE (not supported yet)"
             )
         if 0 < self.give_way_seconds < 2 * self.heartbeat_seconds:
             raise SettingsError(

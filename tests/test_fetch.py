@@ -68,9 +68,13 @@ def keys_of(rows: list[OutboxMessage]) -> dict[str | None, int]:
     return counts
 
 
+# fetch_batch's parameters without fairness groups (RELAY_FAIRNESS_GROUP unset).
+UNGROUPED = {"grouped": False, "group_kind": None, "group_arg": None, "after_group": None}
+
+
 def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
     """Rows are built positionally: both statements' columns must be the dataclass's
-    fields (then fetch_head's size and ready, fetch_batch's walked_to)."""
+    fields (then fetch_head's size and ready, fetch_batch's walked_to and walked_group)."""
     params = {
         "limit": 1,
         "max_bytes": 1,
@@ -82,12 +86,13 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
         "shards": 1,
         "shard": 0,
         "after_key": None,
+        **UNGROUPED,
     }
     fields = list(OutboxMessage._fields)
     with psycopg.connect(database, autocommit=True) as conn:
         for query, extra in (
             (QUERIES.fetch_head, []),
-            (QUERIES.fetch_batch, ["walked_to"]),
+            (QUERIES.fetch_batch, ["walked_to", "walked_group"]),
         ):
             cur = conn.execute(query, params)
             assert cur.description is not None
@@ -114,9 +119,16 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
         head = conn.execute(QUERIES.fetch_head, params).fetchall()
         fair = conn.execute(
             QUERIES.fetch_batch,
-            {**params, "max_bytes": 1 << 30, "key_cap": 10, "fill": True, "after_key": None},
+            {
+                **params,
+                "max_bytes": 1 << 30,
+                "key_cap": 10,
+                "fill": True,
+                "after_key": None,
+                **UNGROUPED,
+            },
         ).fetchall()
-    assert head == [row[:-1] for row in fair[:-1]]
+    assert head == [row[:-2] for row in fair[:-1]]
     assert len(head) == 3
 
 
@@ -264,6 +276,10 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
         "shards": 1,
         "shard": 0,
         "after_key": None,
+        "grouped": limits.group is not None,
+        "group_kind": limits.group.kind if limits.group else None,
+        "group_arg": limits.group.arg if limits.group else None,
+        "after_group": None,
     }
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(QUERIES.force_custom_plans)

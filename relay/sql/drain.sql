@@ -218,14 +218,20 @@ ORDER BY m.id;
 -- 2. crowded: the head is full and holds rows it may not send, or more ready rows of
 --    one key than %(key_cap)s. Only then does the fetch look further (the relay runs
 --    this statement when either holds, or when a key passes the cap in a head that is
---    not full).
+--    not full, or, with fairness groups, when the head is full).
 -- 3. keys: a round over the keys from just after %(after_key)s; beyond: each key's next
 --    rows after the head, and the next rows without a key.
--- 4. chosen: every key's first %(key_cap)s ready rows, then (if %(fill)s) further rows
---    of busy keys, up to %(limit)s rows; kept: up to %(max_bytes)s bytes.
+-- 4. groups (with %(grouped)s, RELAY_FAIRNESS_GROUP, and a full head): a round over
+--    the groups from just after %(after_group)s; beyond_groups: each group's next rows
+--    after the head, an equal share each.
+-- 5. chosen: every key's first %(key_cap)s ready rows, each group's first before any
+--    group's second when grouped, then (if %(fill)s) further rows of busy keys, up to
+--    %(limit)s rows; kept: up to %(max_bytes)s bytes.
 -- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
--- 2 x %(limit)s rows beyond the head. Rows come in id order, in fetch_head's projection
--- plus walked_to: NULL but on a last row of its own, where the round over keys stopped.
+-- 2 x %(limit)s rows beyond the head; when grouped, %(limit)s group descents and
+-- 2 x %(limit)s rows more. Rows come in id order, in fetch_head's projection plus
+-- walked_to and walked_group: NULL but on a last row of their own, where the rounds over
+-- keys and groups stopped.
 WITH RECURSIVE head AS MATERIALIZED (
     {{head}}
 ),
@@ -251,6 +257,18 @@ keys AS MATERIALIZED (
 beyond AS (
     {{beyond}}
 ),
+groups_after (grp) AS (
+    {{groups_after}}
+),
+groups_before (grp) AS (
+    {{groups_before}}
+),
+groups AS MATERIALIZED (
+    {{groups}}
+),
+beyond_groups AS (
+    {{beyond_groups}}
+),
 ranked AS (
     {{ranked}}
 ),
@@ -258,7 +276,7 @@ chosen AS (
     SELECT r.*
     FROM ranked AS r
     WHERE %(fill)s OR r.place <= %(key_cap)s
-    ORDER BY r.place > %(key_cap)s, r.id
+    ORDER BY r.place > %(key_cap)s, r.group_place, r.id
     LIMIT %(limit)s
 ),
 kept AS (
@@ -291,7 +309,8 @@ AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
 SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
        o.available_at, o.attempts,
        {{row_size}} AS size,
-       {{ready}} AS ready
+       {{ready}} AS ready,
+       {{fairness_group}} AS grp
 FROM outbox AS o
 WHERE {{drainable}}
   -- The batches published and not yet settled. The parameter is sent untyped, so
@@ -310,6 +329,8 @@ SELECT count(*) = %(limit)s
        -- Full of ready rows: a key with its share in the head gets nothing beyond
        -- it (those rows could never outrank a head row).
        count(*) = %(limit)s AND bool_and(h.ready) AS filled,
+       -- Full: other groups may wait past it (the round over groups starts only then).
+       count(*) = %(limit)s AS head_full,
        max(h.id) AS last_id
 FROM head AS h
 
@@ -376,7 +397,8 @@ CROSS JOIN LATERAL (
     SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
            o.available_at, o.attempts,
            {{row_size}} AS size,
-           {{ready}} AS ready
+           {{ready}} AS ready,
+           {{fairness_group}} AS grp
     FROM outbox AS o
     -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
     -- and not "key = k" ordered by id. With equality the planner may walk
@@ -397,7 +419,8 @@ UNION ALL
         o.available_at, o.attempts,
         {{row_size}},
         -- `ready` for a row without a key: no key to hold back or wait behind.
-        o.next_attempt_at IS NULL OR o.next_attempt_at <= now()
+        o.next_attempt_at IS NULL OR o.next_attempt_at <= now(),
+        {{fairness_group}}
  FROM outbox AS o
  WHERE (SELECT yes FROM crowded)
    AND o.key IS NULL
@@ -408,26 +431,118 @@ UNION ALL
  ORDER BY o.key, o.id  -- the (key, id) order of outbox_due_key_idx: see above
  LIMIT %(limit)s)
 
--- fragment: ranked
--- Step 4's order, over the ready rows of head and beyond together, so that chosen can
--- take every key's first rows before any key's further ones: that is the fairness.
--- place: 1 for a key's first ready row, 2 for its second, ...; rows without a key
--- have no order to keep and are each their own first.
-SELECT pool.*,
-       CASE WHEN pool.key IS NULL THEN 1
-            ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
-       END AS place
-FROM (SELECT * FROM head WHERE ready
+-- fragment: fairness_group
+-- A row's fairness group (RELAY_FAIRNESS_GROUP): %(group_kind)s 'key-prefix' or
+-- 'header', %(group_arg)s the delimiter or the header's name (migration 0012). Under a
+-- custom plan both are constants, so this is the expression of the index
+-- `relay migrate --fairness-group` builds (outbox_fair_*). Without grouping, ''.
+outbox_fairness_group(o.key, o.headers, %(group_kind)s::text, %(group_arg)s::text)
+
+-- fragment: next_group
+-- One step of the round over groups, from the group g it is at: the least group after
+-- it with a row to drain, one descent of the grouping's index however many rows or keys
+-- either group has.
+(SELECT min({{fairness_group}})
+ FROM outbox AS o
+ WHERE {{drainable}}
+   AND {{fairness_group}} > g.grp
+   AND {{this_shard}})
+
+-- fragment: groups_after
+-- Step 4, the round over groups, as the round over keys: from just after
+-- %(after_group)s to the last group, a descent per group (next_group); only when
+-- grouped and the head is full (a head that is not full holds every row to drain).
+SELECT s.grp
+FROM (SELECT min({{fairness_group}}) AS grp
+      FROM outbox AS o
+      WHERE {{drainable}}
+        AND {{this_shard}}
+        AND (%(after_group)s::text IS NULL
+             OR {{fairness_group}} > %(after_group)s::text)) AS s
+WHERE s.grp IS NOT NULL AND %(grouped)s AND (SELECT head_full FROM crowded)
+UNION ALL
+SELECT {{next_group}}
+FROM groups_after AS g
+WHERE g.grp IS NOT NULL
+
+-- fragment: groups_before
+-- ... then from the first group up to %(after_group)s, wrapping around once.
+SELECT s.grp
+FROM (SELECT min({{fairness_group}}) AS grp
+      FROM outbox AS o
+      WHERE {{drainable}}
+        AND {{this_shard}}) AS s
+WHERE s.grp <= %(after_group)s::text AND %(grouped)s AND (SELECT head_full FROM crowded)
+UNION ALL
+SELECT {{next_group}}
+FROM groups_before AS g
+WHERE g.grp < %(after_group)s::text
+
+-- fragment: groups
+-- The round over groups in walk order: at most %(limit)s groups.
+SELECT u.grp, row_number() OVER () AS walk
+FROM (SELECT grp FROM groups_after WHERE grp IS NOT NULL
       UNION ALL
-      SELECT * FROM beyond WHERE ready) AS pool
+      SELECT grp FROM groups_before WHERE grp <= %(after_group)s::text) AS u
+LIMIT %(limit)s
+
+-- fragment: beyond_groups
+-- Step 4, the rows past the head that may take a head row's place for their group: each
+-- group's next rows after the head in id order, an equal share of the batch each, so no
+-- group's backlog (in rows or in keys) buys it more. One walk of the grouping's index
+-- per group, from the head's last id.
+SELECT p.*
+FROM groups AS g
+CROSS JOIN LATERAL (
+    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+           o.available_at, o.attempts,
+           {{row_size}} AS size,
+           {{ready}} AS ready,
+           g.grp
+    FROM outbox AS o
+    WHERE {{fairness_group}} = g.grp
+      AND o.id > (SELECT last_id FROM crowded)
+      AND {{drainable}}
+      AND o.id <> ALL(%(in_flight)s::bigint[])
+      AND {{this_shard}}
+    ORDER BY o.id
+    LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM groups)
+) AS p
+
+-- fragment: ranked
+-- Step 5's order, over the ready rows of head, beyond and beyond_groups together (a
+-- row both beyonds found counted once), so that chosen can take every key's first rows
+-- before any key's further ones: that is the fairness. place: 1 for a key's first
+-- ready row, 2 for its second, ...; rows without a key have no order to keep and are
+-- each their own first. group_place, when grouped: 1 for a group's first row in
+-- chosen's order, 2 for its second, ...: chosen goes round the groups. A key's rows
+-- stay in id order in both, so whatever prefix of this order is chosen, each key keeps
+-- a prefix of its rows.
+SELECT placed.*,
+       CASE WHEN %(grouped)s
+            THEN row_number() OVER (PARTITION BY placed.grp COLLATE "C"
+                                    ORDER BY placed.place > %(key_cap)s, placed.id)
+            ELSE 0
+       END AS group_place
+FROM (SELECT pool.*,
+             CASE WHEN pool.key IS NULL THEN 1
+                  ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
+             END AS place
+      FROM (SELECT * FROM head WHERE ready
+            UNION ALL
+            SELECT * FROM beyond WHERE ready
+            UNION ALL
+            SELECT * FROM beyond_groups AS g
+            WHERE g.ready AND NOT EXISTS (SELECT 1 FROM beyond AS b WHERE b.id = g.id)
+           ) AS pool) AS placed
 
 -- fragment: kept
--- Step 4's byte bound, cut in (place, id) order: every key's first row before any
--- key's second, so one key's large rows cannot take the whole budget; each key still
--- keeps a prefix of its rows, so per-key order holds. The first row goes even if
--- larger.
+-- Step 5's byte bound, cut in (group_place, place, id) order: every group's first row
+-- before any group's second, every key's first before any key's second, so one group's
+-- or key's large rows cannot take the whole budget; each key still keeps a prefix of
+-- its rows, so per-key order holds. The first row goes even if larger.
 SELECT w.*
-FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.place, c.id) AS bytes
+FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.group_place, c.place, c.id) AS bytes
       FROM (SELECT chosen.*,
                    CASE WHEN chosen.size > %(message_max)s::bigint THEN 0
                         ELSE chosen.size END AS carried
@@ -454,13 +569,15 @@ SELECT m.id,
        m.attempts,
        true AS ready,
        true AS within,
-       NULL::text AS walked_to
+       NULL::text AS walked_to,
+       NULL::text AS walked_group
 
 -- fragment: walked_to
 -- Last, a row of its own: where the next fetch's round over keys starts (%(after_key)s):
 -- after the last key of this round that got rows, so keys it reached but had no room
 -- for come first next time; after the whole round if none got rows (all held back); or
--- NULL, from the start, when this round went all the way round.
+-- NULL, from the start, when this round went all the way round. The same for the
+-- round over groups (%(after_group)s).
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
             THEN coalesce((SELECT k.key
@@ -469,6 +586,14 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                            ORDER BY k.walk DESC
                            LIMIT 1),
                           (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
+       END,
+       CASE WHEN (SELECT count(*) FROM groups) = %(limit)s
+            THEN coalesce((SELECT g.grp
+                           FROM groups AS g
+                           WHERE EXISTS (SELECT 1 FROM kept AS c WHERE c.grp = g.grp)
+                           ORDER BY g.walk DESC
+                           LIMIT 1),
+                          (SELECT g.grp FROM groups AS g ORDER BY g.walk DESC LIMIT 1))
        END
 
 -- name: promote_due

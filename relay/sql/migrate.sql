@@ -53,6 +53,20 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     WHERE sent_at IS NULL AND dead_lettered_at IS NULL
       AND (available_at IS NULL OR promoted_at IS NOT NULL);
 
+-- name: fairness_index
+-- `relay migrate --fairness-group SPEC [--shards N]`: the round over fairness groups
+-- (RELAY_FAIRNESS_GROUP) walks the groups, and each group's rows in id order, from this
+-- index. {kind} and {arg} are the grouping's (migration 0012), {shards} N (1: no shard
+-- column), {index} the name; all composed by psycopg.sql. With one shard the shard
+-- column is left out: the fetch's expression then folds to the group alone.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
+    ON outbox ({shard_column} outbox_fairness_group(key, headers, {kind}, {arg}), id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+
+-- name: fairness_index_comment
+COMMENT ON INDEX {index} IS {comment};
+
 -- name: shard_index_state
 -- Whether each of these indexes exists and is valid (a CONCURRENTLY build that failed
 -- leaves an invalid index behind, which IF NOT EXISTS would then skip).

@@ -176,6 +176,7 @@ class MemoryStore:
         *,
         held: list[str],
         share_busy_keys: bool,
+        after_group: str | None = None,
     ) -> Fetched:
         with self._lock:
             self._statement()

@@ -30,7 +30,9 @@ class Fetched:
     # Where the round over keys stopped (the next fetch's `after_key`); None when the
     # head needed no sharing out, or the round went all the way round.
     walked_to: str | None = None
-    # The fair statement ran (then `walked_to` is meaningful).
+    # Where the round over fairness groups stopped (the next fetch's `after_group`).
+    walked_group: str | None = None
+    # The fair statement ran (then `walked_to` and `walked_group` are meaningful).
     fair: bool = False
     # ... went round every key and found nobody to share with: the head's batch.
     alone: bool = False
@@ -56,10 +58,13 @@ class ReadStore(Protocol):
         *,
         held: list[str],
         share_busy_keys: bool,
+        after_group: str | None = None,
     ) -> Fetched:
         """The next batch (README "Fetching: fair and bounded"): unsent rows in id
         order, minus `in_flight` (an `id_array` of rows published and not settled) and
-        the `held` keys; a key blocked by an earlier waiting row skipped."""
+        the `held` keys; a key blocked by an earlier waiting row skipped. With
+        `limits.group`, fair across groups first (`after_group`: where that round
+        starts)."""
         ...
 
     def promote_due(self, limit: int) -> Promoted:

@@ -68,6 +68,7 @@ class PostgresReadStore:
         *,
         held: list[str],
         share_busy_keys: bool,
+        after_group: str | None = None,
     ) -> Fetched:
         with _failing_as_store_error(self._session):
             return repository.fetch_batch(
@@ -77,6 +78,7 @@ class PostgresReadStore:
                 after_key,
                 held=held,
                 share_busy_keys=share_busy_keys,
+                after_group=after_group,
                 shards=self._shard.shards,
                 shard=self._shard.shard,
             )
