@@ -13,6 +13,7 @@ import time
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from relay import fairness, repository
 from relay.app import RelayApp
@@ -22,7 +23,7 @@ from relay.message import OutboxMessage
 from relay.migrate import create_fairness_index
 from relay.queries import QUERIES
 from relay.settings import CommonSettings
-from tests.conftest import SettingsFactory
+from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import Reply, WebhookServer
 from tests.support import (
@@ -33,7 +34,7 @@ from tests.support import (
     wait_until,
 )
 from tests.test_fetch import _fetch_cost, fetch_from
-from tests.test_settings import URL, relay_command, relay_env
+from tests.test_settings import URL
 
 BY_PREFIX = fairness.parse("key-prefix::")
 BY_HEADER = fairness.parse("header:tenant")
@@ -113,7 +114,7 @@ def test_the_round_goes_over_more_groups_than_a_batch_holds(database: str) -> No
     served: set[str] = set()
     after: str | None = None
     limits = grouped(BY_PREFIX)
-    with psycopg.connect(database, autocommit=True) as conn:
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         for _ in range(6):
             conn.execute(QUERIES.force_custom_plans)
             fetched = repository.fetch_batch(conn, limits, "{}", None, after_group=after)
@@ -262,7 +263,7 @@ def test_with_shards_each_shard_shares_its_own_rows_out_by_group(database: str) 
     insert_rows(database, "t", tenant_rows("B", keys=6, per_key=2))
     build_index(database, BY_PREFIX, shards=2)
     found = 0
-    with psycopg.connect(database, autocommit=True) as conn:
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
         conn.execute(QUERIES.walk_shard_indexes_in_order)
         for shard in (0, 1):

@@ -69,13 +69,18 @@ def keys_of(rows: list[OutboxMessage]) -> dict[str | None, int]:
 
 
 # fetch_batch's parameters without fairness groups (RELAY_FAIRNESS_GROUP unset).
-UNGROUPED = {"grouped": False, "group_kind": None, "group_arg": None, "after_group": None}
+UNGROUPED: dict[str, Any] = {
+    "grouped": False,
+    "group_kind": None,
+    "group_arg": None,
+    "after_group": None,
+}
 
 
 def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
     """Rows are built positionally: both statements' columns must be the dataclass's
     fields (then fetch_head's size and ready, fetch_batch's walked_to and walked_group)."""
-    params = {
+    params: dict[str, Any] = {
         "limit": 1,
         "max_bytes": 1,
         "message_max": 1 << 30,

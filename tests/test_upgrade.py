@@ -155,7 +155,8 @@ def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are
         wait_until(lambda: holder(db_at_0007) == "new", timeout=20, message="new takes over")
         insert_rows(db_at_0007, topic, rows[400:550])
         output = relay_migrate(db_at_0007)
-        assert output.startswith("applied 1 migration(s): 0010_retire_legacy_indexes.sql")
+        # 0010 goes in now, then any later migration that waited behind it.
+        assert output.split(": ", 1)[1].startswith("0010_retire_legacy_indexes.sql"), output
         assert not set(LEGACY) & set(outbox_indexes(db_at_0007))
         insert_rows(db_at_0007, topic, rows[550:])
         wait_until(lambda: unsent_count(db_at_0007) == 0, timeout=60, message="all sent")
@@ -185,7 +186,7 @@ def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
         "0009",
     ]
     migrated = migrate(CommonSettings(database_url=db_at_0007))
-    assert migrated.applied == ["0010_retire_legacy_indexes.sql"] and migrated.waiting is None
+    assert migrated.applied[0] == "0010_retire_legacy_indexes.sql" and migrated.waiting is None
     assert set(outbox_indexes(db_at_0007)) == set(INDEXES)
 
 

@@ -4,10 +4,10 @@ of the drain loop (`./dev test --unit`) and for reading the protocol without SQL
 It keeps the rules the loop relies on: id order, rows in flight and held keys left out,
 a key blocked by an earlier row in backoff or not yet due, the per-key cap, the byte
 bounds, the settle fenced on the lease's holder and epoch, all of it at once, and the
-lease rows' compare-and-swap by the store's clock. It does not model the fair round
-over keys (relay/sql/drain.sql's `fetch_batch`) nor the shard count's group row
-(`lease_group_claim`), both tested on PostgreSQL: a batch here is the head, capped per
-key.
+lease rows' compare-and-swap by the store's clock. It does not model the fair rounds
+over keys and fairness groups (relay/sql/drain.sql's `fetch_batch`) nor the shard
+count's group row (`lease_group_claim`), all tested on PostgreSQL: a batch here is the
+head, capped per key.
 """
 
 from __future__ import annotations
