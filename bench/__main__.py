@@ -5,7 +5,8 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
-    ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits [--quick]
+    ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits|tenants|console
+        [--quick]
         one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
@@ -37,6 +38,11 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
      and into a table with only a primary key, alternating
   15. rate limits per HTTP destination (bench/rate_limits.py; `--only rate-limits`
      only): two origins, one limited to 40 requests/s and answering 429 above 50
+  16. fairness per tenant (bench/tenants.py; `--only tenants` only): a tenant of 20
+     rows behind another's 12,000 on 1,500 keys, over HTTP and Kafka, grouped or not;
+     the grouped fetch's cost at 1, 100,000 and 1,000,000 waiting rows of one tenant
+  17. the operators' console (bench/console.py; `--only console` only): a page of dead
+     letters with 100,000 in the table, first and deep, as whole HTTP requests
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -70,7 +76,16 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["fairness", "shards", "notify", "interop", "baselines", "rate-limits"],
+        choices=[
+            "fairness",
+            "shards",
+            "notify",
+            "interop",
+            "baselines",
+            "rate-limits",
+            "tenants",
+            "console",
+        ],
         default=None,
         help="run one section alone",
     )
@@ -109,6 +124,10 @@ def main() -> int:
         return bench_baselines(args.quick)
     if args.only == "rate-limits":
         return bench_rate_limits(args.quick)
+    if args.only == "console":
+        return bench_console(args.quick)
+    if args.only == "tenants":
+        return bench_tenants(args.quick)
     return bench_kafka(args)
 
 
@@ -177,6 +196,26 @@ def bench_rate_limits(quick: bool) -> int:
     with servers() as (dsn, _bootstrap):
         report = rate_limits.run(dsn, quick)
     save({"sink": "http", "quick": quick, "rate_limits": report})
+    return 0
+
+
+def bench_tenants(quick: bool) -> int:
+    from bench import tenants
+
+    with servers() as (dsn, bootstrap):
+        report = tenants.run(dsn, bootstrap, quick)
+    save({"sink": "http+kafka", "quick": quick, "tenants": report})
+    return 0
+
+
+def bench_console(quick: bool) -> int:
+    from bench import console
+
+    with PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg:
+        dsn = pg.create_database("bench")
+        migrate(CommonSettings(database_url=dsn))
+        report = console.run(dsn, quick)
+    save({"quick": quick, "console": report})
     return 0
 
 

@@ -19,8 +19,9 @@ ${PYTHON:-python3} -m venv "$tmp/venv"
 compile=("$tmp/venv/bin/pip-compile" --quiet --generate-hashes --strip-extras --allow-unsafe
          --no-emit-index-url --no-emit-find-links --no-emit-trusted-host --resolver=backtracking)
 
-# Every sink's extra (the image runs whichever sink RELAY_SINK names), and tracing's.
-"${compile[@]}" --extra nats --extra rabbitmq --extra otel --output-file requirements.lock pyproject.toml
+# Every sink's extra (the image runs whichever sink RELAY_SINK names), tracing's, and the
+# console's (`relay console` runs from the same image).
+"${compile[@]}" --extra nats --extra rabbitmq --extra otel --extra console --output-file requirements.lock pyproject.toml
 # The [build-system] requirement, so the wheel is built by a pinned hatchling.
 printf 'hatchling>=1.21\n' >"$tmp/build.in"
 "${compile[@]}" --output-file requirements-build.lock "$tmp/build.in"

@@ -1,4 +1,4 @@
-"""Command line: `relay run|migrate|status|check|healthcheck|dead-letter|purge` (also
+"""Command line: `relay run|migrate|status|check|healthcheck|dead-letter|console|purge` (also
 `python -m relay`).
 
 Long: one small function per command plus the argument parser that names them all; a
@@ -436,6 +436,20 @@ def raise_rollback() -> None:
     raise psycopg.Rollback
 
 
+def cmd_console(_args: argparse.Namespace) -> int:
+    """The operators' web console (relay/console/), imported only here: `relay run`
+    never pays for the web stack."""
+    try:
+        from relay.console.server import serve
+    except ModuleNotFoundError as exc:
+        print(
+            f"relay console: {exc.name} is not installed: pip install 'pg-outbox-relay[console]'",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    return serve()
+
+
 def cmd_purge(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     total = 0
@@ -476,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = add("healthcheck", cmd_healthcheck, "probe this replica's /healthz (for Docker)")
     health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS")
     _dead_letter_commands(sub.add_parser("dead-letter", help="list or requeue dead-lettered rows"))
+    add("console", cmd_console, "serve the operators' web console (RELAY_CONSOLE_* settings)")
     purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
     purge.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
     purge.add_argument("--batch-size", type=_positive_int, default=1000)

@@ -572,6 +572,12 @@ _NOT_SETTINGS = re.compile(
 )
 
 
+# Variables of the operators' console (relay/console/settings.py), which checks them
+# against its own names: the relay's commands let them pass, so one environment can
+# serve both.
+COMPONENT_PREFIXES = ("RELAY_CONSOLE_",)
+
+
 def _setting_names() -> tuple[set[str], tuple[str, ...]]:
     """Every settings variable, and the prefixes of the nested ones (dict settings:
     RELAY_KAFKA__SSL_CA_LOCATION)."""
@@ -587,7 +593,7 @@ def _setting_names() -> tuple[set[str], tuple[str, ...]]:
 
 def is_setting_variable(name: str) -> bool:
     names, nested = _setting_names()
-    return name in names or name.startswith(nested)
+    return name in names or name.startswith(nested) or name.startswith(COMPONENT_PREFIXES)
 
 
 def check_unknown_variables(environ: Mapping[str, str]) -> None:
@@ -599,6 +605,7 @@ def check_unknown_variables(environ: Mapping[str, str]) -> None:
             not name.startswith(ENV_PREFIX)
             or name in names
             or name.startswith(nested)
+            or name.startswith(COMPONENT_PREFIXES)
             or _NOT_SETTINGS.fullmatch(name)
         ):
             continue

@@ -371,6 +371,66 @@ def test_network_policy_admits_only_prometheus_to_the_metrics_port() -> None:
     assert admitted == targets == {_container_port_number(container, "metrics")}
 
 
+# --- the operators' console (relay console, docs/console.md) ---
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        test_pods_run_restricted_as_the_image_user,
+        test_secret_files_the_pods_read_exist_in_the_example_secrets,
+        test_pods_verify_the_database_server_against_a_mounted_ca,
+    ],
+)
+def test_the_console_pod_keeps_the_relay_pods_rules(rule: Any) -> None:
+    rule("Deployment", "relay-console")
+
+
+def test_the_console_runs_apart_and_only_its_proxy_reaches_it() -> None:
+    """Its own Deployment (no service links: a Service named relay-console would set
+    RELAY_CONSOLE_PORT), a Service on its port, and a NetworkPolicy of its own that
+    admits one peer (both selectors in one item) to that port; the relay's policy does
+    not select the console's pods, nor the console's the relay's."""
+    deployment = _manifest("Deployment", "relay-console")
+    pod = deployment["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["enableServiceLinks"] is False
+    (container,) = spec["containers"]
+    assert container["args"] == ["console"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["RELAY_CONSOLE_HOST"] == "0.0.0.0"  # noqa: S104
+    assert int(env["RELAY_CONSOLE_PORT"]) == _container_port_number(container, "http")
+    assert "RELAY_CONSOLE_TOKEN" not in env and "RELAY_CONSOLE_TOKEN_FILE" in env
+    console_labels = pod["metadata"]["labels"]
+    relay_labels = _manifest("Deployment", "relay")["spec"]["template"]["metadata"]["labels"]
+
+    policy = _manifest("NetworkPolicy", "relay-console")
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}
+    admitted = {_container_port_number(container, p["port"]) for p in rule["ports"]}
+    service = _manifest("Service", "relay-console")
+    assert service["spec"]["selector"].items() <= console_labels.items()
+    targets = {_container_port_number(container, p["targetPort"]) for p in service["spec"]["ports"]}
+    assert admitted == targets == {9109}
+    relay_policy = _manifest("NetworkPolicy", "relay")["spec"]["podSelector"]["matchLabels"]
+    assert not relay_policy.items() <= console_labels.items()
+    assert not policy["spec"]["podSelector"]["matchLabels"].items() <= relay_labels.items()
+
+
+def test_every_console_variable_in_deploy_is_a_console_setting() -> None:
+    from relay.console.settings import check_console_variables
+
+    found = {n for names in _relay_env_names().values() for n in names}
+    console = {n for n in found if n.startswith("RELAY_CONSOLE_")}
+    assert {"RELAY_CONSOLE_HOST", "RELAY_CONSOLE_TOKEN_FILE"} <= console
+    check_console_variables(dict.fromkeys(console, "x"))
+
+
 # --- settings named anywhere in deploy/ exist ---
 
 

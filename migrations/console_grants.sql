@@ -1,0 +1,26 @@
+-- Least-privilege grants for the operators' console (`relay console`).
+--
+-- Not a migration (roles are cluster-wide and named by you): run it once per database
+-- after `relay migrate`, as the owner of the tables, beside migrations/grants.sql.
+-- Replace `relay_console` and `relay_console_viewer` with your roles:
+--
+--   CREATE ROLE relay_console LOGIN PASSWORD '...';
+--   CREATE ROLE relay_console_viewer LOGIN PASSWORD '...';
+--
+-- relay_console: the console that may requeue and discard. It reads the outbox, the
+-- leases, the replicas' heartbeats and its audit; it writes only what a requeue resets
+-- (dead_lettered_at, dead_letter_reason, attempts, next_attempt_at: the columns
+-- `relay dead-letter requeue` writes), deletes rows (a discard: the console deletes
+-- dead-lettered rows only, which a table privilege cannot express), and appends to its
+-- audit. It never inserts outbox rows, never changes what the app wrote, never touches
+-- a lease.
+GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations TO relay_console;
+GRANT UPDATE (dead_lettered_at, dead_letter_reason, attempts, next_attempt_at)
+    ON outbox TO relay_console;
+GRANT DELETE ON outbox TO relay_console;
+GRANT SELECT, INSERT ON console_audit TO relay_console;
+
+-- relay_console_viewer: a console run with RELAY_CONSOLE_READ_ONLY=true (people who
+-- may look but not requeue). It reads; it cannot change a row even if asked to.
+GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations, console_audit
+    TO relay_console_viewer;

@@ -1,0 +1,11 @@
+"""`relay console`: the operators' web console, a process of its own beside the replicas.
+
+It reads the database the relay drains (leases, heartbeats, lag, dead letters, keys in
+backoff) and makes the changes `relay dead-letter requeue` makes, plus discards, each
+recorded in `console_audit`. Nothing in the drain imports it (an import-linter
+contract), and it imports nothing of the drain: a console outage never touches delivery.
+
+Modules, one job each: `settings` (RELAY_CONSOLE_*), `auth` (sessions, CSRF, origins,
+the proxy header), `data` (the database: named statements and the repository's
+functions), `render` (payloads, times, the templates), `app` (routes), `server` (uvicorn).
+"""

@@ -1,0 +1,357 @@
+"""The console's routes: pages rendered on the server, forms for every change.
+
+Every page but /login, /healthz and /static needs a login (relay/console/auth.py). A
+change is two POSTs: a confirmation that states how many rows it will touch, then the
+change itself, which touches exactly those rows or nothing (data.change) and is
+recorded in the audit.
+
+Long: one class is the route table and every route's body, so that each route is
+wrapped by `guarded` in one place (login, CSRF token, Origin, read-only mode); the
+parsing of forms (forms.py), the queries (data.py) and the rendering (render.py) live
+apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import urlencode
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp
+
+from relay import db
+from relay.console import data, forms, render
+from relay.console.auth import COOKIE, Auth, Identity
+from relay.console.headers import SecurityHeaders
+from relay.console.pool import Pool
+from relay.console.rate import RateSampler
+from relay.console.settings import ConsoleSettings
+from relay.settings import CommonSettings
+
+Handler = Callable[[Request, Identity], Awaitable[Response]]
+
+
+class Console:
+    def __init__(self, common: CommonSettings, settings: ConsoleSettings) -> None:
+        self.common = common
+        self.settings = settings
+        self.auth = Auth(settings)
+        self.pool = Pool(common, settings.pool_size)
+        self.templates = render.environment()
+        self.rate = RateSampler(common, settings.rate_window_seconds)
+
+    # --- plumbing ---
+
+    def page(
+        self,
+        request: Request,
+        name: str,
+        identity: Identity | None,
+        status: int = 200,
+        **values: Any,
+    ) -> HTMLResponse:
+        html = self.templates.get_template(name).render(
+            request_path=request.url.path,
+            identity=identity,
+            read_only=self.settings.read_only,
+            **{"refresh": 0, **values},
+        )
+        return HTMLResponse(html, status_code=status)
+
+    async def db(self, work: Callable[[db.Conn], Any]) -> Any:
+        def run() -> Any:
+            with self.pool.connection() as conn:
+                return work(conn)
+
+        return await run_in_threadpool(run)
+
+    def guarded(
+        self, handler: Handler, *, change: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """A login for every page; for a POST, the console's own origin and the session's
+        CSRF token; for a change, a session that may change."""
+
+        async def endpoint(request: Request) -> Response:
+            identity = self.auth.identify(request)
+            if identity is None:
+                if request.method != "GET":
+                    return PlainTextResponse("login required", status_code=401)
+                target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+                return RedirectResponse("/login?" + urlencode({"next": target}), 303)
+            if request.method == "POST":
+                refused = self.auth.foreign_origin(request)
+                if refused is not None:
+                    return PlainTextResponse(f"refused: {refused}", status_code=403)
+                form = await request.form()
+                if self.auth.csrf_mismatch(identity, form.get("csrf")):
+                    return PlainTextResponse("refused: missing or wrong CSRF token", 403)
+            if change and not identity.may_change:
+                return PlainTextResponse("refused: this session may look, not change", 403)
+            return await handler(request, identity)
+
+        return endpoint
+
+    # --- login ---
+
+    async def login_form(self, request: Request) -> Response:
+        return self.page(
+            request,
+            "login.html",
+            None,
+            next=forms.local_path(request.query_params.get("next")),
+            error=None,
+            proxy=self.settings.trusted_user_header,
+        )
+
+    async def login(self, request: Request) -> Response:
+        refused = self.auth.foreign_origin(request)
+        if refused is not None:
+            return PlainTextResponse(f"refused: {refused}", status_code=403)
+        form = await request.form()
+        typed = form.get("token")
+        cookie = self.auth.login(typed) if isinstance(typed, str) else None
+        target = forms.local_path(str(form.get("next") or "/"))
+        if cookie is None:
+            return self.page(
+                request,
+                "login.html",
+                None,
+                status=401,
+                next=target,
+                error="That is not the console's token.",
+                proxy=self.settings.trusted_user_header,
+            )
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(
+            COOKIE,
+            cookie,
+            max_age=self.auth.cookie_max_age,
+            httponly=True,
+            samesite="strict",
+            secure=self.settings.cookie_secure,
+            path="/",
+        )
+        return response
+
+    async def logout(self, request: Request, _identity: Identity) -> Response:
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(
+            COOKIE, path="/", httponly=True, samesite="strict", secure=self.settings.cookie_secure
+        )
+        return response
+
+    # --- pages ---
+
+    async def overview(self, request: Request, identity: Identity) -> Response:
+        cap = self.settings.count_cap
+        found: data.Overview = await self.db(lambda conn: data.overview(conn, cap))
+        return self.page(
+            request,
+            "overview.html",
+            identity,
+            o=found,
+            cap=cap,
+            rate=self.rate.rate(),
+            refresh=self.settings.refresh_seconds,
+        )
+
+    async def dead_letters(self, request: Request, identity: Identity) -> Response:
+        query = request.query_params
+        try:
+            search = forms.search_filter(query)
+            after = forms.int_param(query.get("after"))
+            before = forms.int_param(query.get("before"))
+        except ValueError as exc:
+            return PlainTextResponse(f"bad search: {exc}", status_code=400)
+        s = self.settings
+        found: data.Page = await self.db(
+            lambda conn: data.dead_letter_page(
+                conn, search, after=after, before=before, limit=s.page_size, cap=s.count_cap
+            )
+        )
+        base = forms.search_query(search)
+        return self.page(
+            request,
+            "dead_letters.html",
+            identity,
+            page=found,
+            search=search,
+            search_fields=forms.search_fields(search),
+            base=base,
+            next_url=forms.url("/dead-letters", base, after=found.rows[-1]["id"])
+            if found.rows and found.more_after
+            else None,
+            prev_url=forms.url("/dead-letters", base, before=found.rows[0]["id"])
+            if found.rows and found.more_before
+            else None,
+        )
+
+    async def row(self, request: Request, identity: Identity) -> Response:
+        row_id: int = request.path_params["row_id"]
+        preview = self.settings.payload_preview_bytes
+        found = await self.db(lambda conn: data.row(conn, row_id, preview))
+        if found is None:
+            return self.page(request, "missing.html", identity, status=404, what=f"row {row_id}")
+        shown = render.payload(found["payload"], found["payload_bytes"])
+        return self.page(
+            request,
+            "row.html",
+            identity,
+            r=found,
+            payload=shown,
+            headers=render.headers(found["headers"]),
+        )
+
+    async def blocked(self, request: Request, identity: Identity) -> Response:
+        cap = self.settings.count_cap
+        rows = await self.db(lambda conn: data.blocked_keys(conn, 500, cap))
+        return self.page(
+            request,
+            "blocked.html",
+            identity,
+            rows=rows,
+            cap=cap,
+            refresh=self.settings.refresh_seconds,
+        )
+
+    async def audit(self, request: Request, identity: Identity) -> Response:
+        before = forms.int_param(request.query_params.get("before"))
+        limit = self.settings.page_size
+        rows = await self.db(lambda conn: data.audit_page(conn, before, limit + 1))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return self.page(
+            request,
+            "audit.html",
+            identity,
+            rows=rows,
+            entry=None,
+            describe=data.describe_target,
+            next_url=f"/audit?before={rows[-1]['id']}" if more else None,
+        )
+
+    async def audit_entry(self, request: Request, identity: Identity) -> Response:
+        entry_id: int = request.path_params["entry_id"]
+        entry = await self.db(lambda conn: data.audit_entry(conn, entry_id))
+        if entry is None:
+            return self.page(request, "missing.html", identity, status=404, what="audit entry")
+        return self.page(
+            request,
+            "audit.html",
+            identity,
+            rows=[entry],
+            entry=entry,
+            describe=data.describe_target,
+            next_url=None,
+        )
+
+    # --- changes ---
+
+    async def confirm(self, request: Request, identity: Identity) -> Response:
+        form = await request.form()
+        action = forms.action_of(form)
+        if action is None:
+            return PlainTextResponse("unknown action", status_code=400)
+        try:
+            target = forms.target_of(form)
+        except ValueError as exc:
+            return PlainTextResponse(f"bad request: {exc}", status_code=400)
+        cap = self.settings.bulk_cap
+        try:
+            ids: list[int] = await self.db(lambda conn: data.matching_ids(conn, target, cap))
+        except data.TooMany as exc:
+            return self.page(
+                request,
+                "missing.html",
+                identity,
+                status=409,
+                what=f"{exc}: narrow the search (RELAY_CONSOLE_BULK_CAP)",
+            )
+        return self.page(
+            request,
+            "confirm.html",
+            identity,
+            action=action,
+            target=target,
+            ids=ids,
+            search_fields=forms.search_fields(target.search) if target.search else [],
+        )
+
+    async def apply(self, request: Request, identity: Identity) -> Response:
+        form = await request.form()
+        action = forms.action_of(form)
+        confirmed = forms.int_param(str(form.get("confirmed", "")))
+        if action is None or confirmed is None:
+            return PlainTextResponse("bad request", status_code=400)
+        try:
+            target = forms.target_of(form)
+        except ValueError as exc:
+            return PlainTextResponse(f"bad request: {exc}", status_code=400)
+        cap = self.settings.bulk_cap
+        try:
+            done: data.Done = await self.db(
+                lambda conn: data.change(conn, identity.user, action, target, confirmed, cap)
+            )
+        except (data.Changed, data.TooMany) as exc:
+            return self.page(
+                request,
+                "missing.html",
+                identity,
+                status=409,
+                what=f"nothing changed: {exc}; look again and confirm anew",
+            )
+        return RedirectResponse(f"/audit/{done.audit_id}", status_code=303)
+
+    # --- probes ---
+
+    async def healthz(self, _request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(self, _request: Request) -> Response:
+        try:
+            await self.db(lambda conn: conn.execute("SELECT 1").fetchone())
+        except Exception as exc:
+            return PlainTextResponse(f"database: {db.describe_error(exc)}", status_code=503)
+        return PlainTextResponse("ok")
+
+    # --- the application ---
+
+    def application(self) -> ASGIApp:
+        g = self.guarded
+        routes = [
+            Route("/", g(self.overview)),
+            Route("/login", self.login_form, methods=["GET"]),
+            Route("/login", self.login, methods=["POST"]),
+            Route("/logout", g(self.logout), methods=["POST"]),
+            Route("/dead-letters", g(self.dead_letters)),
+            Route("/dead-letters/confirm", g(self.confirm, change=True), methods=["POST"]),
+            Route("/dead-letters/apply", g(self.apply, change=True), methods=["POST"]),
+            Route("/rows/{row_id:int}", g(self.row)),
+            Route("/blocked", g(self.blocked)),
+            Route("/audit", g(self.audit)),
+            Route("/audit/{entry_id:int}", g(self.audit_entry)),
+            Route("/healthz", self.healthz),
+            Route("/readyz", self.readyz),
+            Mount("/static", StaticFiles(packages=[("relay.console", "static")]), name="static"),
+        ]
+        return SecurityHeaders(Starlette(routes=routes, lifespan=self._lifespan))
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        self.rate.start()
+        try:
+            yield
+        finally:
+            self.rate.stop()
+            self.pool.close()
+
+
+def create_app(common: CommonSettings, settings: ConsoleSettings) -> ASGIApp:
+    return Console(common, settings).application()

@@ -1,0 +1,267 @@
+"""The console's database work: the relay's own repository functions and statements
+where the CLI already has them (leases, heartbeats, lag, requeue), and the console's
+named statements (relay/sql/console.sql) for the rest."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from psycopg.types.json import Jsonb
+
+from relay import db, lag, repository
+from relay.logging import get_logger
+from relay.queries import QUERIES
+from relay.rows import LeaseRow, ReplicaRow
+
+log = get_logger("relay.console")
+
+Action = Literal["requeue", "discard"]
+CHUNK = 5_000  # ids per statement of a bulk change (one transaction for all of them)
+
+
+# --- filters -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """The dead-letter search; every part optional."""
+
+    topic: str | None = None
+    key: str | None = None
+    reason: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "key": self.key,
+            "reason": self.reason,
+            "since": self.since,
+            "until": self.until,
+        }
+
+    def as_json(self) -> dict[str, str]:
+        return {
+            name: value.isoformat() if isinstance(value, datetime) else value
+            for name, value in self.params().items()
+            if value is not None
+        }
+
+    @property
+    def empty(self) -> bool:
+        return not self.as_json()
+
+
+# --- overview --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Overview:
+    leases: list[LeaseRow]
+    replicas: list[ReplicaRow]
+    sample: lag.LagSample
+    blocked_keys: int
+    shard_lag: dict[tuple[str, int], lag.ShardLag]
+    version: str | None
+
+
+def overview(conn: db.Conn, cap: int) -> Overview:
+    from relay.migrate import shard_index_state
+
+    shard_lag: dict[tuple[str, int], lag.ShardLag] = {}
+    for group, shards in repository.lease_group_shards(conn).items():
+        if shards > 1 and all(shard_index_state(conn, shards).values()):
+            conn.execute(QUERIES.force_custom_plans)
+            for s in lag.measure_shards(conn, shards, cap):
+                shard_lag[group, s.shard] = s
+    row = conn.execute(QUERIES.console_blocked_key_count, {"cap": cap}).fetchone()
+    return Overview(
+        leases=repository.lease_status(conn),
+        replicas=repository.replica_status(conn),
+        sample=lag.measure(conn, cap),
+        blocked_keys=int(row["blocked_keys"]) if row else 0,
+        shard_lag=shard_lag,
+        version=repository.schema_version(conn),
+    )
+
+
+# --- dead letters ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    rows: list[dict[str, Any]]
+    more_after: bool  # a next page exists
+    more_before: bool  # a previous page exists
+    matching: int  # counted up to the cap
+    cap: int
+
+
+def dead_letter_page(
+    conn: db.Conn,
+    search: Filter,
+    *,
+    after: int | None,
+    before: int | None,
+    limit: int,
+    cap: int,
+) -> Page:
+    """A keyset page by id: `after` (next) or `before` (previous), else the first."""
+    params = {**search.params(), "limit": limit + 1}
+    if before is not None:
+        rows = conn.execute(
+            QUERIES.console_dead_letter_page_before, {**params, "before": before}
+        ).fetchall()
+        more_before = len(rows) > limit
+        rows = list(reversed(rows[:limit]))
+        more_after = True
+    else:
+        rows = conn.execute(
+            QUERIES.console_dead_letter_page_after, {**params, "after": after or 0}
+        ).fetchall()
+        more_after = len(rows) > limit
+        rows = rows[:limit]
+        more_before = after is not None and after > 0
+    counted = conn.execute(
+        QUERIES.console_dead_letter_count, {**search.params(), "cap": cap}
+    ).fetchone()
+    return Page(rows, more_after, more_before, int(counted["matching"]) if counted else 0, cap)
+
+
+def row(conn: db.Conn, row_id: int, preview: int) -> dict[str, Any] | None:
+    return conn.execute(QUERIES.console_row, {"id": row_id, "preview": preview}).fetchone()
+
+
+def blocked_keys(conn: db.Conn, limit: int, cap: int) -> list[dict[str, Any]]:
+    return conn.execute(QUERIES.console_blocked_keys, {"limit": limit, "cap": cap}).fetchall()
+
+
+# --- changes ---------------------------------------------------------------------------
+
+
+class Changed(Exception):
+    """The rows to change are not the ones the operator confirmed (someone else
+    requeued, discarded or the drain dead-lettered more since): nothing was changed."""
+
+    def __init__(self, confirmed: int, now: int) -> None:
+        super().__init__(f"{confirmed} row(s) were confirmed, {now} match now")
+        self.confirmed = confirmed
+        self.now = now
+
+
+class TooMany(Exception):
+    """More rows match than one change may touch (RELAY_CONSOLE_BULK_CAP)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What an operator chose: rows by id, or every dead letter a filter matches."""
+
+    ids: tuple[int, ...] = ()
+    search: Filter | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        if self.search is not None:
+            return {"filter": self.search.as_json()}
+        return {"ids": list(self.ids)}
+
+
+def matching_ids(conn: db.Conn, target: Target, cap: int) -> list[int]:
+    """The dead letters the target names, in id order (what a change would touch)."""
+    if target.search is None:
+        rows = conn.execute(QUERIES.console_dead_letters_of, {"ids": list(target.ids)})
+    else:
+        rows = conn.execute(
+            QUERIES.console_dead_letter_ids, {**target.search.params(), "cap": cap + 1}
+        )
+    ids = [int(r["id"]) for r in rows.fetchall()]
+    if len(ids) > cap:
+        raise TooMany(f"more than {cap} dead letters match")
+    return ids
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    audit_id: int
+    ids: list[int]
+    note: str | None
+
+
+def change(
+    conn: db.Conn, actor: str, action: Action, target: Target, confirmed: int, cap: int
+) -> Done:
+    """Requeue or discard exactly the rows confirmed, and record it, in one transaction.
+
+    A requeue is `relay dead-letter requeue`'s: repository.requeue_dead_letters on the
+    ids in id order (they keep their ids, so per-key order holds among them), with its
+    warning when earlier dead letters of the same key stay behind.
+    """
+    with conn.transaction():
+        ids = matching_ids(conn, target, cap)
+        if len(ids) != confirmed:
+            raise Changed(confirmed, len(ids))
+        done: list[int] = []
+        note = None
+        for start in range(0, len(ids), CHUNK):
+            chunk = ids[start : start + CHUNK]
+            if action == "requeue":
+                done += repository.requeue_dead_letters(conn, ids=chunk)
+            else:
+                rows = conn.execute(QUERIES.console_discard, {"ids": chunk}).fetchall()
+                done += [int(r["id"]) for r in rows]
+        done.sort()
+        if len(done) != confirmed:
+            raise Changed(confirmed, len(done))
+        if action == "requeue":
+            behind = repository.dead_letters_left_behind(conn, done)
+            if behind:
+                note = (
+                    "earlier dead letters of key(s) "
+                    + ", ".join(repr(k) for k in behind)
+                    + " stay dead-lettered; the requeued rows will be delivered before them"
+                )
+        entry = conn.execute(
+            QUERIES.console_audit_record,
+            {
+                "actor": actor,
+                "action": action,
+                "target": Jsonb(target.as_json()),
+                "row_count": len(done),
+                "first_id": done[0] if done else None,
+                "last_id": done[-1] if done else None,
+                "note": note,
+            },
+        ).fetchone()
+        assert entry is not None  # INSERT ... RETURNING: one row
+    log.info("console.changed", actor=actor, action=action, rows=len(done), audit_id=entry["id"])
+    return Done(int(entry["id"]), done, note)
+
+
+# --- audit -----------------------------------------------------------------------------
+
+
+def audit_page(conn: db.Conn, before: int | None, limit: int) -> list[dict[str, Any]]:
+    return conn.execute(QUERIES.console_audit_page, {"before": before, "limit": limit}).fetchall()
+
+
+def audit_entry(conn: db.Conn, entry_id: int) -> dict[str, Any] | None:
+    return conn.execute(QUERIES.console_audit_entry, {"id": entry_id}).fetchone()
+
+
+def describe_target(target: Any) -> str:
+    return json.dumps(target, sort_keys=True) if target is not None else ""
+
+
+def ids_of(values: Sequence[str]) -> tuple[int, ...]:
+    found: list[int] = []
+    for value in values:
+        try:
+            found.append(int(value))
+        except ValueError:
+            continue
+    return tuple(sorted(set(found)))

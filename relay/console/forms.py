@@ -1,0 +1,85 @@
+"""What the console reads from a query string or a form: numbers, times, a search,
+the rows an operator chose, and where to go after logging in. A value that does not
+parse raises ValueError (the page answers 400)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlencode
+
+from starlette.datastructures import FormData
+
+from relay.console import data
+
+
+def int_param(text: str | None) -> int | None:
+    if text is None or text == "":
+        return None
+    value = int(text)
+    if not 0 <= value < 1 << 63:
+        raise ValueError(f"{text!r} is out of range")
+    return value
+
+
+def time_param(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    value = datetime.fromisoformat(text)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value
+
+
+def search_filter(source: Mapping[str, Any]) -> data.Filter:
+    def text(name: str) -> str | None:
+        value = source.get(name)
+        return value.strip() or None if isinstance(value, str) else None
+
+    return data.Filter(
+        topic=text("topic"),
+        key=text("key"),
+        reason=text("reason"),
+        since=time_param(text("since")),
+        until=time_param(text("until")),
+    )
+
+
+def search_fields(search: data.Filter) -> list[tuple[str, str]]:
+    return list(search.as_json().items())
+
+
+def search_query(search: data.Filter) -> dict[str, str]:
+    return search.as_json()
+
+
+def url(path: str, base: Mapping[str, str], **extra: Any) -> str:
+    return f"{path}?{urlencode({**base, **{k: str(v) for k, v in extra.items()}})}"
+
+
+def action_of(form: FormData) -> data.Action | None:
+    action = form.get("action")
+    if action == "requeue":
+        return "requeue"
+    if action == "discard":
+        return "discard"
+    return None
+
+
+def target_of(form: FormData) -> data.Target:
+    """Rows by id (`id`, repeated), or every dead letter a search matches (`scope` =
+    filter, with the search's fields)."""
+    if form.get("scope") == "filter":
+        return data.Target(search=search_filter(form))
+    ids = data.ids_of([v for v in form.getlist("id") if isinstance(v, str)])
+    if not ids:
+        raise ValueError("no rows chosen")
+    return data.Target(ids=ids)
+
+
+def local_path(target: str | None) -> str:
+    """Where to go after logging in: a path of this console only (no open redirect)."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target

@@ -1,0 +1,168 @@
+-- What the operators' console (`relay console`, relay/console/) reads and writes, beside
+-- the statements it shares with the CLI (operations.sql: lease_status, replica_status,
+-- lag_sample, dead_letter_requeue, dead_letters_left_behind). The console is a process
+-- of its own under its own role (migrations/console_grants.sql); nothing here runs in
+-- the drain. Parameters are named, %(name)s; nothing is built by string concatenation.
+
+------------------------------------------------------------------------------------
+-- Dead letters
+------------------------------------------------------------------------------------
+
+-- fragment: dead_letter_filter
+-- The console's search: every part optional (NULL matches all). Topic and key match
+-- exactly, the reason as a case-insensitive substring, the time as a half-open range.
+(%(topic)s::text IS NULL OR topic = %(topic)s::text)
+AND (%(key)s::text IS NULL OR key = %(key)s::text)
+AND (%(reason)s::text IS NULL
+     OR strpos(lower(dead_letter_reason), lower(%(reason)s::text)) > 0)
+AND (%(since)s::timestamptz IS NULL OR dead_lettered_at >= %(since)s::timestamptz)
+AND (%(until)s::timestamptz IS NULL OR dead_lettered_at < %(until)s::timestamptz)
+
+-- name: console_dead_letter_page_after
+-- One page of dead letters after a keyset cursor (id), oldest first: a walk of
+-- outbox_dead_letter_idx from the cursor that stops at the page size, so a deep page
+-- costs what the first does, however many dead letters there are.
+SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason,
+       octet_length(payload) AS payload_bytes
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND id > %(after)s::bigint
+  AND {{dead_letter_filter}}
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: console_dead_letter_page_before
+-- The page before a cursor (the same index, walked backwards); the caller reverses it.
+SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason,
+       octet_length(payload) AS payload_bytes
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND id < %(before)s::bigint
+  AND {{dead_letter_filter}}
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: console_dead_letter_count
+-- How many dead letters match, counted up to a cap (the list shows "at least").
+SELECT count(*) AS matching
+FROM (SELECT 1
+        FROM outbox
+       WHERE dead_lettered_at IS NOT NULL
+         AND {{dead_letter_filter}}
+       LIMIT %(cap)s) AS matched;
+
+-- name: console_dead_letter_ids
+-- Every dead letter a filter matches, in id order: what a requeue or discard by filter
+-- is about to change (its confirmation states how many), up to a cap.
+SELECT id
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND {{dead_letter_filter}}
+ORDER BY id
+LIMIT %(cap)s;
+
+-- name: console_dead_letters_of
+-- Which of the given rows are dead-lettered (a selection, checked before confirming).
+SELECT id
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND id = ANY(%(ids)s::bigint[])
+ORDER BY id;
+
+-- name: console_discard
+-- A discard: delete dead-lettered rows, never any other (a row requeued or sent since
+-- the confirmation stays). The rows are gone for good; the audit keeps their ids.
+DELETE FROM outbox
+WHERE dead_lettered_at IS NOT NULL
+  AND id = ANY(%(ids)s::bigint[])
+RETURNING id;
+
+------------------------------------------------------------------------------------
+-- Rows and keys
+------------------------------------------------------------------------------------
+
+-- name: console_row
+-- One outbox row for its page, with at most %(preview)s bytes of its payload (and the
+-- payload's whole size), so a huge payload is never read whole into the console.
+SELECT id, message_id, topic, key, headers,
+       substring(payload FROM 1 FOR %(preview)s) AS payload,
+       octet_length(payload) AS payload_bytes,
+       created_at, available_at, promoted_at, sent_at, attempts, next_attempt_at,
+       last_error, dead_lettered_at, dead_letter_reason
+FROM outbox
+WHERE id = %(id)s::bigint;
+
+-- name: console_blocked_keys
+-- Keys in backoff: each failing row (the head of its key, waiting out next_attempt_at,
+-- found through outbox_failing_rows_idx), with how many later rows of its key wait
+-- behind it (counted through outbox_due_key_idx, up to a cap).
+SELECT f.key, f.id, f.topic, f.attempts, f.next_attempt_at, f.last_error,
+       extract(epoch FROM f.next_attempt_at - now())::float8 AS next_attempt_in_seconds,
+       (SELECT count(*)
+          FROM (SELECT 1 FROM outbox AS w
+                 WHERE w.key = f.key AND w.id > f.id
+                   AND w.sent_at IS NULL AND w.dead_lettered_at IS NULL
+                   AND (w.available_at IS NULL OR w.promoted_at IS NOT NULL)
+                 LIMIT %(cap)s) AS behind)
+        AS waiting_behind
+FROM outbox AS f
+WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
+  AND f.attempts > 0 AND f.next_attempt_at IS NOT NULL
+ORDER BY f.id
+LIMIT %(limit)s;
+
+------------------------------------------------------------------------------------
+-- Rate
+------------------------------------------------------------------------------------
+
+-- name: console_settled_counters
+-- What the console samples to show a settled rate. Rows deleted once sent (retention
+-- 0) leave only PostgreSQL's count of the outbox's deletions (pg_stat_user_tables,
+-- which counts purges and discards too; NULL for an own table's view); rows kept
+-- (RELAY_RETENTION_SECONDS > 0) are counted by sent_at in the window, through
+-- outbox_sent_idx, up to a cap.
+SELECT (SELECT n_tup_del FROM pg_stat_user_tables
+         WHERE relid = to_regclass('outbox')) AS deleted,
+       (SELECT count(*)
+          FROM (SELECT 1 FROM outbox
+                 WHERE sent_at IS NOT NULL
+                   AND sent_at > now() - make_interval(secs => %(window)s)
+                 LIMIT %(cap)s) AS sent) AS sent_in_window,
+       extract(epoch FROM now())::float8 AS at;
+
+------------------------------------------------------------------------------------
+-- Audit
+------------------------------------------------------------------------------------
+
+-- name: console_audit_record
+-- One requeue or discard, in the transaction that made it (migration 0011).
+INSERT INTO console_audit (actor, action, target, row_count, first_id, last_id, note)
+VALUES (%(actor)s, %(action)s, %(target)s::jsonb, %(row_count)s, %(first_id)s,
+        %(last_id)s, %(note)s)
+RETURNING id;
+
+-- name: console_audit_page
+-- The newest entries first, before a keyset cursor (NULL: from the newest).
+SELECT id, at, actor, action, target, row_count, first_id, last_id, note
+FROM console_audit
+WHERE %(before)s::bigint IS NULL OR id < %(before)s::bigint
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: console_audit_entry
+SELECT id, at, actor, action, target, row_count, first_id, last_id, note
+FROM console_audit
+WHERE id = %(id)s::bigint;
+
+------------------------------------------------------------------------------------
+-- Overview
+------------------------------------------------------------------------------------
+
+-- name: console_blocked_key_count
+-- Keys in backoff (their failing head rows, through outbox_failing_rows_idx), up to a cap.
+SELECT count(DISTINCT key) AS blocked_keys
+FROM (SELECT key
+        FROM outbox
+       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+         AND attempts > 0 AND next_attempt_at IS NOT NULL
+       LIMIT %(cap)s) AS failing;

@@ -1,0 +1,608 @@
+"""The operators' console (relay console) in a real browser: Playwright driving Debian's
+chromium against the console as its own process under its least-privilege role
+(migrations/console_grants.sql), a real relay draining to a real HTTP receiver, and
+PostgreSQL. One console, one relay and one browser serve the whole module; every test
+works on rows of its own. Screenshots of each page go to tests/artifacts/console/."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    Dialog,
+    Page,
+    Playwright,
+    sync_playwright,
+)
+
+from relay.migrate import migrations_dir
+from relay.queries import QUERIES
+from relay.settings import Settings
+from tests.conftest import REPO, TEMPLATE_DB, relay_command, relay_env
+from tests.harness import free_port
+from tests.harness.postgres import PostgresServer
+from tests.harness.webhook import Delivery, Reply, WebhookServer
+from tests.support import http_get, running_relay, scalar, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = REPO / "tests" / "artifacts" / "console"
+TOKEN = "operator-token-0123456789"
+VIEWER_TOKEN = "viewer-token-0123456789ab"
+CONSOLE_ROLE, VIEWER_ROLE, ROLE_PASSWORD = "relay_console", "relay_console_viewer", "console-pw"
+REPLICA = "relay-under-test"
+PROXY_HEADER = "X-Forwarded-User"
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium not installed")
+
+
+def create_console_roles(pg: PostgresServer) -> None:
+    """Both console roles, once per cluster (roles outlive databases)."""
+    for role in (CONSOLE_ROLE, VIEWER_ROLE):
+        pg.execute(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN"
+            f" CREATE ROLE {role} LOGIN PASSWORD '{ROLE_PASSWORD}'; END IF; END $$"
+        )
+
+
+def grant_console(pg: PostgresServer, dbname: str) -> None:
+    create_console_roles(pg)
+    pg.execute((migrations_dir() / "console_grants.sql").read_text(), dbname=dbname)
+
+
+@dataclass
+class World:
+    """What the module's tests share."""
+
+    dsn: str  # superuser: plays the app (inserts) and checks the database
+    console_dsn: str
+    url: str
+    receiver: WebhookServer
+    accept_poison: list[bool]
+
+
+def responder(accept_poison: list[bool]) -> Any:
+    """400 (dead letter) for payloads holding "poison" until told to accept them; 500
+    (retried, in backoff) for keys starting "stuck"; 200 otherwise."""
+
+    def respond(delivery: Delivery) -> Reply:
+        if b"poison" in delivery.body and not accept_poison[0]:
+            return Reply(400, body=b"schema violation: field order.total is missing")
+        if (delivery.key or "").startswith("stuck"):
+            return Reply(500, body=b"downstream database is read-only")
+        return Reply(200)
+
+    return respond
+
+
+@pytest.fixture(scope="module")
+def world(pg: PostgresServer) -> Iterator[World]:
+    name = f"console_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name, template=TEMPLATE_DB)
+    grant_console(pg, name)
+    console_dsn = pg.dsn(name, user=CONSOLE_ROLE, password=ROLE_PASSWORD)
+    accept_poison = [False]
+    port = free_port()
+    env = relay_env(
+        console_dsn,
+        RELAY_CONSOLE_TOKEN=TOKEN,
+        RELAY_CONSOLE_VIEWER_TOKEN=VIEWER_TOKEN,
+        RELAY_CONSOLE_PORT=str(port),
+        RELAY_CONSOLE_TRUSTED_USER_HEADER=PROXY_HEADER,
+        RELAY_CONSOLE_REFRESH_SECONDS="0",
+    )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log = (ARTIFACTS / "console.log").open("wb")
+    console = subprocess.Popen(
+        relay_command("console"), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+    )
+    settings = Settings(
+        database_url=pg.dsn(name, user="relay", password="relay-secret-pw"),
+        sink="http",
+        http_url="http://127.0.0.1:0/unused",  # replaced below, once the receiver listens
+        replica_id=REPLICA,
+        metrics_enabled=False,
+        lease_ttl_seconds=3.0,
+        standby_poll_seconds=0.2,
+        retry_base_seconds=60.0,  # a failed key stays in backoff while the tests look
+        retry_max_seconds=120.0,
+        log_format="json",
+    )
+    try:
+        with WebhookServer(responder(accept_poison)) as receiver:
+            settings = settings.model_copy(update={"http_url": receiver.url + "/hooks/{topic}"})
+            with running_relay(settings):
+                url = f"http://127.0.0.1:{port}"
+                wait_until(
+                    lambda: http_get(url + "/healthz")[0] == 200 or console.poll() is not None,
+                    timeout=30,
+                    message="the console listening",
+                )
+                assert console.poll() is None, (ARTIFACTS / "console.log").read_text()[-3000:]
+                yield World(dsn, console_dsn, url, receiver, accept_poison)
+    finally:
+        console.terminate()
+        try:
+            console.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            console.kill()
+        log.close()
+        pg.drop_database(name)
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    yield browser
+    browser.close()
+
+
+@pytest.fixture
+def context(browser: Browser) -> Iterator[BrowserContext]:
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context.set_default_timeout(10_000)
+    yield context
+    context.close()
+
+
+def log_in(context: BrowserContext, world: World, token: str = TOKEN) -> Page:
+    page = context.new_page()
+    page.goto(world.url + "/login")
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(world.url + "/")
+    return page
+
+
+def shot(page: Page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def execute(dsn: str, statement: str, params: Any = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else []
+
+
+def dead_letter_directly(
+    dsn: str, topic: str, key: str, payload: bytes, reason: str = "HTTP 400: bad", **extra: Any
+) -> int:
+    """A row the app wrote and the relay gave up on, written here in one statement (no
+    relay round trip): for tests about the console alone."""
+    headers = extra.get("headers")
+    (row,) = execute(
+        dsn,
+        "INSERT INTO outbox (topic, key, payload, headers, attempts, dead_lettered_at,"
+        " dead_letter_reason) VALUES (%s, %s, %s, %s, 1, now(), %s) RETURNING id",
+        (topic, key, payload, None if headers is None else json.dumps(headers), reason),
+    )
+    return int(row[0])
+
+
+def csrf_of(page: Page) -> str:
+    value = page.get_attribute("input[name=csrf]", "value")
+    assert value
+    return value
+
+
+# --- login ---------------------------------------------------------------------------
+
+
+def test_every_page_needs_a_login_and_a_wrong_token_is_refused(
+    world: World, context: BrowserContext
+) -> None:
+    page = context.new_page()
+    for path in ("/", "/dead-letters", "/blocked", "/audit", "/rows/1"):
+        page.goto(world.url + path)
+        assert page.url.startswith(world.url + "/login"), path
+    page.fill("#token", "not-the-token-at-all")
+    page.click("button[type=submit]")
+    assert page.locator(".error").inner_text() == "That is not the console's token."
+    assert "/login" in page.url
+    assert not context.cookies()
+    shot(page, "login-refused")
+    page.fill("#token", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_url(world.url + "/rows/1")  # back where it was sent from
+    (cookie,) = context.cookies()
+    assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+    assert cookie["secure"] is True
+    # Outside a browser, without the cookie: the same.
+    assert http_get(world.url + "/dead-letters")[1].count("Console token") == 1
+
+
+# --- overview ------------------------------------------------------------------------
+
+
+def test_the_overview_shows_the_real_lease_holder(world: World, context: BrowserContext) -> None:
+    wait_until(
+        lambda: scalar(world.dsn, "SELECT holder FROM leases WHERE expires_at > now()") == REPLICA,
+        timeout=20,
+        message="the relay holding its lease",
+    )
+    wait_until(
+        lambda: scalar(world.dsn, "SELECT count(*) FROM replicas") == 1, 10, message="heartbeat"
+    )
+    page = log_in(context, world)
+    holder = page.locator("#leases td.holder").first
+    assert holder.inner_text() == REPLICA
+    assert "held" in page.locator("#leases").inner_text()
+    replicas = page.locator("#replicas").inner_text()
+    assert REPLICA in replicas and "reachable" in replicas
+    for card in ("#unsent", "#oldest", "#blocked-keys", "#scheduled", "#dead-letters", "#rate"):
+        assert page.locator(card).inner_text()
+    shot(page, "overview")
+
+
+# --- dead letters: find, inspect, requeue, deliver, audit ---------------------------
+
+
+def test_a_dead_letter_is_found_inspected_requeued_and_delivered(
+    world: World, context: BrowserContext
+) -> None:
+    key = f"order-{uuid.uuid4().hex[:8]}"
+    body = {"order": 7, "poison": True, "lines": [{"sku": "A-1", "qty": 2}]}
+    with psycopg.connect(world.dsn, autocommit=True) as conn:
+        (row_id,) = conn.execute(
+            "INSERT INTO outbox (topic, key, payload, headers) VALUES ('orders', %s, %s, %s)"
+            " RETURNING id",
+            (key, json.dumps(body).encode(), json.dumps({"trace-id": "abc123"})),
+        ).fetchone() or (None,)
+    wait_until(
+        lambda: scalar(world.dsn, "SELECT dead_lettered_at FROM outbox WHERE id = %s", (row_id,)),
+        timeout=20,
+        message="the relay dead-lettering the row",
+    )
+    page = log_in(context, world)
+    page.click("text=Dead letters")
+    page.fill("input[name=key]", key)
+    page.fill("input[name=reason]", "SCHEMA VIOLATION")  # a case-insensitive substring
+    page.click("#search button[type=submit]")
+    rows = page.locator("#dead-letter-table tbody tr")
+    assert rows.count() == 1
+    assert "schema violation" in rows.first.inner_text()
+    shot(page, "dead-letters")
+
+    page.click(f"a[href='/rows/{row_id}']")
+    payload = page.locator("#payload").inner_text()
+    assert json.loads(payload) == body
+    assert '\n  "order": 7,' in payload  # pretty-printed
+    assert "abc123" in page.locator("#headers").inner_text()
+    assert "schema violation" in page.locator("#reason").inner_text()
+    shot(page, "dead-letter-row")
+
+    world.accept_poison[0] = True
+    page.click("button[value=requeue]")
+    assert page.locator("h1").inner_text() == "Requeue 1 row?"
+    shot(page, "confirm-requeue")
+    page.click("#confirm")
+    page.wait_for_url(re.compile(r".*/audit/\d+$"))
+    assert page.locator("#done").inner_text() == "Requeued 1 row."
+    shot(page, "audit-entry")
+
+    wait_until(
+        lambda: [d for d in world.receiver.acked() if d.key == key],
+        timeout=20,
+        message="the requeued row arriving at the receiver",
+    )
+    audit = execute(
+        world.dsn,
+        "SELECT actor, action, target, row_count, first_id, last_id, at > now() - interval"
+        " '1 minute' FROM console_audit WHERE action = 'requeue' AND first_id = %s",
+        (row_id,),
+    )
+    assert audit == [("token", "requeue", {"ids": [row_id]}, 1, row_id, row_id, True)]
+    page.click("text=Audit")
+    assert str(row_id) in page.locator("#audit-table").inner_text()
+    shot(page, "audit")
+
+
+# --- CSRF and origin -----------------------------------------------------------------
+
+
+def test_a_replayed_change_without_its_csrf_token_is_refused(
+    world: World, context: BrowserContext
+) -> None:
+    row_id = dead_letter_directly(world.dsn, "csrf", f"c-{uuid.uuid4().hex[:6]}", b"x")
+    page = log_in(context, world)
+    page.goto(f"{world.url}/rows/{row_id}")
+    csrf = csrf_of(page)
+    form: dict[str, str | float | bool] = {"action": "discard", "confirmed": "1", "id": row_id}
+    own = {"Origin": world.url}
+    apply = world.url + "/dead-letters/apply"
+    # The request the confirm button sends, replayed with the session cookie but no token:
+    replayed = page.request.post(apply, form=form, headers=own, max_redirects=0)
+    assert replayed.status == 403 and "CSRF" in replayed.text()
+    wrong = page.request.post(apply, form={**form, "csrf": csrf[::-1]}, headers=own)
+    assert wrong.status == 403
+    # A foreign page's form, token and all, is refused for its Origin.
+    foreign = page.request.post(
+        apply, form={**form, "csrf": csrf}, headers={"Origin": "https://evil.example"}
+    )
+    assert foreign.status == 403 and "origin" in foreign.text()
+    assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE id = %s", (row_id,)) == 1
+    # Without the session cookie, with a token: no login.
+    anonymous = context.browser.new_context() if context.browser else None
+    assert anonymous is not None
+    try:
+        bare = anonymous.request.post(apply, form={**form, "csrf": csrf}, headers=own)
+        assert bare.status == 401
+    finally:
+        anonymous.close()
+    # The same request with its token goes through: the refusals were for what was missing.
+    done = page.request.post(apply, form={**form, "csrf": csrf}, headers=own, max_redirects=0)
+    assert done.status == 303
+    assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE id = %s", (row_id,)) == 0
+
+
+# --- escaping ------------------------------------------------------------------------
+
+
+def test_markup_in_rows_renders_as_text_and_never_runs(
+    world: World, context: BrowserContext
+) -> None:
+    key = "<script>window.__pwned = 'key'</script>"
+    reason = "<img src=x onerror=\"window.__pwned = 'reason'\">"
+    headers = {"<b>h</b>": "<script>window.__pwned = 'header'</script>"}
+    payload = b"<script>window.__pwned = 'payload'</script><iframe src=/></iframe>"
+    row_id = dead_letter_directly(world.dsn, "<i>t</i>", key, payload, reason, headers=headers)
+    page = log_in(context, world)
+    dialogs: list[str] = []
+
+    def dialog(opened: Dialog) -> None:
+        dialogs.append(opened.message)
+        opened.dismiss()
+
+    page.on("dialog", dialog)
+    page.goto(f"{world.url}/dead-letters?topic=%3Ci%3Et%3C%2Fi%3E")
+    table = page.locator("#dead-letter-table")
+    assert key in table.inner_text() and reason in table.inner_text()
+    assert table.locator("script, img, i").count() == 0
+    page.goto(f"{world.url}/rows/{row_id}")
+    assert page.locator("#payload").inner_text() == payload.decode()
+    assert "<script>window.__pwned = 'header'</script>" in page.locator("#headers").inner_text()
+    assert page.locator("main script, main img, main iframe, main b").count() == 0
+    shot(page, "escaped-row")
+    assert page.evaluate("window.__pwned") is None
+    assert dialogs == []
+
+
+# --- keyset pages --------------------------------------------------------------------
+
+
+def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContext) -> None:
+    """Each page is a walk of outbox_dead_letter_idx from its cursor (EXPLAIN, as the
+    console's role), first and deep; and Next/Previous in the browser continue the ids.
+    The page time at 100,000 dead letters is in the benchmark (bench/console.py)."""
+    topic = f"many-{uuid.uuid4().hex[:6]}"
+    execute(
+        world.dsn,
+        "INSERT INTO outbox (topic, key, payload, attempts, dead_lettered_at,"
+        " dead_letter_reason) SELECT %s, 'k' || (g %% 50), 'x', 3, now(), 'HTTP 400: nope'"
+        " FROM generate_series(1, 3000) AS g",
+        (topic,),
+    )
+    execute(world.dsn, "ANALYZE outbox")
+    first_id = scalar(world.dsn, "SELECT min(id) FROM outbox WHERE topic = %s", (topic,))
+    base = {"topic": None, "key": None, "reason": None, "since": None, "until": None}
+    with psycopg.connect(world.console_dsn, autocommit=True) as conn:
+        for params in (
+            {**base, "after": 0, "limit": 51},
+            {**base, "after": first_id + 2500, "limit": 51},
+            {**base, "topic": topic, "after": first_id + 1000, "limit": 51},
+        ):
+            plan = "\n".join(
+                str(r[0])
+                for r in conn.execute(
+                    "EXPLAIN " + QUERIES.console_dead_letter_page_after, params
+                ).fetchall()
+            )
+            assert "outbox_dead_letter_idx" in plan, plan
+            assert "Sort" not in plan, plan
+
+    page = log_in(context, world)
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    assert page.locator("#matching").inner_text().startswith("3,000 dead letter(s)")
+
+    def ids() -> list[int]:
+        return [
+            int(t)
+            for t in page.locator("#dead-letter-table tbody tr td:nth-child(2)").all_inner_texts()
+        ]
+
+    first = ids()
+    assert first == list(range(first_id, first_id + 50))
+    page.click("#next")
+    second = ids()
+    assert second == list(range(first_id + 50, first_id + 100))
+    page.click("#prev")
+    assert ids() == first
+    execute(world.dsn, "DELETE FROM outbox WHERE topic = %s", (topic,))
+
+
+# --- changes by filter, discards, read-only, proxy -----------------------------------
+
+
+def test_a_discard_by_filter_states_its_count_and_is_audited(
+    world: World, context: BrowserContext
+) -> None:
+    topic = f"discard-{uuid.uuid4().hex[:6]}"
+    ids = [dead_letter_directly(world.dsn, topic, f"k{n}", b"old") for n in range(3)]
+    page = log_in(context, world)
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    page.click("#by-filter button[value=discard]")
+    assert page.locator("h1").inner_text() == "Discard 3 rows?"
+    assert "deletes" in page.locator("#statement").inner_text()
+    # One more matches by now: confirming the 3 changes nothing, and says so.
+    late = dead_letter_directly(world.dsn, topic, "k9", b"late")
+    page.click("#confirm")
+    assert "3 row(s) were confirmed, 4 match now" in page.locator(".error").inner_text()
+    assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE topic = %s", (topic,)) == 4
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    page.click("#by-filter button[value=discard]")
+    assert page.locator("h1").inner_text() == "Discard 4 rows?"
+    page.click("#confirm")
+    assert page.locator("#done").inner_text() == "Discarded 4 rows."
+    assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE topic = %s", (topic,)) == 0
+    audit = execute(
+        world.dsn,
+        "SELECT actor, target, row_count, first_id, last_id FROM console_audit"
+        " WHERE action = 'discard' AND first_id = %s",
+        (ids[0],),
+    )
+    assert audit == [("token", {"filter": {"topic": topic}}, 4, ids[0], late)]
+
+
+def test_requeueing_a_selection_warns_when_an_earlier_dead_letter_of_its_key_stays(
+    world: World, context: BrowserContext
+) -> None:
+    key = f"pair-{uuid.uuid4().hex[:6]}"
+    topic = f"sel-{uuid.uuid4().hex[:6]}"
+    world.accept_poison[0] = True
+    older = dead_letter_directly(world.dsn, topic, key, b"older")
+    newer = dead_letter_directly(world.dsn, topic, key, b"newer")
+    page = log_in(context, world)
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    page.check(f"input.pick[value='{newer}']")
+    page.click("#selection button[value=requeue]")
+    assert page.locator("h1").inner_text() == "Requeue 1 row?"
+    page.click("#confirm")
+    assert key in page.locator("#note").inner_text()
+    assert (
+        scalar(world.dsn, "SELECT dead_lettered_at IS NULL FROM outbox WHERE id = %s", (older,))
+        is False
+    )
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    page.check("#select-all")
+    page.click("#selection button[value=requeue]")
+    page.click("#confirm")
+    assert page.locator("#done").inner_text() == "Requeued 1 row."
+    wait_until(
+        lambda: {d.body for d in world.receiver.acked() if d.key == key} >= {b"older", b"newer"},
+        timeout=20,
+        message="both rows of the key delivered",
+    )
+
+
+def test_a_viewer_may_look_but_not_change(world: World, context: BrowserContext) -> None:
+    topic = f"view-{uuid.uuid4().hex[:6]}"
+    row_id = dead_letter_directly(world.dsn, topic, "v", b"look")
+    page = log_in(context, world, VIEWER_TOKEN)
+    assert "read-only" in page.locator("header .who").inner_text()
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    assert page.locator("#dead-letter-table tbody tr").count() == 1
+    assert page.locator("input.pick, button[value=requeue], button[value=discard]").count() == 0
+    page.goto(f"{world.url}/rows/{row_id}")
+    assert page.locator("button[value=requeue]").count() == 0
+    csrf = page.get_attribute("header input[name=csrf]", "value")
+    refused = page.request.post(
+        world.url + "/dead-letters/apply",
+        form={"csrf": csrf or "", "action": "requeue", "confirmed": "1", "id": str(row_id)},
+        headers={"Origin": world.url},
+    )
+    assert refused.status == 403 and "look, not change" in refused.text()
+    assert scalar(
+        world.dsn, "SELECT dead_lettered_at IS NOT NULL FROM outbox WHERE id = %s", (row_id,)
+    )
+
+
+def test_a_proxys_user_header_logs_in_and_is_audited(world: World, browser: Browser) -> None:
+    topic = f"proxy-{uuid.uuid4().hex[:6]}"
+    row_id = dead_letter_directly(world.dsn, topic, "p", b"via proxy")
+    context = browser.new_context(extra_http_headers={PROXY_HEADER: "alice@example.com"})
+    try:
+        page = context.new_page()
+        page.goto(f"{world.url}/rows/{row_id}")
+        assert "alice@example.com" in page.locator("header .who").inner_text()
+        page.click("button[value=discard]")
+        page.click("#confirm")
+        assert page.locator("#done").inner_text() == "Discarded 1 row."
+    finally:
+        context.close()
+    actor = scalar(world.dsn, "SELECT actor FROM console_audit WHERE first_id = %s", (row_id,))
+    assert actor == "alice@example.com"
+
+
+# --- blocked keys --------------------------------------------------------------------
+
+
+def test_the_blocked_keys_page_shows_a_key_in_backoff(
+    world: World, context: BrowserContext
+) -> None:
+    key = f"stuck-{uuid.uuid4().hex[:6]}"
+    execute(
+        world.dsn,
+        "INSERT INTO outbox (topic, key, payload) VALUES ('orders', %s, 'a'), ('orders', %s, 'b')",
+        (key, key),
+    )
+    wait_until(
+        lambda: scalar(
+            world.dsn, "SELECT attempts FROM outbox WHERE key = %s ORDER BY id LIMIT 1", (key,)
+        ),
+        timeout=20,
+        message="the first row of the key failing",
+    )
+    page = log_in(context, world)
+    page.click("text=Blocked keys")
+    row = page.locator("#blocked-table tbody tr", has_text=key)
+    text = row.inner_text()
+    assert "downstream database is read-only" in text and "\t1\t" in text
+    assert row.locator("td").nth(5).inner_text() == "1"  # its second row waits behind it
+    shot(page, "blocked-keys")
+    execute(world.dsn, "DELETE FROM outbox WHERE key = %s", (key,))
+
+
+# --- settings ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_PORT": "http"}, "RELAY_CONSOLE_PORT"),
+        ({}, "RELAY_CONSOLE_TOKEN"),
+        ({"RELAY_CONSOLE_TOKEN": "short"}, "RELAY_CONSOLE_TOKEN"),
+        ({"RELAY_CONSOLE_TOKN": TOKEN}, "did you mean RELAY_CONSOLE_TOKEN"),
+        (
+            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_TRUSTED_PROXIES": "nope"},
+            "RELAY_CONSOLE_TRUSTED_PROXIES",
+        ),
+    ],
+)
+def test_a_bad_setting_stops_the_console_naming_it(
+    world: World, variables: dict[str, str], named: str
+) -> None:
+    done = subprocess.run(
+        relay_command("console"),
+        env=relay_env(world.console_dsn, **variables),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr
+    assert TOKEN not in done.stderr
