@@ -6,6 +6,7 @@ works on rows of its own. Screenshots of each page go to tests/artifacts/console
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import subprocess
@@ -26,6 +27,7 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
+from relay.console import data as console_data
 from relay.migrate import migrations_dir
 from relay.queries import QUERIES
 from relay.settings import Settings
@@ -331,7 +333,12 @@ def test_a_replayed_change_without_its_csrf_token_is_refused(
     page = log_in(context, world)
     page.goto(f"{world.url}/rows/{row_id}")
     csrf = csrf_of(page)
-    form: dict[str, str | float | bool] = {"action": "discard", "confirmed": "1", "id": row_id}
+    form: dict[str, str | float | bool] = {
+        "action": "discard",
+        "confirmed": "1",
+        "digest": console_data.digest([row_id]),
+        "id": row_id,
+    }
     own = {"Origin": world.url}
     apply = world.url + "/dead-letters/apply"
     # The request the confirm button sends, replayed with the session cookie but no token:
@@ -574,6 +581,156 @@ def test_the_blocked_keys_page_shows_a_key_in_backoff(
     assert row.locator("td").nth(5).inner_text() == "1"  # its second row waits behind it
     shot(page, "blocked-keys")
     execute(world.dsn, "DELETE FROM outbox WHERE key = %s", (key,))
+
+
+# --- review: limits, bad input, races, logout, throttling ---------------------------
+
+
+def raw_post(
+    world: World, path: str, body: bytes | Iterator[bytes], source: str = "127.0.0.1"
+) -> tuple[int, str]:
+    """One POST outside the browser, from a chosen loopback address (the throttle
+    counts per address, so a test's wrong tokens do not lock the others out)."""
+    port = int(world.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    try:
+        conn.request(
+            "POST",
+            path,
+            body=body,
+            headers={
+                "Content-Type": "application/x-www-form-urlencoded",
+                "Origin": world.url,
+            },
+        )
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_body_over_the_limit_is_refused_before_any_route_reads_it(world: World) -> None:
+    """Starlette reads a urlencoded form whole, unbounded: anyone who can reach /login
+    could otherwise make the console hold any amount in memory."""
+    big = b"token=" + b"a" * (300 * 1024)
+    status, text = raw_post(world, "/login", big)
+    assert status == 413, text
+    # No declared length (chunked): counted as it arrives.
+    status, text = raw_post(world, "/login", iter([big[:200_000], big[200_000:]]))
+    assert status == 413, text
+    assert http_get(world.url + "/healthz") == (200, "ok")
+
+
+def test_bad_input_is_refused_as_such_never_a_server_error(
+    world: World, context: BrowserContext
+) -> None:
+    page = log_in(context, world)
+    page.goto(world.url + "/dead-letters")
+    csrf = page.get_attribute("header input[name=csrf]", "value") or ""
+    huge = "9" * 25
+    for path, status in (
+        ("/audit?before=abc", 400),
+        (f"/audit?before={huge}", 400),
+        (f"/rows/{huge}", 404),
+        (f"/audit/{huge}", 404),
+        ("/dead-letters?topic=%00", 400),
+        (f"/dead-letters?after={huge}", 400),
+        ("/dead-letters?since=yesterday", 400),
+    ):
+        assert page.request.get(world.url + path).status == status, path
+    own = {"Origin": world.url}
+    for path, form in (
+        ("/dead-letters/confirm", {"action": "requeue", "id": huge}),
+        ("/dead-letters/confirm", {"action": "requeue", "scope": "filter", "key": "a\0b"}),
+        ("/dead-letters/apply", {"action": "requeue", "id": "1", "confirmed": "x"}),
+        ("/dead-letters/apply", {"action": "requeue", "id": huge, "confirmed": "1"}),
+        ("/dead-letters/apply", {"action": "requeue", "id": "1", "confirmed": "1"}),  # no digest
+    ):
+        done = page.request.post(world.url + path, form={**form, "csrf": csrf}, headers=own)
+        assert done.status == 400, (path, form, done.text())
+
+
+def test_a_change_by_filter_touches_the_rows_confirmed_not_just_as_many(
+    world: World, context: BrowserContext
+) -> None:
+    """Between confirmation and change, one matching row is requeued elsewhere and
+    another dead-lettered: the count holds, the rows do not; nothing is changed."""
+    topic = f"swap-{uuid.uuid4().hex[:6]}"
+    first, second = (dead_letter_directly(world.dsn, topic, f"k{n}", b"seen") for n in range(2))
+    page = log_in(context, world)
+    page.goto(f"{world.url}/dead-letters?topic={topic}")
+    page.click("#by-filter button[value=discard]")
+    assert page.locator("h1").inner_text() == "Discard 2 rows?"
+    execute(world.dsn, "UPDATE outbox SET dead_lettered_at = NULL WHERE id = %s", (second,))
+    unseen = dead_letter_directly(world.dsn, topic, "k9", b"never shown")
+    page.click("#confirm")
+    assert "not the 2 confirmed" in page.locator(".error").inner_text()
+    left = execute(
+        world.dsn,
+        "SELECT id FROM outbox WHERE topic = %s AND dead_lettered_at IS NOT NULL ORDER BY id",
+        (topic,),
+    )
+    assert left == [(first,), (unseen,)]  # (the requeued one the relay delivers)
+    execute(world.dsn, "DELETE FROM outbox WHERE topic = %s", (topic,))
+
+
+def test_a_session_cookie_is_refused_once_logged_out(
+    world: World, context: BrowserContext, browser: Browser
+) -> None:
+    page = log_in(context, world)
+    kept = context.cookies()
+    page.click("header button[type=submit]")  # Log out
+    page.wait_for_url(world.url + "/login")
+    replay = browser.new_context()
+    try:
+        replay.add_cookies(kept)  # type: ignore[arg-type]
+        again = replay.new_page()
+        again.goto(world.url + "/")
+        assert again.url.startswith(world.url + "/login")
+    finally:
+        replay.close()
+
+
+def test_wrong_tokens_are_throttled_per_address(world: World, context: BrowserContext) -> None:
+    source = "127.0.0.2"
+    for _ in range(10):
+        assert raw_post(world, "/login", b"token=guess-guess-guess-guess", source)[0] == 401
+    status, text = raw_post(world, "/login", f"token={TOKEN}".encode(), source)
+    assert status == 429 and "too many" in text  # the right token too, while refused
+    log_in(context, world)  # another address is not refused
+
+
+def test_a_slow_or_lost_database_answers_503_and_shows_nothing_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A statement timeout or a pool busy for 30 s is the database's state, not a bug
+    of the console's (500): 503, and nothing of the SQL or the server in the page."""
+    from starlette.testclient import TestClient
+
+    from relay.console.app import Console
+    from relay.console.settings import ConsoleSettings
+    from relay.settings import CommonSettings
+
+    console = Console(
+        CommonSettings(database_url="postgresql://nobody@127.0.0.1:1/none"),
+        ConsoleSettings(token=TOKEN, cookie_secure=False),
+    )
+    client = TestClient(console.application(), base_url="http://testserver")
+    own = {"Origin": "http://testserver"}
+    login = client.post("/login", data={"token": TOKEN}, headers=own, follow_redirects=False)
+    assert login.status_code == 303
+    for failure in (
+        TimeoutError("every console database session is busy"),
+        psycopg.errors.QueryCanceled("canceling statement due to statement timeout"),
+    ):
+
+        async def failing(_work: Any, failure: Exception = failure) -> Any:
+            raise failure
+
+        monkeypatch.setattr(console, "db", failing)
+        page = client.get("/dead-letters")
+        assert page.status_code == 503, page.text
+        assert "statement" not in page.text and "session" not in page.text
 
 
 # --- settings ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlencode
 
+import psycopg
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -30,10 +31,14 @@ from relay import db
 from relay.console import data, forms, render
 from relay.console.auth import COOKIE, Auth, Identity
 from relay.console.headers import SecurityHeaders
+from relay.console.limits import BodyLimit, LoginThrottle
 from relay.console.pool import Pool
 from relay.console.rate import RateSampler
 from relay.console.settings import ConsoleSettings
+from relay.logging import get_logger
 from relay.settings import CommonSettings
+
+log = get_logger("relay.console")
 
 Handler = Callable[[Request, Identity], Awaitable[Response]]
 
@@ -46,6 +51,7 @@ class Console:
         self.pool = Pool(common, settings.pool_size)
         self.templates = render.environment()
         self.rate = RateSampler(common, settings.rate_window_seconds)
+        self.throttle = LoginThrottle()
 
     # --- plumbing ---
 
@@ -114,11 +120,21 @@ class Console:
         refused = self.auth.foreign_origin(request)
         if refused is not None:
             return PlainTextResponse(f"refused: {refused}", status_code=403)
+        peer = request.client.host if request.client else "-"
+        if self.throttle.refused(peer):
+            log.warning("console.login_throttled", peer=peer)
+            return PlainTextResponse(
+                "refused: too many wrong tokens from this address; wait a minute",
+                status_code=429,
+                headers={"retry-after": "60"},
+            )
         form = await request.form()
         typed = form.get("token")
         cookie = self.auth.login(typed) if isinstance(typed, str) else None
         target = forms.local_path(str(form.get("next") or "/"))
         if cookie is None:
+            self.throttle.failed(peer)
+            log.warning("console.login_refused", peer=peer)  # never what was typed
             return self.page(
                 request,
                 "login.html",
@@ -128,6 +144,7 @@ class Console:
                 error="That is not the console's token.",
                 proxy=self.settings.trusted_user_header,
             )
+        log.info("console.login", peer=peer)
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(
             COOKIE,
@@ -141,6 +158,7 @@ class Console:
         return response
 
     async def logout(self, request: Request, _identity: Identity) -> Response:
+        self.auth.log_out(request)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(
             COOKIE, path="/", httponly=True, samesite="strict", secure=self.settings.cookie_secure
@@ -196,7 +214,9 @@ class Console:
     async def row(self, request: Request, identity: Identity) -> Response:
         row_id: int = request.path_params["row_id"]
         preview = self.settings.payload_preview_bytes
-        found = await self.db(lambda conn: data.row(conn, row_id, preview))
+        found = None
+        if forms.is_bigint(row_id):
+            found = await self.db(lambda conn: data.row(conn, row_id, preview))
         if found is None:
             return self.page(request, "missing.html", identity, status=404, what=f"row {row_id}")
         shown = render.payload(found["payload"], found["payload_bytes"])
@@ -222,7 +242,10 @@ class Console:
         )
 
     async def audit(self, request: Request, identity: Identity) -> Response:
-        before = forms.int_param(request.query_params.get("before"))
+        try:
+            before = forms.int_param(request.query_params.get("before"))
+        except ValueError as exc:
+            return PlainTextResponse(f"bad request: {exc}", status_code=400)
         limit = self.settings.page_size
         rows = await self.db(lambda conn: data.audit_page(conn, before, limit + 1))
         more = len(rows) > limit
@@ -239,7 +262,9 @@ class Console:
 
     async def audit_entry(self, request: Request, identity: Identity) -> Response:
         entry_id: int = request.path_params["entry_id"]
-        entry = await self.db(lambda conn: data.audit_entry(conn, entry_id))
+        entry = None
+        if forms.is_bigint(entry_id):
+            entry = await self.db(lambda conn: data.audit_entry(conn, entry_id))
         if entry is None:
             return self.page(request, "missing.html", identity, status=404, what="audit entry")
         return self.page(
@@ -281,23 +306,27 @@ class Console:
             action=action,
             target=target,
             ids=ids,
+            digest=data.digest(ids),
             search_fields=forms.search_fields(target.search) if target.search else [],
         )
 
     async def apply(self, request: Request, identity: Identity) -> Response:
         form = await request.form()
         action = forms.action_of(form)
-        confirmed = forms.int_param(str(form.get("confirmed", "")))
-        if action is None or confirmed is None:
-            return PlainTextResponse("bad request", status_code=400)
+        digest = form.get("digest")
         try:
+            confirmed = forms.int_param(str(form.get("confirmed", "")))
             target = forms.target_of(form)
         except ValueError as exc:
             return PlainTextResponse(f"bad request: {exc}", status_code=400)
+        if action is None or confirmed is None or not isinstance(digest, str):
+            return PlainTextResponse("bad request: not from a confirmation", status_code=400)
         cap = self.settings.bulk_cap
         try:
             done: data.Done = await self.db(
-                lambda conn: data.change(conn, identity.user, action, target, confirmed, cap)
+                lambda conn: data.change(
+                    conn, identity.user, action, target, confirmed, cap, digest
+                )
             )
         except (data.Changed, data.TooMany) as exc:
             return self.page(
@@ -318,8 +347,18 @@ class Console:
         try:
             await self.db(lambda conn: conn.execute("SELECT 1").fetchone())
         except Exception as exc:
-            return PlainTextResponse(f"database: {db.describe_error(exc)}", status_code=503)
+            # The reason goes to the log: the probe answers anyone, without a login.
+            log.warning("console.not_ready", error=db.describe_error(exc))
+            return PlainTextResponse("database unavailable", status_code=503)
         return PlainTextResponse("ok")
+
+    async def unavailable(self, request: Request, exc: Exception) -> Response:
+        """A busy pool, a statement timeout or a lost database: 503, the reason logged,
+        nothing of the SQL or the server shown."""
+        log.warning(
+            "console.database_unavailable", path=request.url.path, error=db.describe_error(exc)
+        )
+        return PlainTextResponse("the database is unavailable or slow; try again", status_code=503)
 
     # --- the application ---
 
@@ -341,7 +380,15 @@ class Console:
             Route("/readyz", self.readyz),
             Mount("/static", StaticFiles(packages=[("relay.console", "static")]), name="static"),
         ]
-        return SecurityHeaders(Starlette(routes=routes, lifespan=self._lifespan))
+        app = Starlette(
+            routes=routes,
+            lifespan=self._lifespan,
+            exception_handlers={
+                TimeoutError: self.unavailable,
+                psycopg.OperationalError: self.unavailable,
+            },
+        )
+        return SecurityHeaders(BodyLimit(app))
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:

@@ -4,8 +4,9 @@ Logins: the shared secret (RELAY_CONSOLE_TOKEN, or RELAY_CONSOLE_VIEWER_TOKEN fo
 look-only session) typed into the login form sets a session cookie: HttpOnly (no
 script reads it), SameSite=Strict (no other site's page sends it), Secure unless
 turned off, signed with a key derived from the secrets (rotating a secret ends every
-session) and carrying its expiry. Or, off by default, the user an authenticating
-proxy (oauth2-proxy) names in a header, believed only from the proxy's addresses.
+session) and carrying its expiry; logging out refuses that cookie for the rest of the
+process's life. Or, off by default, the user an authenticating proxy (oauth2-proxy)
+names in a header, believed only from the proxy's addresses.
 
 Every POST must come from this console's own origin (Origin, else Referer; neither is
 a refusal) and, once logged in, carry the session's CSRF token in its form.
@@ -20,6 +21,7 @@ import ipaddress
 import json
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -50,6 +52,11 @@ class Auth:
         seed = "\0".join(secrets_given).encode() if secrets_given else os.urandom(32)
         self._key = hashlib.sha256(b"relay-console-session\0" + seed).digest()
         self._networks = settings.proxy_networks
+        # Sessions logged out before their expiry (nonce -> expiry): the cookie is its
+        # own record, so a copy of it would otherwise outlive the logout. Per process:
+        # a restart forgets them (docs/console.md).
+        self._revoked: dict[str, int] = {}
+        self._revoked_lock = threading.Lock()
 
     # --- logging in ---
 
@@ -60,8 +67,10 @@ class Auth:
             (self._settings.token, "token"),
             (self._settings.viewer_token, "viewer"),
         ):
+            # Digests of equal length: the comparison tells nothing of the secret's length.
             if secret is not None and hmac.compare_digest(
-                typed.encode(), secret.get_secret_value().encode()
+                hashlib.sha256(typed.encode()).digest(),
+                hashlib.sha256(secret.get_secret_value().encode()).digest(),
             ):
                 via = "token" if kind == "token" else "viewer"
         if via is None:
@@ -89,12 +98,22 @@ class Auth:
         if not cookie:
             return None
         body = self._verified(cookie)
-        if body is None:
+        if body is None or str(body.get("n", "")) in self._revoked:
             return None
         via: Via = "viewer" if body.get("v") == "viewer" else "token"
         csrf = self._sign(b"csrf\0" + str(body.get("n", "")).encode()).hex()[:40]
         may_change = via == "token" and not self._settings.read_only
         return Identity(via, via, may_change, csrf)
+
+    def log_out(self, request: Request) -> None:
+        """The request's session cookie is refused from now on, even if replayed."""
+        body = self._verified(request.cookies.get(COOKIE, ""))
+        if body is None:
+            return
+        now = time.time()
+        with self._revoked_lock:
+            self._revoked = {n: exp for n, exp in self._revoked.items() if exp >= now}
+            self._revoked[str(body.get("n", ""))] = int(str(body["exp"]))
 
     def _proxy_user(self, request: Request) -> str | None:
         header = self._settings.trusted_user_header

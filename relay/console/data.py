@@ -4,6 +4,7 @@ named statements (relay/sql/console.sql) for the rest."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,7 +150,11 @@ class Changed(Exception):
     requeued, discarded or the drain dead-lettered more since): nothing was changed."""
 
     def __init__(self, confirmed: int, now: int) -> None:
-        super().__init__(f"{confirmed} row(s) were confirmed, {now} match now")
+        if confirmed == now:
+            text = f"the {now} row(s) matching now are not the {confirmed} confirmed"
+        else:
+            text = f"{confirmed} row(s) were confirmed, {now} match now"
+        super().__init__(text)
         self.confirmed = confirmed
         self.now = now
 
@@ -185,6 +190,13 @@ def matching_ids(conn: db.Conn, target: Target, cap: int) -> list[int]:
     return ids
 
 
+def digest(ids: Sequence[int]) -> str:
+    """Names a set of rows: the confirmation carries it, so a change by filter touches
+    the very rows confirmed, not merely as many (one requeued and another dead-lettered
+    in between would keep the count)."""
+    return hashlib.sha256(",".join(map(str, sorted(ids))).encode()).hexdigest()[:32]
+
+
 @dataclass(frozen=True, slots=True)
 class Done:
     audit_id: int
@@ -193,9 +205,16 @@ class Done:
 
 
 def change(
-    conn: db.Conn, actor: str, action: Action, target: Target, confirmed: int, cap: int
+    conn: db.Conn,
+    actor: str,
+    action: Action,
+    target: Target,
+    confirmed: int,
+    cap: int,
+    confirmed_digest: str | None = None,
 ) -> Done:
-    """Requeue or discard exactly the rows confirmed, and record it, in one transaction.
+    """Requeue or discard exactly the rows confirmed (their count, and their `digest`
+    when given), and record it, in one transaction.
 
     A requeue is `relay dead-letter requeue`'s: repository.requeue_dead_letters on the
     ids in id order (they keep their ids, so per-key order holds among them), with its
@@ -203,7 +222,9 @@ def change(
     """
     with conn.transaction():
         ids = matching_ids(conn, target, cap)
-        if len(ids) != confirmed:
+        if len(ids) != confirmed or (
+            confirmed_digest is not None and digest(ids) != confirmed_digest
+        ):
             raise Changed(confirmed, len(ids))
         done: list[int] = []
         note = None
@@ -258,10 +279,12 @@ def describe_target(target: Any) -> str:
 
 
 def ids_of(values: Sequence[str]) -> tuple[int, ...]:
-    found: list[int] = []
+    """Row ids as posted; one that is not a bigint raises ValueError (a 400, where the
+    database would refuse it with a 500)."""
+    found: set[int] = set()
     for value in values:
-        try:
-            found.append(int(value))
-        except ValueError:
-            continue
-    return tuple(sorted(set(found)))
+        number = int(value) if value.isascii() and value.isdigit() and len(value) < 20 else -1
+        if not 0 <= number < 1 << 63:
+            raise ValueError(f"{value[:40]!r} is not a row id")
+        found.add(number)
+    return tuple(sorted(found))

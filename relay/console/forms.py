@@ -13,14 +13,21 @@ from starlette.datastructures import FormData
 
 from relay.console import data
 
+BIGINT_MAX = (1 << 63) - 1
+
 
 def int_param(text: str | None) -> int | None:
     if text is None or text == "":
         return None
     value = int(text)
-    if not 0 <= value < 1 << 63:
-        raise ValueError(f"{text!r} is out of range")
+    if not 0 <= value <= BIGINT_MAX:
+        raise ValueError(f"{text[:40]!r} is out of range")
     return value
+
+
+def is_bigint(value: int) -> bool:
+    """Whether a path's id can be a row's (bigint); a bigger one is no row, not a 500."""
+    return 0 <= value <= BIGINT_MAX
 
 
 def time_param(text: str | None) -> datetime | None:
@@ -35,6 +42,9 @@ def time_param(text: str | None) -> datetime | None:
 def search_filter(source: Mapping[str, Any]) -> data.Filter:
     def text(name: str) -> str | None:
         value = source.get(name)
+        if isinstance(value, str) and "\0" in value:
+            # PostgreSQL text cannot hold NUL: the query would fail (a 500), not match.
+            raise ValueError(f"{name} holds a NUL character")
         return value.strip() or None if isinstance(value, str) else None
 
     return data.Filter(

@@ -71,7 +71,8 @@ ORDER BY id;
 
 -- name: console_discard
 -- A discard: delete dead-lettered rows, never any other (a row requeued or sent since
--- the confirmation stays). The rows are gone for good; the audit keeps their ids.
+-- the confirmation stays). The rows are gone for good; the audit keeps the ids chosen
+-- (or, for a discard by search, the search, the count and the first and last id).
 DELETE FROM outbox
 WHERE dead_lettered_at IS NOT NULL
   AND id = ANY(%(ids)s::bigint[])
