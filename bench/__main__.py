@@ -7,6 +7,7 @@
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
     ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits|tenants|console
         [--quick]
+    ./dev bench --only soak [--quick | --minutes M]
         one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
@@ -43,6 +44,8 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
      the grouped fetch's cost at 1, 100,000 and 1,000,000 waiting rows of one tenant
   17. the operators' console (bench/console.py; `--only console` only): a page of dead
      letters with 100,000 in the table, first and deep, as whole HTTP requests
+  18. soak (bench/soak.py; `--only soak` only): 500 rows/s for 30 minutes in each mode,
+     the outbox's and the history's size and dead tuples and the fetch's time, sampled
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -70,6 +73,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, shorter windows")
     parser.add_argument("--full", action="store_true", help="add the 10M-row history case")
     parser.add_argument("--rows", type=int, default=None, help="rows per drain run")
+    parser.add_argument(
+        "--minutes", type=float, default=None, help="--only soak: minutes per mode (30)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument(
         "--in-flight", type=int, default=None, help="RELAY_<SINK>_MAX_IN_FLIGHT (16 / 64)"
@@ -85,6 +91,7 @@ def main() -> int:
             "rate-limits",
             "tenants",
             "console",
+            "soak",
         ],
         default=None,
         help="run one section alone",
@@ -128,6 +135,8 @@ def main() -> int:
         return bench_console(args.quick)
     if args.only == "tenants":
         return bench_tenants(args.quick)
+    if args.only == "soak":
+        return bench_soak(args.minutes or (3.0 if args.quick else 30.0))
     return bench_kafka(args)
 
 
@@ -196,6 +205,15 @@ def bench_rate_limits(quick: bool) -> int:
     with servers() as (dsn, _bootstrap):
         report = rate_limits.run(dsn, quick)
     save({"sink": "http", "quick": quick, "rate_limits": report})
+    return 0
+
+
+def bench_soak(minutes: float) -> int:
+    from bench import soak
+
+    with servers() as (dsn, bootstrap):
+        report = soak.run(dsn, bootstrap, minutes)
+    save({"sink": "kafka", "soak": report})
     return 0
 
 

@@ -28,17 +28,30 @@ DUE = (
 )
 
 
+def preload_history(dsn: str, rows: int) -> None:
+    """`rows` sent rows kept in retention mode: in outbox_sent's current generation."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox_sent")
+        conn.execute(
+            "INSERT INTO outbox_sent (generation, id, message_id, topic, key, payload,"
+            " created_at, attempts, sent_at)"
+            " SELECT 0, -g, gen_random_uuid(), %s, 'k' || (g %% %s), %s, now(), 0, now()"
+            " FROM generate_series(1, %s) g",
+            (TOPIC, KEYS, PAYLOAD, rows),
+        )
+        conn.execute("VACUUM ANALYZE outbox_sent")
+
+
 def preload(
     dsn: str,
     rows: int,
     *,
-    sent: bool = False,
     truncate: bool = True,
     headers: str | None = None,
     table: str = "outbox",
 ) -> None:
-    """`rows` outbox rows over 100 keys (already sent ones with `sent`; each with the
-    JSON object `headers`, if given), then ANALYZE. `table`: another table with the
+    """`rows` outbox rows over 100 keys (each with the JSON object `headers`, if
+    given), then ANALYZE. `table`: another table with the
     outbox's columns (bench/baselines.py's minimal one)."""
     name = sql.Identifier(table)
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -46,11 +59,11 @@ def preload(
             conn.execute(sql.SQL("TRUNCATE {}").format(name))
         conn.execute(
             sql.SQL(
-                "INSERT INTO {} (topic, key, payload, sent_at, headers)"
-                " SELECT %s, 'k' || (g %% %s), %s, CASE WHEN %s THEN now() END, %s::jsonb"
+                "INSERT INTO {} (topic, key, payload, headers)"
+                " SELECT %s, 'k' || (g %% %s), %s, %s::jsonb"
                 " FROM generate_series(1, %s) g"
             ).format(name),
-            (TOPIC, KEYS, PAYLOAD, sent, headers, rows),
+            (TOPIC, KEYS, PAYLOAD, headers, rows),
         )
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(name))
 

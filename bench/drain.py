@@ -8,14 +8,14 @@ from confluent_kafka import Producer
 
 from bench import cpu
 from bench.baselines import raw_loop
-from bench.common import BARE_PRODUCER, PAYLOAD, TOPIC, preload
+from bench.common import BARE_PRODUCER, PAYLOAD, TOPIC, preload, preload_history
 
 
 def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
     """rows/s of a bare loop on the relay's outbox: select a batch through
-    outbox_due_idx, mark or delete it (bench/baselines.py runs the same loop on a
-    minimal table)."""
-    return raw_loop(dsn, "outbox", batch, delete=delete)
+    outbox_due_idx, delete it or move it into outbox_sent, as the relay settles in each
+    mode (bench/baselines.py runs the same loop on a minimal table)."""
+    return raw_loop(dsn, "outbox", batch, settle_as="delete" if delete else "move")
 
 
 def producer_rate(bootstrap: str, count: int) -> float:
@@ -70,7 +70,7 @@ def history_effect(dsn: str, bootstrap: str, rows: int, history: int) -> dict[st
     """Retention mode: drain rate over an empty history vs `history` kept sent rows."""
     keep = "86400"
     empty = cpu.drain(dsn, bootstrap, rows, RELAY_BATCH_SIZE="500", RELAY_RETENTION_SECONDS=keep)
-    preload(dsn, history, sent=True)
+    preload_history(dsn, history)
     preload(dsn, rows, truncate=False)
     kept = cpu.drain(
         dsn, bootstrap, rows, preloaded=True, RELAY_BATCH_SIZE="500", RELAY_RETENTION_SECONDS=keep

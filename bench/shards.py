@@ -6,8 +6,8 @@ stays put (so the figure is steady-state draining, not rebalancing), snapshot CP
 a backlog in one transaction, and time commit -> no unsent row left. CPU (utime + stime
 from /proc) is the delta over that window, summed over the replicas; PostgreSQL's (the
 postmaster and its children) and the broker's are measured over the same window, so the
-cost of a message can be split between relay, database and broker. Retention mode
-(rows are marked sent, not deleted), so "drained" means every row has sent_at set.
+cost of a message can be split between relay, database and broker. Retention mode (rows
+are moved to outbox_sent as they are settled), so "drained" means no row left to send.
 Each count runs with only its own shard indexes present, as a deployment would.
 50,000 rows over 200 keys, two whole rounds (--quick: 6,000 rows, one): 20,000 drain in
 about half a second, where the idle poll's wake-up and the 20 ms completion poll weigh.
@@ -53,7 +53,7 @@ def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def _start(dsn: str, bootstrap: str, shards: int, replica_id: str) -> subprocess.Popen[bytes]:
-    """One replica, in retention mode (so "drained" is "every row has sent_at")."""
+    """One replica, in retention mode (sent rows are kept, in outbox_sent)."""
     return start_relay(
         dsn,
         bootstrap,

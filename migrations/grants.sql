@@ -18,6 +18,13 @@ GRANT UPDATE (sent_at, attempts, next_attempt_at, last_error, dead_lettered_at,
               dead_letter_reason, promoted_at)
     ON outbox TO relay;
 
+-- Retention mode (migration 0013): a settle moves the acknowledged rows into
+-- outbox_sent's current generation; the purge empties the oldest generation whole
+-- (TRUNCATE of that partition, no DDL) and records when it began taking rows again.
+GRANT SELECT, INSERT ON outbox_sent TO relay;
+GRANT TRUNCATE ON outbox_sent_0, outbox_sent_1, outbox_sent_2, outbox_sent_3 TO relay;
+GRANT SELECT, UPDATE ON outbox_sent_generations TO relay;
+
 -- The lease row for RELAY_LEASE_NAME (one per shard) is created on first use, hence
 -- INSERT; so is its group's row, which every acquisition updates.
 GRANT SELECT, INSERT, UPDATE ON leases TO relay;

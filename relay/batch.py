@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from relay.fairness import FairnessGroup
+
+# What a settle does with the rows the sink acknowledged: delete them (the default),
+# move them into outbox_sent (retention mode, migration 0013), or mark them sent where
+# they are (retention mode with an own table, RELAY_OUTBOX_TABLE).
+SentRows = Literal["delete", "move", "mark"]
 
 
 @dataclass(frozen=True, slots=True)

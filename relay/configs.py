@@ -58,7 +58,7 @@ def drain_config(settings: Settings, sink: Sink) -> DrainConfig:
         poll_min=settings.poll_interval_min_seconds,
         poll_max=settings.poll_interval_max_seconds,
         lease_ttl=settings.lease_ttl_seconds,
-        delete_sent=not settings.keep_sent_rows,
+        sent_rows=settings.sent_rows,
         pace=pace_limits(settings),
     )
 
@@ -78,6 +78,7 @@ def purge_config(settings: Settings) -> PurgeConfig:
         retention_seconds=settings.retention_seconds,
         interval_seconds=settings.purge_interval_seconds,
         batch_size=settings.purge_batch_size,
+        sent_rows=settings.sent_rows,
     )
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from relay import failpoints, screen
 from relay.backoff import Backoff, Retrying, retry_delay
-from relay.batch import BatchLimits, Settlement, id_text
+from relay.batch import BatchLimits, SentRows, Settlement, id_text
 from relay.give_way import GiveWay, Peers
 from relay.hand_over import HandOver
 from relay.idle import IdleWait, Wakeup
@@ -77,7 +77,7 @@ class DrainConfig:
     poll_min: float  # RELAY_POLL_INTERVAL_MIN_SECONDS
     poll_max: float  # RELAY_POLL_INTERVAL_MAX_SECONDS
     lease_ttl: float  # RELAY_LEASE_TTL_SECONDS, which each settle extends the lease by
-    delete_sent: bool  # not RELAY_RETENTION_SECONDS
+    sent_rows: SentRows  # RELAY_RETENTION_SECONDS (and RELAY_OUTBOX_TABLE)
     pace: PaceLimits = field(default_factory=PaceLimits)  # RELAY_MAX_*_PER_SECOND
 
 
@@ -116,7 +116,7 @@ class Drainer:
             store.settling(),
             lease,
             config.lease_ttl,
-            delete_sent=config.delete_sent,
+            sent_rows=config.sent_rows,
             clock=clock,
         )
         self._pipeline = SettlePipeline(settler, lease)

@@ -76,6 +76,10 @@ PUBLISHING_CUTS = Counter(
 PURGED = Counter(
     "relay_purged_rows_total", "Sent rows deleted by the retention purge (retention mode)."
 )
+SENT_GENERATIONS_EMPTIED = Counter(
+    "relay_sent_generations_emptied_total",
+    "Generations of outbox_sent emptied whole by the retention purge (one TRUNCATE each).",
+)
 PURGE_ERRORS = Counter(
     "relay_purge_errors_total",
     "Retention purge runs that failed (logged; tried again at the next interval).",

@@ -3,8 +3,11 @@
 Only in retention mode (RELAY_RETENTION_SECONDS > 0) and only while this replica holds
 the lease, so N replicas do not purge the same rows. It runs apart from the drain loop
 on purpose: a purge that fails (a lock, a timeout, a missing privilege) is logged and
-tried again at its next interval, and never delays a fetch. Each run is bounded in
-batches, each batch one index-driven statement (`purge_sent`).
+tried again at its next interval, and never delays a fetch. A run first empties the
+oldest generation of outbox_sent whole when it is time (`rotate_sent`: one TRUNCATE,
+however many rows), then deletes the sent rows kept in the outbox itself (an own
+table's, or those a relay of an earlier release marked) in bounded batches, each one
+index-driven statement (`purge_sent`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relay import db, metrics, repository
+from relay.batch import SentRows
 from relay.lease import Lease
 from relay.logging import OutageLog, get_logger
 
@@ -33,6 +37,7 @@ class PurgeConfig:
     retention_seconds: float  # RELAY_RETENTION_SECONDS: sent rows older than this go
     interval_seconds: float  # RELAY_PURGE_INTERVAL_SECONDS
     batch_size: int  # RELAY_PURGE_BATCH_SIZE
+    sent_rows: SentRows  # "move": sent rows are kept in outbox_sent's generations
 
 
 class Purger(threading.Thread):
@@ -69,6 +74,8 @@ class Purger(threading.Thread):
         deleted = 0
         ends = self._clock() + RUN_SECONDS
         try:
+            if self._config.sent_rows == "move" and self._lease.token() is not None:
+                self._rotate()
             while True:
                 if self._lease.token() is None or self._stop_event.is_set():
                     break
@@ -93,6 +100,12 @@ class Purger(threading.Thread):
         self._outage.success()
         self._report(deleted)
         return deleted
+
+    def _rotate(self) -> None:
+        generation = repository.rotate_sent(self._session.get(), self._config.retention_seconds)
+        if generation is not None:
+            metrics.SENT_GENERATIONS_EMPTIED.inc()
+            log.info("outbox.sent_generation_emptied", generation=generation)
 
     def _report(self, deleted: int) -> None:
         if deleted:

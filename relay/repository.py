@@ -9,10 +9,11 @@ from functools import partial
 from typing import Any, cast
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import RowMaker, class_row, tuple_row
 
 from relay import failpoints
-from relay.batch import BatchLimits, Settlement
+from relay.batch import BatchLimits, SentRows, Settlement
 from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import KEY, READY, OutboxMessage
@@ -144,7 +145,7 @@ def promote_due(conn: Conn, limit: int, *, shards: int = 1, shard: int = 0) -> P
 
 
 def settle(
-    conn: Conn, token: LeaseToken, ttl: float, settlement: Settlement, *, delete_sent: bool
+    conn: Conn, token: LeaseToken, ttl: float, settlement: Settlement, *, sent_rows: SentRows
 ) -> datetime | None:
     """Write a batch's outcomes in ONE fenced transaction; None if we were fenced out,
     else the database time at which the fence held (for the `batch.settled` event).
@@ -156,7 +157,7 @@ def settle(
     if not (settlement.retry_ids or settlement.dead_ids):
         failpoints.hit("in_settle")
         fenced = conn.execute(
-            QUERIES.settle_delete_sent if delete_sent else QUERIES.settle_mark_sent,
+            SETTLE_ACKNOWLEDGED[sent_rows],
             {
                 "name": token.name,
                 "holder": token.holder,
@@ -174,8 +175,7 @@ def settle(
         if fenced is None:
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
-            query = QUERIES.delete_sent if delete_sent else QUERIES.mark_sent
-            conn.execute(query, {"ids": settlement.sent_array()})
+            conn.execute(SETTLE_SENT[sent_rows], {"ids": settlement.sent_array()})
         if settlement.retry_ids:
             conn.execute(
                 QUERIES.record_failures,
@@ -199,6 +199,52 @@ def settle(
         fenced_at: datetime = fenced["at"]
         return fenced_at
     return None
+
+
+# A wholly acknowledged batch's one fenced statement, and the acknowledged rows' part of
+# a settle transaction, by what is done with them.
+SETTLE_ACKNOWLEDGED = {
+    "delete": QUERIES.settle_delete_sent,
+    "move": QUERIES.settle_move_sent,
+    "mark": QUERIES.settle_mark_sent,
+}
+SETTLE_SENT = {"delete": QUERIES.delete_sent, "move": QUERIES.move_sent, "mark": QUERIES.mark_sent}
+
+
+# outbox_sent's generations (migration 0013: its LIST partitions outbox_sent_0..3).
+SENT_GENERATIONS = 4
+
+
+def rotate_sent(conn: Conn, retention_seconds: float) -> int | None:
+    """Retention mode: empty the oldest generation of outbox_sent and make it the
+    current one, if it is time (`sent_generation_due`); which one, or None."""
+    with conn.transaction():
+        due = conn.execute(
+            QUERIES.sent_generation_due,
+            {"retention": retention_seconds, "generations": SENT_GENERATIONS},
+        ).fetchone()
+        if due is None:
+            return None
+        generation = int(due["generation"])
+        partition = sql.Identifier(f"outbox_sent_{generation}")
+        conn.execute(sql.SQL(QUERIES.sent_generation_empty).format(partition=partition))
+        conn.execute(QUERIES.sent_generation_begin, {"generation": generation})
+    return generation
+
+
+def empty_sent_generations(conn: Conn, older_than_seconds: float) -> list[int]:
+    """`relay purge --older-than`: empty every generation of outbox_sent (but the
+    current one) whose rows are all older than that; which ones."""
+    with conn.transaction():
+        found = conn.execute(
+            QUERIES.sent_generations_older_than,
+            {"older_than": older_than_seconds, "generations": SENT_GENERATIONS},
+        ).fetchall()
+        emptied = [int(row["generation"]) for row in found]
+        for generation in emptied:
+            partition = sql.Identifier(f"outbox_sent_{generation}")
+            conn.execute(sql.SQL(QUERIES.sent_generation_empty).format(partition=partition))
+    return emptied
 
 
 def purge_sent(conn: Conn, older_than_seconds: float, limit: int) -> int:

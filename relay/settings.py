@@ -40,6 +40,7 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from relay import fairness
+from relay.batch import SentRows
 from relay.errors import SettingsError
 from relay.setting_checks import read_secret, unreadable
 from relay.sinks import sink_specs
@@ -531,6 +532,13 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
     @property
     def keep_sent_rows(self) -> bool:
         return self.retention_seconds > 0
+
+    @property
+    def sent_rows(self) -> SentRows:
+        """What a settle does with acknowledged rows (relay/batch.py, `SentRows`)."""
+        if not self.keep_sent_rows:
+            return "delete"
+        return "move" if self.outbox_table is None else "mark"
 
     # --- lag sampling (observability) ---
     lag_sample_seconds: float = Field(

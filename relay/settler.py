@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from relay import metrics
-from relay.batch import Settlement, id_text
+from relay.batch import SentRows, Settlement, id_text
 from relay.lease import Lease, LeaseToken
 from relay.message import ID, OutboxMessage
 from relay.store.port import SettleStore
@@ -45,13 +45,13 @@ class Settler:
         lease: Lease,
         ttl: float,
         *,
-        delete_sent: bool,
+        sent_rows: SentRows,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._lease = lease
         self._ttl = ttl
-        self._delete_sent = delete_sent
+        self._sent_rows = sent_rows
         self._clock = clock
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=lease.shard.thread_name("settle")
@@ -74,7 +74,7 @@ class Settler:
         started = self._clock()
         try:
             settled_at = self._store.settle(
-                token, settlement, ttl=self._ttl, delete_sent=self._delete_sent
+                token, settlement, ttl=self._ttl, sent_rows=self._sent_rows
             )
         except BaseException:
             self._store.reset()  # the next settle starts on a fresh session

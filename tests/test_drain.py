@@ -113,7 +113,7 @@ def test_poison_rows_are_dead_lettered_and_the_rest_flow(
         dead = conn.execute(
             "SELECT key, dead_letter_reason FROM outbox WHERE dead_lettered_at IS NOT NULL ORDER BY id"
         ).fetchall()
-        sent = conn.execute("SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL").fetchone()
+        sent = conn.execute("SELECT count(*) FROM outbox_sent").fetchone()
     assert [k for k, _ in dead] == ["k0", "k1", "k2"]
     assert "invalid Kafka topic name" in dead[0][1]
     assert "headers must be a JSON object" in dead[1][1]
@@ -312,14 +312,15 @@ def test_retention_keeps_sent_rows_then_purges_them(
     settings = make_settings(retention_seconds=1.0, purge_interval_seconds=0.2, purge_batch_size=3)
     with running_relay(settings):
         wait_until(
-            lambda: scalar(database, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") == 20,
+            lambda: scalar(database, "SELECT count(*) FROM outbox_sent") == 20,
             timeout=20,
-            message="rows kept with sent_at",
+            message="rows kept, out of the outbox, with sent_at",
         )
+        assert scalar(database, "SELECT count(*) FROM outbox") == 0
         wait_until(
-            lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+            lambda: scalar(database, "SELECT count(*) FROM outbox_sent") == 0,
             timeout=20,
-            message="the purge to delete them after the retention",
+            message="the purge to empty their generation after the retention",
         )
 
 
@@ -327,10 +328,14 @@ def test_a_failing_purge_never_stalls_the_drain(
     make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
 ) -> None:
     """Before: the purge ran inside the drain loop before each fetch; once it failed
-    (here: no DELETE privilege; in production a statement timeout on a huge table) it
-    failed again before every fetch, and nothing drained while /healthz stayed green."""
+    (here: no TRUNCATE privilege on the history's generations; in production a lock
+    held by a reader of it, or a statement timeout) it failed again before every fetch,
+    and nothing drained while /healthz stayed green."""
     with psycopg.connect(database, autocommit=True) as conn:
-        conn.execute("REVOKE DELETE ON outbox FROM relay")
+        conn.execute(
+            "REVOKE TRUNCATE ON outbox_sent_0, outbox_sent_1, outbox_sent_2, outbox_sent_3"
+            " FROM relay"
+        )
     settings = make_settings(retention_seconds=0.2, purge_interval_seconds=0.2)
     errors_before = _sample("relay_purge_errors_total")
     with running_relay(settings):
@@ -348,11 +353,14 @@ def test_a_failing_purge_never_stalls_the_drain(
                 timeout=5,
                 message="later rows sent while every purge fails",
             )
-        assert scalar(database, "SELECT count(*) FROM outbox") == 40  # none purged
+        assert scalar(database, "SELECT count(*) FROM outbox_sent") == 40  # none purged
         with psycopg.connect(database, autocommit=True) as conn:
-            conn.execute("GRANT DELETE ON outbox TO relay")
+            conn.execute(
+                "GRANT TRUNCATE ON outbox_sent_0, outbox_sent_1, outbox_sent_2, outbox_sent_3"
+                " TO relay"
+            )
         wait_until(
-            lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+            lambda: scalar(database, "SELECT count(*) FROM outbox_sent") == 0,
             timeout=20,
             message="the purge to catch up once it can",
         )
@@ -466,7 +474,7 @@ def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(
         marked = {
             str(r[0])
             for r in psycopg.connect(database)
-            .execute("SELECT message_id FROM outbox WHERE sent_at IS NOT NULL")
+            .execute("SELECT message_id FROM outbox_sent")
             .fetchall()
         }
     records = consume(kafka.bootstrap_servers, topic, min_count=total, timeout=30)
@@ -564,5 +572,5 @@ def test_database_restart_mid_drain_loses_nothing(
 
 def _marked(dsn: str) -> set[str]:
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT message_id FROM outbox WHERE sent_at IS NOT NULL").fetchall()
+        rows = conn.execute("SELECT message_id FROM outbox_sent").fetchall()
     return {str(r[0]) for r in rows}

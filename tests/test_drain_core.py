@@ -109,7 +109,7 @@ def config(**overrides: object) -> DrainConfig:
         "poll_min": 0.01,
         "poll_max": 1.0,
         "lease_ttl": 30.0,
-        "delete_sent": True,
+        "sent_rows": "delete",
     }
     values.update(overrides)
     return DrainConfig(**values)  # type: ignore[arg-type]

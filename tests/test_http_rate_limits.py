@@ -100,7 +100,7 @@ def test_a_limited_origin_never_sees_more_than_its_limit_and_never_slows_another
     )
     assert_in_order(limited_history, 50, 4)
     assert_in_order(other.history(), 40, 10)
-    assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
+    assert scalar(database, "SELECT max(attempts) FROM outbox_sent") == 0
     assert sample("relay_http_origin_max_requests_per_second", origin=origin) == 40
     assert sample("relay_http_origin_budget_wait_seconds_total", origin=origin) > 0
     # Rows that could not get budget while their batch was busy went back unsent.
@@ -142,7 +142,7 @@ def test_a_503_with_retry_after_pauses_its_origin_as_a_whole_and_spends_no_attem
     assert again[1].started >= pause_ends - 0.1
     # The other origin went on meanwhile: done before the pause was over.
     assert max(d.ended for d in other.acked()) < pause_ends
-    assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
+    assert scalar(database, "SELECT max(attempts) FROM outbox_sent") == 0
     assert_in_order([d for d in history if d.ok], 20, 2)
     assert_in_order(other.history(), 40, 10)
 
@@ -171,8 +171,8 @@ def test_one_origin_with_a_limit_waits_for_its_budget_without_writing_a_row(
     assert most_in_a_window(history) <= 22
     assert span(history) >= 59 / 20 - 0.1
     assert_in_order(history, 10, 6)
-    assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
-    assert scalar(database, "SELECT count(*) FROM outbox WHERE last_error IS NOT NULL") == 0
+    assert scalar(database, "SELECT max(attempts) FROM outbox_sent") == 0
+    assert scalar(database, "SELECT count(*) FROM outbox_sent WHERE last_error IS NOT NULL") == 0
     assert sample("relay_http_origin_deferred_rows_total", origin=origin, reason="budget") == 0
     assert sample("relay_http_origin_budget_wait_seconds_total", origin=origin) > 1.0
 

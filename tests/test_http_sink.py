@@ -329,7 +329,7 @@ def test_retry_after_pauses_the_endpoint_as_a_whole_and_spends_no_attempt(
     ]
     assert during == []
     assert_in_order(server.history(), 4, 3)
-    assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
+    assert scalar(database, "SELECT max(attempts) FROM outbox_sent") == 0
 
 
 def test_permanent_4xx_dead_lettered_while_other_keys_flow(
@@ -441,7 +441,7 @@ def test_single_endpoint_503_pauses_the_sink_for_its_retry_after_without_attempt
     assert [d.status for d in tries] == [503, 200]
     assert tries[1].started - tries[0].ended >= 1.9
     # Kept (retention mode) so we can see: the outage spent no attempt.
-    assert scalar(database, "SELECT attempts FROM outbox WHERE id = %s", (row_id,)) == 0
+    assert scalar(database, "SELECT attempts FROM outbox_sent WHERE id = %s", (row_id,)) == 0
 
 
 def _http_requests(status: str) -> float:

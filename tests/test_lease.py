@@ -12,7 +12,7 @@ import pytest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
-from relay.batch import Settlement
+from relay.batch import SentRows, Settlement
 from relay.lease import Acquired, HeldByOther, LeaseToken, LostRace
 from relay.repository import settle
 from relay.store import lease as protocol
@@ -145,17 +145,23 @@ def test_released_lease_is_free_at_once(relay_dsn: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("failures", "delete_sent"),
-    [(False, True), (False, False), (True, True)],
-    ids=["acknowledged-delete", "acknowledged-keep", "with-failures"],
+    ("failures", "sent_rows"),
+    [
+        (False, "delete"),
+        (False, "move"),
+        (False, "mark"),
+        (True, "delete"),
+        (True, "move"),
+        (True, "mark"),
+    ],
 )
 def test_a_stale_holder_cannot_mark_rows(
-    relay_dsn: str, database: str, failures: bool, delete_sent: bool
+    relay_dsn: str, database: str, failures: bool, sent_rows: SentRows
 ) -> None:
     """Fencing: A's lease is taken by B; A's settle writes nothing: the one statement of
-    a wholly acknowledged batch (either mode) and the transaction of one with failures."""
-    ids = insert_rows(database, "t", [("k", b"1"), ("k", b"2")])
-    name = f"fence-{failures}-{delete_sent}"
+    a wholly acknowledged batch (each mode) and the transaction of one with failures."""
+    ids = insert_rows(database, "t", [("k", b"1"), ("k", b"2"), ("k", b"3")])
+    name = f"fence-{failures}-{sent_rows}"
     with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
         protocol.ensure_row(a, name)
         old = protocol.try_acquire(a, name, "A", 1.0)
@@ -163,23 +169,31 @@ def test_a_stale_holder_cannot_mark_rows(
         wait_until(
             lambda: isinstance(protocol.try_acquire(b, name, "B", 30.0), Acquired), timeout=5
         )
-        stale = Settlement(sent=list(ids))
+        stale = Settlement(sent=ids[:2])
         if failures:
-            stale.dead(ids[0], "zombie says so")
-        assert settle(a, old.token, 1.0, stale, delete_sent=delete_sent) is None
-        assert (
-            scalar(
-                database,
-                "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
-            )
-            == 2
-        )
+            stale.dead(ids[2], "zombie says so")
+        assert settle(a, old.token, 1.0, stale, sent_rows=sent_rows) is None
+        unsent = "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        assert scalar(database, unsent) == 3
+        assert scalar(database, "SELECT count(*) FROM outbox_sent") == 0
         # The rightful holder can.
         token = LeaseToken(name, "B", old.token.epoch + 1)
-        settled = Settlement(sent=list(ids))
-        assert settle(b, token, 30.0, settled, delete_sent=delete_sent) is not None
-        left = "SELECT count(*) FROM outbox WHERE sent_at IS NULL"
-        assert scalar(database, left if not delete_sent else "SELECT count(*) FROM outbox") == 0
+        settled = Settlement(sent=ids[:2])
+        if failures:
+            settled.dead(ids[2], "the holder says so")
+        assert settle(b, token, 30.0, settled, sent_rows=sent_rows) is not None
+        # The third row: dead-lettered (it stays in the outbox), or still to send.
+        assert scalar(database, unsent) == (0 if failures else 1)
+        kept = {"delete": (1, 0), "move": (1, 2), "mark": (3, 0)}[sent_rows]
+        assert scalar(database, "SELECT count(*) FROM outbox") == kept[0]
+        assert scalar(database, "SELECT count(*) FROM outbox_sent") == kept[1]
+        if sent_rows == "move":
+            moved = scalar(
+                database,
+                "SELECT array_agg(id ORDER BY id) FROM outbox_sent"
+                " WHERE sent_at IS NOT NULL AND generation = 0",
+            )
+            assert moved == ids[:2]
 
 
 def test_a_settle_waiting_on_an_open_takeover_writes_nothing_once_it_commits(
@@ -200,7 +214,7 @@ def test_a_settle_waiting_on_an_open_takeover_writes_nothing_once_it_commits(
             )
             settling = threading.Thread(
                 target=lambda: outcome.append(
-                    settle(a, held.token, 30.0, Settlement(sent=list(ids)), delete_sent=True)
+                    settle(a, held.token, 30.0, Settlement(sent=list(ids)), sent_rows="delete")
                 )
             )
             settling.start()

@@ -361,7 +361,14 @@ class Layout:
     def __init__(self, name: str, database: str) -> None:
         self.name, self.database = name, database
         own = name == "own"
-        self.table = "app.events" if own else "outbox"
+        # Retention mode: the relay's sent rows are in outbox_sent, the others in outbox.
+        self.table = (
+            "app.events"
+            if own
+            else "(SELECT id, message_id, topic, sent_at, dead_lettered_at, dead_letter_reason"
+            " FROM outbox UNION ALL SELECT id, message_id, topic, sent_at, NULL, NULL"
+            " FROM outbox_sent) AS every_row"
+        )
         self.ident = "msg_id" if own else "message_id::text"
         self.topic = "kind" if own else "topic"
         self.sent, self.dead, self.reason = (

@@ -34,7 +34,7 @@ DELAY = 4.0  # seconds: long enough to watch the row wait, short enough for a te
 def sent(dsn: str, payload: str) -> bool:
     return bool(
         scalar(
-            dsn, "SELECT sent_at IS NOT NULL FROM outbox WHERE payload = %s", (payload.encode(),)
+            dsn, "SELECT EXISTS (SELECT FROM outbox_sent WHERE payload = %s)", (payload.encode(),)
         )
     )
 
@@ -71,7 +71,7 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
             message="the scheduled row and the one behind it, once due",
         )
     first, second = (
-        scalar(database, "SELECT sent_at FROM outbox WHERE payload = %s", (p,))
+        scalar(database, "SELECT sent_at FROM outbox_sent WHERE payload = %s", (p,))
         for p in (b"k:0", b"k:1")
     )
     assert first >= due and second >= first

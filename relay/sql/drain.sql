@@ -689,6 +689,45 @@ settled AS (
 )
 SELECT epoch, at FROM fence;
 
+-- name: settle_move_sent
+-- settle_delete_sent for retention mode (migration 0013): lease_renew, then the rows
+-- moved into the current generation of outbox_sent, as one statement. The outbox keeps
+-- no sent row, so its indexes and the fetch never meet one; keeping a row costs one
+-- insert into a table without indexes, and the purge empties generations whole.
+WITH fence AS (
+    {{fence}}
+),
+gone AS (
+    DELETE FROM outbox
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND EXISTS (SELECT FROM fence)
+    RETURNING *
+),
+kept AS (
+    {{keep_gone}}
+)
+SELECT epoch, at FROM fence;
+
+-- name: move_sent
+-- settle_move_sent's move, in a settle transaction that took the fence already.
+WITH gone AS (
+    DELETE FROM outbox
+    WHERE id = ANY(%(ids)s::bigint[])
+    RETURNING *
+)
+{{keep_gone}};
+
+-- fragment: keep_gone
+-- The rows just deleted (`gone`), into outbox_sent's current generation: the one that
+-- began last (four rows to look at).
+INSERT INTO outbox_sent (generation, id, message_id, topic, key, payload, headers,
+                         created_at, available_at, attempts, last_error, sent_at)
+SELECT (SELECT g.generation FROM outbox_sent_generations AS g
+        ORDER BY g.started_at DESC LIMIT 1),
+       gone.id, gone.message_id, gone.topic, gone.key, gone.payload, gone.headers,
+       gone.created_at, gone.available_at, gone.attempts, gone.last_error, now()
+FROM gone
+
 -- name: mark_sent
 -- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).
 UPDATE outbox

@@ -206,6 +206,62 @@ ORDER BY r.key;
 -- Retention
 ------------------------------------------------------------------------------------
 
+-- name: sent_generation_due
+-- Retention mode (migration 0013): the generation of outbox_sent to empty and make the
+-- current one, if it is time. It is the one after the current, once the current has
+-- taken rows for a (%(generations)s - 1)th of the retention, and only if every row in
+-- it is older than the retention: its rows were all sent before the generation after
+-- it began. The generations' rows stay locked until the transaction ends, so two
+-- purges (one per shard's leader) never rotate at once. No row: not yet.
+WITH generations AS (
+    SELECT g.generation, g.started_at
+    FROM outbox_sent_generations AS g
+    FOR UPDATE
+),
+current AS (
+    SELECT c.generation, c.started_at
+    FROM generations AS c
+    ORDER BY c.started_at DESC
+    LIMIT 1
+)
+SELECT (c.generation + 1) %% %(generations)s AS generation
+FROM current AS c
+WHERE c.started_at
+        <= now() - make_interval(secs => %(retention)s / (%(generations)s - 1))
+  AND (SELECT after.started_at
+       FROM generations AS after
+       WHERE after.generation = (c.generation + 2) %% %(generations)s)
+        <= now() - make_interval(secs => %(retention)s);
+
+-- name: sent_generation_empty
+-- Its rows go all at once: {partition} is outbox_sent_N, an identifier composed by
+-- psycopg.sql. TRUNCATE takes that partition's lock for an instant; a reader of the
+-- history holding it makes the purge give up (lock_timeout) and try at its next run.
+TRUNCATE {partition};
+
+-- name: sent_generations_older_than
+-- `relay purge --older-than`: the generations of outbox_sent, but the current one,
+-- whose every row was sent more than %(older_than)s seconds ago: the generation after
+-- each (the next to begin, in turn) began after it, and that long ago. Locked as in
+-- sent_generation_due.
+WITH generations AS (
+    SELECT g.generation, g.started_at
+    FROM outbox_sent_generations AS g
+    FOR UPDATE
+)
+SELECT g.generation
+FROM generations AS g
+JOIN generations AS after ON after.generation = (g.generation + 1) %% %(generations)s
+WHERE after.started_at > g.started_at
+  AND after.started_at <= now() - make_interval(secs => %(older_than)s)
+ORDER BY g.generation;
+
+-- name: sent_generation_begin
+-- ... and it takes the rows sent from now on.
+UPDATE outbox_sent_generations
+SET started_at = now()
+WHERE generation = %(generation)s;
+
 -- name: purge_sent
 -- Retention: delete one small batch of rows sent before the cutoff, oldest sent first,
 -- through outbox_sent_idx: finding them (or that there are none) is one index descent,

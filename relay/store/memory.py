@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from relay.batch import BatchLimits, Settlement
+from relay.batch import BatchLimits, SentRows, Settlement
 from relay.lease import Acquired, Attempt, HeldByOther, LeaseToken
 from relay.message import OutboxMessage
 from relay.store.port import Fetched, Promoted, StoreError
@@ -232,7 +232,7 @@ class MemoryStore:
     # --- SettleStore ---
 
     def settle(
-        self, token: LeaseToken, settlement: Settlement, *, ttl: float, delete_sent: bool
+        self, token: LeaseToken, settlement: Settlement, *, ttl: float, sent_rows: SentRows
     ) -> datetime | None:
         with self._lock:
             self._statement()
@@ -242,7 +242,7 @@ class MemoryStore:
             by_id = {row.id: row for row in self.rows}
             for row_id in settlement.sent:
                 row = by_id[row_id]
-                row.sent, row.deleted = not delete_sent, delete_sent
+                row.sent, row.deleted = True, sent_rows != "mark"
             for row_id, attempted, delay, error in zip(
                 settlement.retry_ids,
                 settlement.retry_attempted,

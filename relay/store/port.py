@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from relay.batch import BatchLimits, Settlement
+from relay.batch import BatchLimits, SentRows, Settlement
 from relay.lease import Attempt, LeaseToken
 from relay.message import OutboxMessage
 
@@ -78,7 +78,7 @@ class SettleStore(Protocol):
     """The settler's session."""
 
     def settle(
-        self, token: LeaseToken, settlement: Settlement, *, ttl: float, delete_sent: bool
+        self, token: LeaseToken, settlement: Settlement, *, ttl: float, sent_rows: SentRows
     ) -> datetime | None:
         """Write a batch's outcomes atomically, fenced on `token` (and renew the lease
         by `ttl`); None if a newer holder fenced us out and nothing was written, else

@@ -12,7 +12,7 @@ import psycopg
 from psycopg import IsolationLevel
 
 from relay import db, repository
-from relay.batch import BatchLimits, Settlement
+from relay.batch import BatchLimits, SentRows, Settlement
 from relay.lease import Attempt, LeaseToken, Shard
 from relay.queries import QUERIES
 from relay.settings import Settings
@@ -100,11 +100,11 @@ class PostgresSettleStore:
         self._session = db.Session(connect)
 
     def settle(
-        self, token: LeaseToken, settlement: Settlement, *, ttl: float, delete_sent: bool
+        self, token: LeaseToken, settlement: Settlement, *, ttl: float, sent_rows: SentRows
     ) -> datetime | None:
         with _failing_as_store_error(self._session):
             return repository.settle(
-                self._session.get(), token, ttl, settlement, delete_sent=delete_sent
+                self._session.get(), token, ttl, settlement, sent_rows=sent_rows
             )
 
     def reset(self) -> None:
