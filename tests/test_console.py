@@ -366,6 +366,97 @@ def test_a_replayed_change_without_its_csrf_token_is_refused(
     assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE id = %s", (row_id,)) == 0
 
 
+# --- DNS rebinding: the Host allow-list ----------------------------------------------
+
+
+def request_as(
+    world: World, method: str, path: str, headers: dict[str, str], body: str | None = None
+) -> tuple[int, str]:
+    """One request to the console's address with chosen headers, Host included (what a
+    page whose name was re-pointed at 127.0.0.1 sends)."""
+    port = int(world.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        extra = {"Content-Type": "application/x-www-form-urlencoded"} if body else {}
+        conn.request(method, path, body=body, headers={**extra, **headers})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_rebound_page_is_refused_for_its_host_even_with_the_proxy_header(
+    world: World,
+) -> None:
+    """A page at rebound.example, its name re-pointed at 127.0.0.1, sends the proxy's
+    user header itself (loopback is trusted): its Host is not the console's, so it
+    reads no page (no CSRF token) and changes nothing, Origin or not."""
+    row_id = dead_letter_directly(world.dsn, "rebind", f"r-{uuid.uuid4().hex[:6]}", b"x")
+    port = world.url.rsplit(":", 1)[1]
+    rebound = {"Host": f"rebound.example:{port}", PROXY_HEADER: "mallory"}
+    status, text = request_as(world, "GET", f"/rows/{row_id}", rebound)
+    assert status == 400 and "RELAY_CONSOLE_ALLOWED_HOSTS" in text
+    assert "csrf" not in text
+    # The token a real page carries does not help the rebound one post.
+    own = {"Host": f"127.0.0.1:{port}", PROXY_HEADER: "mallory"}
+    status, text = request_as(world, "GET", f"/rows/{row_id}", own)
+    assert status == 200
+    csrf = re.findall(r'name="csrf" value="([0-9a-f]+)"', text)[0]
+    form = (
+        f"csrf={csrf}&action=discard&confirmed=1&id={row_id}&digest={console_data.digest([row_id])}"
+    )
+    origin = {"Origin": f"http://rebound.example:{port}"}
+    status, _ = request_as(world, "POST", "/dead-letters/apply", {**rebound, **origin}, form)
+    assert status == 400
+    assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE id = %s", (row_id,)) == 1
+    # The loopback names are the console's own by default, and the probes answer any Host.
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert request_as(world, "GET", "/login", {"Host": host})[0] == 200, host
+    assert request_as(world, "GET", "/healthz", rebound) == (200, "ok")
+    execute(world.dsn, "DELETE FROM outbox WHERE id = %s", (row_id,))
+
+
+def test_a_posts_origin_must_be_an_allowed_host_as_well_as_its_own() -> None:
+    """The Origin check, apart from the Host check before it: an Origin equal to its
+    Host is still foreign if that host is not allowed (`*` turns the list off)."""
+    from starlette.requests import Request
+
+    from relay.console.hosts import AllowedHosts, foreign_origin
+
+    def post(host: str, origin: str) -> Request:
+        headers = [(b"host", host.encode()), (b"origin", origin.encode())]
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": headers})
+
+    local = AllowedHosts.parse("127.0.0.1,localhost")
+    rebound = post("rebound.example:9109", "http://rebound.example:9109")
+    assert foreign_origin(rebound, local, set()) == "foreign origin 'http://rebound.example:9109'"
+    assert foreign_origin(rebound, AllowedHosts.parse("*"), set()) is None
+    assert foreign_origin(rebound, local, {"http://rebound.example:9109"}) is None
+    assert foreign_origin(post("localhost:9109", "http://localhost:9109"), local, set()) is None
+    assert foreign_origin(post("localhost:9109", "http://127.0.0.1:9109"), local, set())
+
+
+def test_the_allowed_hosts_default_and_matching() -> None:
+    from relay.console.hosts import AllowedHosts, default_hosts
+    from relay.console.settings import ConsoleSettings
+
+    def hosts(**values: Any) -> str:
+        return str(ConsoleSettings(token=TOKEN, **values).hosts)
+
+    assert hosts() == "127.0.0.1,[::1],localhost"
+    assert hosts(host="0.0.0.0") == "127.0.0.1,[::1],localhost"  # noqa: S104
+    assert hosts(host="console.internal") == "console.internal"
+    assert hosts(host="0.0.0.0", allowed_hosts="Console.Example.com.") == "console.example.com"  # noqa: S104
+    assert default_hosts("::1") == "::1,localhost,127.0.0.1,[::1]"
+    allowed = AllowedHosts.parse("console.example.com, ops.example.com:8443, ::1")
+    for host in ("console.example.com", "CONSOLE.example.com:9109", "[::1]:9109"):
+        assert allowed.allows(host), host
+    for host in ("ops.example.com:9109", "evil.example", "console.example.com.evil", "", "a b"):
+        assert not allowed.allows(host), host
+    assert AllowedHosts.parse("ops.example.com:443").allows("ops.example.com")
+    assert AllowedHosts.parse("*").allows("anything.example")
+
+
 # --- escaping ------------------------------------------------------------------------
 
 
@@ -406,6 +497,7 @@ def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContex
     console's role), first and deep; and Next/Previous in the browser continue the ids.
     The page time at 100,000 dead letters is in the benchmark (bench/console.py)."""
     topic = f"many-{uuid.uuid4().hex[:6]}"
+    other = dead_letter_directly(world.dsn, f"other-{topic}", "k", b"x")  # before, unmatched
     execute(
         world.dsn,
         "INSERT INTO outbox (topic, key, payload, attempts, dead_lettered_at,"
@@ -416,18 +508,19 @@ def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContex
     execute(world.dsn, "ANALYZE outbox")
     first_id = scalar(world.dsn, "SELECT min(id) FROM outbox WHERE topic = %s", (topic,))
     base = {"topic": None, "key": None, "reason": None, "since": None, "until": None}
+    after, before = QUERIES.console_dead_letter_page_after, QUERIES.console_dead_letter_page_before
     with psycopg.connect(world.console_dsn, autocommit=True) as conn:
-        for params in (
-            {**base, "after": 0, "limit": 51},
-            {**base, "after": first_id + 2500, "limit": 51},
-            {**base, "topic": topic, "after": first_id + 1000, "limit": 51},
+        # A page, and the one-row look past its end (Next) or before its start (Previous).
+        for query, params in (
+            (after, {**base, "after": 0, "limit": 51}),
+            (after, {**base, "after": first_id + 2500, "limit": 51}),
+            (after, {**base, "topic": topic, "after": first_id + 1000, "limit": 51}),
+            (after, {**base, "topic": topic, "after": first_id + 1000, "limit": 1}),
+            (before, {**base, "before": first_id + 2500, "limit": 51}),
+            (before, {**base, "topic": topic, "before": first_id + 1000, "limit": 51}),
+            (before, {**base, "topic": topic, "before": first_id + 1000, "limit": 1}),
         ):
-            plan = "\n".join(
-                str(r[0])
-                for r in conn.execute(
-                    "EXPLAIN " + QUERIES.console_dead_letter_page_after, params
-                ).fetchall()
-            )
+            plan = "\n".join(str(r[0]) for r in conn.execute("EXPLAIN " + query, params))
             assert "outbox_dead_letter_idx" in plan, plan
             assert "Sort" not in plan, plan
 
@@ -448,7 +541,24 @@ def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContex
     assert second == list(range(first_id + 50, first_id + 100))
     page.click("#prev")
     assert ids() == first
-    execute(world.dsn, "DELETE FROM outbox WHERE topic = %s", (topic,))
+    assert page.locator("#prev").count() == 0  # the first page: nothing before it
+
+    def visit(query: str) -> tuple[list[int], bool, bool]:
+        page.goto(f"{world.url}/dead-letters?topic={topic}&{query}")
+        return ids(), page.locator("#prev").count() > 0, page.locator("#next").count() > 0
+
+    last_id = first_id + 2999
+    # A cursor with no match before it (only another topic's row): no Previous.
+    assert visit(f"after={other}") == (first, False, True)
+    # A previous page that would run past the first row: the first page, full.
+    assert visit(f"before={first_id + 10}") == (first, False, True)
+    # A previous page from beyond the last row: the last page, and no Next.
+    last = list(range(last_id - 49, last_id + 1))
+    assert visit(f"before={last_id + 1}") == (last, True, False)
+    middle = list(range(last_id - 99, last_id - 49))
+    assert visit(f"before={last_id - 49}") == (middle, True, True)
+    assert visit(f"after={last_id - 50}") == (last, True, False)
+    execute(world.dsn, "DELETE FROM outbox WHERE topic = %s OR id = %s", (topic, other))
 
 
 # --- changes by filter, discards, read-only, proxy -----------------------------------
@@ -474,14 +584,39 @@ def test_a_discard_by_filter_states_its_count_and_is_audited(
     assert page.locator("h1").inner_text() == "Discard 4 rows?"
     page.click("#confirm")
     assert page.locator("#done").inner_text() == "Discarded 4 rows."
+    deleted = [*ids, late]
+    assert page.locator("#row-ids").inner_text() == "Row ids (4): " + ", ".join(map(str, deleted))
     assert scalar(world.dsn, "SELECT count(*) FROM outbox WHERE topic = %s", (topic,)) == 0
+    # Which rows went is in the audit, not only the search (which matches nothing now).
     audit = execute(
         world.dsn,
-        "SELECT actor, target, row_count, first_id, last_id FROM console_audit"
+        "SELECT actor, target, row_count, first_id, last_id, row_ids FROM console_audit"
         " WHERE action = 'discard' AND first_id = %s",
         (ids[0],),
     )
-    assert audit == [("token", {"filter": {"topic": topic}}, 4, ids[0], late)]
+    assert audit == [("token", {"filter": {"topic": topic}}, 4, ids[0], late, deleted)]
+
+
+def test_an_audit_entry_lists_its_row_ids_compactly(world: World, context: BrowserContext) -> None:
+    """A few hundred ids, then "… and N more"; an entry from before migration 0014
+    (no ids recorded) says so."""
+    ids = list(range(10_000, 11_200))
+    entries = execute(
+        world.dsn,
+        "INSERT INTO console_audit (actor, action, target, row_count, first_id, last_id,"
+        " row_ids) VALUES ('token', 'discard', '{\"filter\": {}}', 1200, 10000, 11199, %s),"
+        " ('token', 'discard', '{\"ids\": [7, 9]}', 2, 7, 9, NULL) RETURNING id",
+        (ids,),
+    )
+    (many,), (old,) = entries
+    page = log_in(context, world)
+    page.goto(f"{world.url}/audit/{many}")
+    shown = page.locator("#row-ids").inner_text()
+    listed = ", ".join(map(str, ids[: console_data.AUDIT_IDS_SHOWN]))
+    assert shown == f"Row ids (1,200): {listed} … and 700 more"
+    shot(page, "audit-entry-ids")
+    page.goto(f"{world.url}/audit/{old}")
+    assert "not recorded" in page.locator("#row-ids").inner_text()
 
 
 def test_requeueing_a_selection_warns_when_an_earlier_dead_letter_of_its_key_stays(
@@ -713,7 +848,7 @@ def test_a_slow_or_lost_database_answers_503_and_shows_nothing_of_it(
 
     console = Console(
         CommonSettings(database_url="postgresql://nobody@127.0.0.1:1/none"),
-        ConsoleSettings(token=TOKEN, cookie_secure=False),
+        ConsoleSettings(token=TOKEN, cookie_secure=False, allowed_hosts="testserver"),
     )
     client = TestClient(console.application(), base_url="http://testserver")
     own = {"Origin": "http://testserver"}
@@ -733,6 +868,38 @@ def test_a_slow_or_lost_database_answers_503_and_shows_nothing_of_it(
         assert "statement" not in page.text and "session" not in page.text
 
 
+def test_the_console_caps_its_sessions_statement_timeout(world: World) -> None:
+    """RELAY_DATABASE_STATEMENT_TIMEOUT_MS=0 (no timeout) would let a slow query hold
+    one of the console's few sessions for ever: the console's own ceiling holds."""
+    from relay.console.app import Console
+    from relay.console.pool import Pool
+    from relay.console.settings import ConsoleSettings
+    from relay.settings import CommonSettings
+
+    unbounded = CommonSettings(database_url=world.console_dsn, database_statement_timeout_ms=0)
+    pool = Pool(unbounded, 1, statement_timeout_ms=200)
+    try:
+        with pool.connection() as conn:
+            assert conn.execute("SHOW statement_timeout").fetchone() == {
+                "statement_timeout": "200ms"
+            }
+        with pytest.raises(psycopg.errors.QueryCanceled), pool.connection() as conn:
+            conn.execute("SELECT pg_sleep(5)")
+    finally:
+        pool.close()
+    lower = unbounded.model_copy(update={"database_statement_timeout_ms": 100})
+    pool = Pool(lower, 1, statement_timeout_ms=200)
+    try:
+        with pool.connection() as conn:  # a lower database setting stays
+            assert conn.execute("SHOW statement_timeout").fetchone() == {
+                "statement_timeout": "100ms"
+            }
+    finally:
+        pool.close()
+    console = Console(unbounded, ConsoleSettings(token=TOKEN))  # the rate sampler's too
+    assert console.rate.settings.database_statement_timeout_ms == 5_000
+
+
 # --- settings ------------------------------------------------------------------------
 
 
@@ -746,6 +913,18 @@ def test_a_slow_or_lost_database_answers_503_and_shows_nothing_of_it(
         (
             {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_TRUSTED_PROXIES": "nope"},
             "RELAY_CONSOLE_TRUSTED_PROXIES",
+        ),
+        (
+            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_ALLOWED_HOSTS": "https://x.example/"},
+            "RELAY_CONSOLE_ALLOWED_HOSTS: 'https://x.example/' is not a host name",
+        ),
+        (
+            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_ALLOWED_HOSTS": "*,localhost"},
+            "RELAY_CONSOLE_ALLOWED_HOSTS: '*' (any host) stands alone",
+        ),
+        (
+            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_STATEMENT_TIMEOUT_MS": "0"},
+            "RELAY_CONSOLE_STATEMENT_TIMEOUT_MS: Input should be greater than 0",
         ),
     ],
 )

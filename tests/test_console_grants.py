@@ -76,9 +76,11 @@ def test_the_console_role_runs_every_console_statement(pg: PostgresServer, datab
         assert done.ids == [discarded]
     assert ran | {"console_discard", "console_audit_record"} == CONSOLE_STATEMENTS
     with psycopg.connect(database, autocommit=True) as conn:
-        rows = conn.execute("SELECT action, actor FROM console_audit ORDER BY id").fetchall()
+        rows = conn.execute(
+            "SELECT action, actor, row_ids FROM console_audit ORDER BY id"
+        ).fetchall()
         left = conn.execute("SELECT id, dead_lettered_at FROM outbox").fetchall()
-    assert rows == [("requeue", "token"), ("discard", "token")]
+    assert rows == [("requeue", "token", [requeued]), ("discard", "token", [discarded])]
     assert left == [(requeued, None)]
 
 

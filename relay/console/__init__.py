@@ -5,7 +5,8 @@ backoff) and makes the changes `relay dead-letter requeue` makes, plus discards,
 recorded in `console_audit`. Nothing in the drain imports it (an import-linter
 contract), and it imports nothing of the drain: a console outage never touches delivery.
 
-Modules, one job each: `settings` (RELAY_CONSOLE_*), `auth` (sessions, CSRF, origins,
-the proxy header), `data` (the database: named statements and the repository's
-functions), `render` (payloads, times, the templates), `app` (routes), `server` (uvicorn).
+Modules, one job each: `settings` (RELAY_CONSOLE_*), `auth` (sessions, CSRF, the proxy
+header), `hosts` (the Host allow-list and the Origin check), `pool` (database sessions),
+`data` (the database: named statements and the repository's functions), `render`
+(payloads, times, the templates), `app` (routes), `server` (uvicorn).
 """

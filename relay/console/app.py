@@ -6,9 +6,9 @@ change itself, which touches exactly those rows or nothing (data.change) and is
 recorded in the audit.
 
 Long: one class is the route table and every route's body, so that each route is
-wrapped by `guarded` in one place (login, CSRF token, Origin, read-only mode); the
-parsing of forms (forms.py), the queries (data.py) and the rendering (render.py) live
-apart.
+wrapped by `guarded` in one place (login, CSRF token, Origin, read-only mode); the Host
+check before routing (hosts.py), the parsing of forms (forms.py), the queries (data.py)
+and the rendering (render.py) live apart.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from relay import db
 from relay.console import data, forms, render
 from relay.console.auth import COOKIE, Auth, Identity
 from relay.console.headers import SecurityHeaders
+from relay.console.hosts import HostCheck, foreign_origin
 from relay.console.limits import BodyLimit, LoginThrottle
-from relay.console.pool import Pool
+from relay.console.pool import Pool, capped
 from relay.console.rate import RateSampler
 from relay.console.settings import ConsoleSettings
 from relay.logging import get_logger
@@ -48,9 +49,12 @@ class Console:
         self.common = common
         self.settings = settings
         self.auth = Auth(settings)
-        self.pool = Pool(common, settings.pool_size)
+        self.hosts = settings.hosts
+        self.pool = Pool(common, settings.pool_size, settings.statement_timeout_ms)
         self.templates = render.environment()
-        self.rate = RateSampler(common, settings.rate_window_seconds)
+        self.rate = RateSampler(
+            capped(common, settings.statement_timeout_ms), settings.rate_window_seconds
+        )
         self.throttle = LoginThrottle()
 
     # --- plumbing ---
@@ -92,7 +96,7 @@ class Console:
                 target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
                 return RedirectResponse("/login?" + urlencode({"next": target}), 303)
             if request.method == "POST":
-                refused = self.auth.foreign_origin(request)
+                refused = foreign_origin(request, self.hosts, self.settings.origins)
                 if refused is not None:
                     return PlainTextResponse(f"refused: {refused}", status_code=403)
                 form = await request.form()
@@ -117,7 +121,7 @@ class Console:
         )
 
     async def login(self, request: Request) -> Response:
-        refused = self.auth.foreign_origin(request)
+        refused = foreign_origin(request, self.hosts, self.settings.origins)
         if refused is not None:
             return PlainTextResponse(f"refused: {refused}", status_code=403)
         peer = request.client.host if request.client else "-"
@@ -203,12 +207,7 @@ class Console:
             search=search,
             search_fields=forms.search_fields(search),
             base=base,
-            next_url=forms.url("/dead-letters", base, after=found.rows[-1]["id"])
-            if found.rows and found.more_after
-            else None,
-            prev_url=forms.url("/dead-letters", base, before=found.rows[0]["id"])
-            if found.rows and found.more_before
-            else None,
+            **forms.page_links(base, found),
         )
 
     async def row(self, request: Request, identity: Identity) -> Response:
@@ -388,7 +387,7 @@ class Console:
                 psycopg.OperationalError: self.unavailable,
             },
         )
-        return SecurityHeaders(BodyLimit(app))
+        return SecurityHeaders(HostCheck(BodyLimit(app), self.hosts))
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:

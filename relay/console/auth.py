@@ -8,8 +8,8 @@ session) and carrying its expiry; logging out refuses that cookie for the rest o
 process's life. Or, off by default, the user an authenticating proxy (oauth2-proxy)
 names in a header, believed only from the proxy's addresses.
 
-Every POST must come from this console's own origin (Origin, else Referer; neither is
-a refusal) and, once logged in, carry the session's CSRF token in its form.
+Every POST must come from this console's own origin (relay/console/hosts.py) and, once
+logged in, carry the session's CSRF token in its form.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
@@ -149,23 +148,6 @@ class Auth:
         return hmac.new(self._key, data, hashlib.sha256).digest()
 
     # --- state-changing requests ---
-
-    def foreign_origin(self, request: Request) -> str | None:
-        """Why this POST is not from the console's own pages, or None."""
-        origin = request.headers.get("origin")
-        if origin is None:
-            referer = request.headers.get("referer")
-            if referer is None:
-                return "no Origin or Referer header"
-            parts = urlsplit(referer)
-            origin = f"{parts.scheme}://{parts.netloc}"
-        origin = origin.rstrip("/").lower()
-        if origin in self._settings.origins:
-            return None
-        host = request.headers.get("host", "").lower()
-        if origin == "null" or urlsplit(origin).netloc != host or not host:
-            return f"foreign origin {origin!r}"
-        return None
 
     @staticmethod
     def csrf_mismatch(identity: Identity, sent: object) -> bool:

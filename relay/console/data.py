@@ -22,6 +22,7 @@ log = get_logger("relay.console")
 
 Action = Literal["requeue", "discard"]
 CHUNK = 5_000  # ids per statement of a bulk change (one transaction for all of them)
+AUDIT_IDS_SHOWN = 500  # row ids an audit entry's page lists before "… and N more"
 
 
 # --- filters -------------------------------------------------------------------------
@@ -112,22 +113,34 @@ def dead_letter_page(
     limit: int,
     cap: int,
 ) -> Page:
-    """A keyset page by id: `after` (next) or `before` (previous), else the first."""
-    params = {**search.params(), "limit": limit + 1}
+    """A keyset page by id: `after` (next) or `before` (previous), else the first.
+
+    Each page, and each look for a row beyond it (whether to offer Next or Previous), is
+    one walk of outbox_dead_letter_idx from a cursor. A previous page that would run
+    past the first matching row is the first page instead, full."""
+    params = search.params()
+
+    def forward(cursor: int, count: int) -> list[dict[str, Any]]:
+        query = QUERIES.console_dead_letter_page_after
+        return conn.execute(query, {**params, "after": cursor, "limit": count}).fetchall()
+
+    def backward(cursor: int, count: int) -> list[dict[str, Any]]:
+        query = QUERIES.console_dead_letter_page_before
+        return conn.execute(query, {**params, "before": cursor, "limit": count}).fetchall()
+
+    rows: list[dict[str, Any]] | None = None
     if before is not None:
-        rows = conn.execute(
-            QUERIES.console_dead_letter_page_before, {**params, "before": before}
-        ).fetchall()
-        more_before = len(rows) > limit
-        rows = list(reversed(rows[:limit]))
-        more_after = True
-    else:
-        rows = conn.execute(
-            QUERIES.console_dead_letter_page_after, {**params, "after": after or 0}
-        ).fetchall()
+        earlier = backward(before, limit + 1)
+        if len(earlier) > limit:
+            rows = list(reversed(earlier[:limit]))
+            more_after, more_before = bool(forward(rows[-1]["id"], 1)), True
+        else:
+            after = None  # it would run past the first row: the first page, full
+    if rows is None:
+        rows = forward(after or 0, limit + 1)
         more_after = len(rows) > limit
         rows = rows[:limit]
-        more_before = after is not None and after > 0
+        more_before = bool(after and rows and backward(rows[0]["id"], 1))
     counted = conn.execute(
         QUERIES.console_dead_letter_count, {**search.params(), "cap": cap}
     ).fetchone()
@@ -255,6 +268,7 @@ def change(
                 "row_count": len(done),
                 "first_id": done[0] if done else None,
                 "last_id": done[-1] if done else None,
+                "row_ids": done,
                 "note": note,
             },
         ).fetchone()
@@ -271,20 +285,12 @@ def audit_page(conn: db.Conn, before: int | None, limit: int) -> list[dict[str, 
 
 
 def audit_entry(conn: db.Conn, entry_id: int) -> dict[str, Any] | None:
-    return conn.execute(QUERIES.console_audit_entry, {"id": entry_id}).fetchone()
+    """An entry with its row ids' count and the first AUDIT_IDS_SHOWN of them (NULL for
+    an entry recorded before migration 0014)."""
+    return conn.execute(
+        QUERIES.console_audit_entry, {"id": entry_id, "shown": AUDIT_IDS_SHOWN}
+    ).fetchone()
 
 
 def describe_target(target: Any) -> str:
     return json.dumps(target, sort_keys=True) if target is not None else ""
-
-
-def ids_of(values: Sequence[str]) -> tuple[int, ...]:
-    """Row ids as posted; one that is not a bigint raises ValueError (a 400, where the
-    database would refuse it with a 500)."""
-    found: set[int] = set()
-    for value in values:
-        number = int(value) if value.isascii() and value.isdigit() and len(value) < 20 else -1
-        if not 0 <= number < 1 << 63:
-            raise ValueError(f"{value[:40]!r} is not a row id")
-        found.add(number)
-    return tuple(sorted(found))

@@ -4,7 +4,7 @@ parse raises ValueError (the page answers 400)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
@@ -68,6 +68,15 @@ def url(path: str, base: Mapping[str, str], **extra: Any) -> str:
     return f"{path}?{urlencode({**base, **{k: str(v) for k, v in extra.items()}})}"
 
 
+def page_links(base: Mapping[str, str], page: data.Page) -> dict[str, Any]:
+    """The dead-letter page's Next and Previous links (None: no such page)."""
+    first, last = (page.rows[0]["id"], page.rows[-1]["id"]) if page.rows else (None, None)
+    return {
+        "next_url": url("/dead-letters", base, after=last) if page.more_after else None,
+        "prev_url": url("/dead-letters", base, before=first) if page.more_before else None,
+    }
+
+
 def action_of(form: FormData) -> data.Action | None:
     action = form.get("action")
     if action == "requeue":
@@ -82,10 +91,22 @@ def target_of(form: FormData) -> data.Target:
     filter, with the search's fields)."""
     if form.get("scope") == "filter":
         return data.Target(search=search_filter(form))
-    ids = data.ids_of([v for v in form.getlist("id") if isinstance(v, str)])
+    ids = ids_of([v for v in form.getlist("id") if isinstance(v, str)])
     if not ids:
         raise ValueError("no rows chosen")
     return data.Target(ids=ids)
+
+
+def ids_of(values: Sequence[str]) -> tuple[int, ...]:
+    """Row ids as posted; one that is not a bigint raises ValueError (a 400, where the
+    database would refuse it with a 500)."""
+    found: set[int] = set()
+    for value in values:
+        number = int(value) if value.isascii() and value.isdigit() and len(value) < 20 else -1
+        if not 0 <= number < 1 << 63:
+            raise ValueError(f"{value[:40]!r} is not a row id")
+        found.add(number)
+    return tuple(sorted(found))
 
 
 def local_path(target: str | None) -> str:

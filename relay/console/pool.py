@@ -1,5 +1,7 @@
 """The console's database sessions: a few long-lived ones shared by the request
-threads, never in the drain's path."""
+threads, never in the drain's path, each under the console's statement-timeout ceiling
+(RELAY_CONSOLE_STATEMENT_TIMEOUT_MS): with RELAY_DATABASE_STATEMENT_TIMEOUT_MS at 0 a
+slow query would otherwise hold one of the few sessions for as long as it runs."""
 
 from __future__ import annotations
 
@@ -12,12 +14,20 @@ from relay import db
 from relay.settings import CommonSettings
 
 
+def capped(settings: CommonSettings, ceiling_ms: int) -> CommonSettings:
+    """The database settings with the statement timeout at most `ceiling_ms` (0, no
+    timeout, becomes the ceiling), which relay.db.connect then sets on each session."""
+    configured = settings.database_statement_timeout_ms
+    timeout = ceiling_ms if configured == 0 else min(configured, ceiling_ms)
+    return settings.model_copy(update={"database_statement_timeout_ms": timeout})
+
+
 class Pool:
     """A few long-lived sessions shared by the request threads; a session whose
     statement failed is closed rather than handed out again."""
 
-    def __init__(self, settings: CommonSettings, size: int) -> None:
-        self._settings = settings
+    def __init__(self, settings: CommonSettings, size: int, statement_timeout_ms: int) -> None:
+        self._settings = capped(settings, statement_timeout_ms)
         self._idle: queue.LifoQueue[db.Conn] = queue.LifoQueue()
         self._slots = threading.BoundedSemaphore(size)
 

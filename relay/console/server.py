@@ -22,6 +22,8 @@ def serve() -> int:
         port=settings.port,
         read_only=settings.read_only,
         proxy_header=settings.trusted_user_header,
+        allowed_hosts=str(settings.hosts),
+        statement_timeout_ms=settings.statement_timeout_ms,
     )
     uvicorn.run(
         app,

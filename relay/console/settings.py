@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from relay.console.hosts import AllowedHosts, default_hosts
 from relay.errors import SettingsError
 from relay.setting_checks import read_secret
 from relay.settings import CommonSettings, load_settings
@@ -59,6 +60,11 @@ class ConsoleSettings(BaseSettings):
         default="127.0.0.1/32,::1/128",
         description="Comma-separated networks whose requests may carry the user header.",
     )
+    allowed_hosts: str = Field(
+        default="",
+        description="Comma-separated host names (name or name:port) the console answers "
+        "to; empty: the bind host, plus localhost when it listens on loopback; * for any.",
+    )
     allowed_origins: str = Field(
         default="",
         description="Comma-separated origins (https://console.example.com) accepted "
@@ -73,6 +79,13 @@ class ConsoleSettings(BaseSettings):
     bulk_cap: int = Field(default=100_000, ge=1, le=10_000_000)
     rate_window_seconds: float = Field(default=300.0, ge=10, le=86_400)
     pool_size: int = Field(default=4, ge=1, le=64)
+    statement_timeout_ms: int = Field(
+        default=5_000,
+        gt=0,
+        le=3_600_000,
+        description="A ceiling on the console's statement timeout (a lower, non-zero "
+        "RELAY_DATABASE_STATEMENT_TIMEOUT_MS stays): no query holds a session for long.",
+    )
 
     @field_validator("token", "viewer_token")
     @classmethod
@@ -91,6 +104,12 @@ class ConsoleSettings(BaseSettings):
                 raise ValueError(f"{part!r} is not an address or network") from None
         return value
 
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: str) -> str:
+        AllowedHosts.parse(value)
+        return value
+
     @field_validator("allowed_origins")
     @classmethod
     def _origins(cls, value: str) -> str:
@@ -100,7 +119,7 @@ class ConsoleSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _some_login(self) -> ConsoleSettings:
+    def _consistent(self) -> ConsoleSettings:
         if self.token is None and self.trusted_user_header is None:
             raise SettingsError(
                 f"{PREFIX}TOKEN",
@@ -109,11 +128,24 @@ class ConsoleSettings(BaseSettings):
             )
         if self.token is not None and self.viewer_token == self.token:
             raise SettingsError(f"{PREFIX}VIEWER_TOKEN", "must differ from RELAY_CONSOLE_TOKEN")
+        try:
+            if not self.allowed_hosts.strip(" ,"):
+                AllowedHosts.parse(default_hosts(self.host))
+        except ValueError:
+            raise SettingsError(
+                f"{PREFIX}ALLOWED_HOSTS",
+                f"has no default for RELAY_CONSOLE_HOST={self.host!r}: name the console's hosts",
+            ) from None
         return self
 
     @property
     def proxy_networks(self) -> list[Network]:
         return [ipaddress.ip_network(part, strict=False) for part in _parts(self.trusted_proxies)]
+
+    @property
+    def hosts(self) -> AllowedHosts:
+        """The Host names requests may carry (relay/console/hosts.py)."""
+        return AllowedHosts.parse(self.allowed_hosts.strip(" ,") or default_hosts(self.host))
 
     @property
     def origins(self) -> set[str]:

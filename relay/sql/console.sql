@@ -71,8 +71,8 @@ ORDER BY id;
 
 -- name: console_discard
 -- A discard: delete dead-lettered rows, never any other (a row requeued or sent since
--- the confirmation stays). The rows are gone for good; the audit keeps the ids chosen
--- (or, for a discard by search, the search, the count and the first and last id).
+-- the confirmation stays). The rows are gone for good; the audit keeps every id deleted
+-- (console_audit.row_ids, migration 0014), beside the ids chosen or the search.
 DELETE FROM outbox
 WHERE dead_lettered_at IS NOT NULL
   AND id = ANY(%(ids)s::bigint[])
@@ -136,10 +136,12 @@ SELECT (SELECT n_tup_del FROM pg_stat_user_tables
 ------------------------------------------------------------------------------------
 
 -- name: console_audit_record
--- One requeue or discard, in the transaction that made it (migration 0011).
-INSERT INTO console_audit (actor, action, target, row_count, first_id, last_id, note)
+-- One requeue or discard, in the transaction that made it (migration 0011), with every
+-- id it changed (migration 0014).
+INSERT INTO console_audit (actor, action, target, row_count, first_id, last_id, row_ids,
+                           note)
 VALUES (%(actor)s, %(action)s, %(target)s::jsonb, %(row_count)s, %(first_id)s,
-        %(last_id)s, %(note)s)
+        %(last_id)s, %(row_ids)s::bigint[], %(note)s)
 RETURNING id;
 
 -- name: console_audit_page
@@ -151,7 +153,11 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: console_audit_entry
-SELECT id, at, actor, action, target, row_count, first_id, last_id, note
+-- One entry, with how many row ids it recorded and the first %(shown)s of them (NULL
+-- both for an entry from before migration 0014).
+SELECT id, at, actor, action, target, row_count, first_id, last_id, note,
+       cardinality(row_ids) AS row_ids_count,
+       row_ids[1:%(shown)s::integer] AS row_ids_shown
 FROM console_audit
 WHERE id = %(id)s::bigint;
 
