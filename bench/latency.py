@@ -22,6 +22,7 @@ from relay.message import OutboxMessage
 from relay.settings import Settings
 from relay.sinks import Outcome, Result, Sink, create_sink
 from relay.sinks.base import Pending
+from relay.tracing import Tracing
 from tests.support import running_relay
 
 
@@ -106,8 +107,8 @@ def timed_relay(settings: Settings) -> Iterator[list[TimedSink]]:
     """An in-process relay whose sinks note their acknowledgements (one per shard)."""
     sinks: list[TimedSink] = []
 
-    def timed_sink(settings: Settings) -> Sink:
-        sink = TimedSink(create_sink(settings))
+    def timed_sink(settings: Settings, tracing: Tracing) -> Sink:
+        sink = TimedSink(create_sink(settings, tracing))
         sinks.append(sink)
         return sink
 
