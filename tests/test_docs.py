@@ -1,0 +1,394 @@
+"""The docs site (docs/): its generated references cover the code, and it builds with
+warnings as errors into pages that load nothing from the network.
+
+The references are made by docs/_ext/relay_reference.py; these tests look at the code
+their own way (the settings models, the argument parser, the metric calls in the
+source) so a setting, command, option or metric the reference misses fails here, and
+so does one without a description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from relay.cli import build_parser
+from relay.console import settings as console_settings
+from relay.settings import SECRET_FIELDS, Settings
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+
+# Settings and options the code gives no description yet, shown as "Undocumented" in
+# the reference. The list only shrinks: describe a setting where it is defined (its
+# pydantic Field(description=...)), an option by its argparse help=, then take it off.
+KNOWN_UNDESCRIBED_SETTINGS = frozenset(
+    {
+        "RELAY_DATABASE_CONNECT_TIMEOUT_SECONDS",
+        "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS",
+        "RELAY_DATABASE_LOCK_TIMEOUT_MS",
+        "RELAY_DATABASE_SSLMODE",
+        "RELAY_DATABASE_SSLROOTCERT",
+        "RELAY_DATABASE_STATEMENT_TIMEOUT_MS",
+        "RELAY_HTTP_AUTH_HEADER_NAME",
+        "RELAY_HTTP_AUTH_HEADER_VALUE",
+        "RELAY_HTTP_CA_FILE",
+        "RELAY_HTTP_CLIENT_CERT_FILE",
+        "RELAY_HTTP_CLIENT_KEY_FILE",
+        "RELAY_HTTP_CONNECT_TIMEOUT_SECONDS",
+        "RELAY_HTTP_CONTENT_TYPE",
+        "RELAY_HTTP_MAX_IN_FLIGHT",
+        "RELAY_HTTP_READ_TIMEOUT_SECONDS",
+        "RELAY_HTTP_TIMEOUT_SECONDS",
+        "RELAY_HTTP_TLS_VERIFY",
+        "RELAY_KAFKA_BOOTSTRAP_SERVERS",
+        "RELAY_KAFKA_COMPRESSION",
+        "RELAY_KAFKA_DELIVERY_TIMEOUT_MS",
+        "RELAY_KAFKA_LINGER_MS",
+        "RELAY_KAFKA_SASL_MECHANISM",
+        "RELAY_KAFKA_SASL_PASSWORD",
+        "RELAY_KAFKA_SASL_USERNAME",
+        "RELAY_KAFKA_SECURITY_PROTOCOL",
+        "RELAY_LEASE_NAME",
+        "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
+        "RELAY_LEASE_SAFETY_MARGIN_SECONDS",
+        "RELAY_LEASE_TTL_SECONDS",
+        "RELAY_LOG_FORMAT",
+        "RELAY_LOG_LEVEL",
+        "RELAY_MAX_ATTEMPTS",
+        "RELAY_METRICS_ENABLED",
+        "RELAY_METRICS_HOST",
+        "RELAY_METRICS_PORT",
+        "RELAY_NATS_PASSWORD",
+        "RELAY_NATS_TLS_CA_FILE",
+        "RELAY_NATS_TLS_CERT_FILE",
+        "RELAY_NATS_TLS_KEY_FILE",
+        "RELAY_NATS_TOKEN",
+        "RELAY_NATS_USER",
+        "RELAY_POLL_INTERVAL_MAX_SECONDS",
+        "RELAY_POLL_INTERVAL_MIN_SECONDS",
+        "RELAY_PURGE_BATCH_SIZE",
+        "RELAY_PURGE_INTERVAL_SECONDS",
+        "RELAY_RABBITMQ_TLS_CA_FILE",
+        "RELAY_RABBITMQ_TLS_CERT_FILE",
+        "RELAY_RABBITMQ_TLS_KEY_FILE",
+        "RELAY_REPLICA_ID",
+        "RELAY_RETRY_BASE_SECONDS",
+        "RELAY_RETRY_MAX_SECONDS",
+        "RELAY_SHUTDOWN_TIMEOUT_SECONDS",
+        "RELAY_STANDBY_POLL_SECONDS",
+        "RELAY_CONSOLE_BULK_CAP",
+        "RELAY_CONSOLE_COOKIE_SECURE",
+        "RELAY_CONSOLE_COUNT_CAP",
+        "RELAY_CONSOLE_HOST",
+        "RELAY_CONSOLE_PAGE_SIZE",
+        "RELAY_CONSOLE_PAYLOAD_PREVIEW_BYTES",
+        "RELAY_CONSOLE_POOL_SIZE",
+        "RELAY_CONSOLE_PORT",
+        "RELAY_CONSOLE_RATE_WINDOW_SECONDS",
+        "RELAY_CONSOLE_READ_ONLY",
+        "RELAY_CONSOLE_REFRESH_SECONDS",
+        "RELAY_CONSOLE_SESSION_HOURS",
+    }
+)
+KNOWN_UNHELPED_OPTIONS = frozenset(
+    {
+        "relay healthcheck --timeout",
+        "relay dead-letter list --topic",
+        "relay dead-letter list --key",
+        "relay dead-letter list --limit",
+        "relay dead-letter list --json",
+        "relay dead-letter requeue --dry-run",
+        "relay purge --older-than",
+        "relay purge --batch-size",
+    }
+)
+
+
+@functools.cache
+def reference() -> ModuleType:
+    """docs/_ext/relay_reference.py, the extension the site is built with."""
+    path = DOCS / "_ext" / "relay_reference.py"
+    spec = importlib.util.spec_from_file_location("relay_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _blocks(markdown: str, level: str) -> dict[str, str]:
+    """Each heading `### `NAME`` of `level` (e.g. "###") -> the text up to the next
+    heading of any level."""
+    found: dict[str, str] = {}
+    parts = re.split(r"^(#+ .*)$", markdown, flags=re.MULTILINE)
+    for heading, body in zip(parts[1::2], parts[2::2], strict=True):
+        match = re.fullmatch(rf"{re.escape(level)} `([^`]+)`", heading.strip())
+        if match:
+            assert match[1] not in found, f"{match[1]} is listed twice"
+            found[match[1]] = body
+    return found
+
+
+# --- settings ---
+
+
+def _setting_fields() -> dict[str, Any]:
+    """Every settings variable -> its pydantic field, from the models themselves."""
+    fields = {f"RELAY_{name.upper()}": info for name, info in Settings.model_fields.items()}
+    prefix = console_settings.PREFIX
+    model = console_settings.ConsoleSettings
+    fields |= {f"{prefix}{name.upper()}": info for name, info in model.model_fields.items()}
+    return fields
+
+
+def test_the_settings_reference_lists_every_setting_once() -> None:
+    listed = _blocks(reference().settings_markdown(), "###")
+    expected = set(_setting_fields())
+    assert expected - set(listed) == set(), "settings missing from the reference"
+    assert set(listed) - expected == set(), "the reference lists what is no setting"
+
+
+def test_the_settings_reference_names_every_file_form_of_a_secret() -> None:
+    listed = _blocks(reference().settings_markdown(), "###")
+    files = {f"RELAY_{name.upper()}": f"RELAY_{name.upper()}_FILE" for name in SECRET_FIELDS}
+    prefix = console_settings.PREFIX
+    files |= {f"{prefix}{n.upper()}": f"{prefix}{n.upper()}_FILE" for n in console_settings.SECRETS}
+    for variable, file_variable in files.items():
+        assert f"`{file_variable}`" in listed[variable], variable
+        assert "**Secret:** yes" in listed[variable], variable
+    for variable, info in _setting_fields().items():
+        if "SecretStr" in str(info.annotation):
+            assert "**Secret:** yes" in listed[variable], variable
+        elif variable not in files:
+            assert "**Secret:**" not in listed[variable], variable
+
+
+def _numbers(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def test_the_settings_reference_shows_each_type_default_and_bound() -> None:
+    listed = _blocks(reference().settings_markdown(), "###")
+    for variable, info in _setting_fields().items():
+        facts = listed[variable]
+        assert "**Type:**" in facts, variable
+        assert "**Default:**" in facts, variable
+        default = info.default
+        if isinstance(default, bool):
+            assert f"`{str(default).lower()}`" in facts, variable
+        elif isinstance(default, int | float | str) and default != "":
+            assert f"`{default}`" in facts, variable
+        for meta in info.metadata:
+            for bound in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+                value = getattr(meta, bound, None)
+                if value is not None:
+                    assert _numbers(value) in facts.split("**Bounds:**")[1], (variable, bound)
+            if getattr(meta, "pattern", None):
+                assert meta.pattern in facts, variable
+        if "Literal" in str(info.annotation):
+            for choice in re.findall(r"'([^']+)'", str(info.annotation)):
+                assert f"`{choice}`" in facts, (variable, choice)
+    shards = listed["RELAY_SHARDS"]
+    assert "integer" in shards and "`1`" in shards and "≥ 1, ≤ 256" in shards
+
+
+def test_every_setting_has_a_description() -> None:
+    """A new setting without a description fails here; so does one described since
+    that is still on the list (take it off)."""
+    undocumented_mark = reference().UNDOCUMENTED
+    listed = _blocks(reference().settings_markdown(), "###")
+    undescribed = {v for v, info in _setting_fields().items() if not info.description}
+    marked = {v for v, text in listed.items() if undocumented_mark in text}
+    assert marked == undescribed
+    new = sorted(undescribed - KNOWN_UNDESCRIBED_SETTINGS)
+    assert not new, f"describe these settings: Field(description=...): {new}"
+    described = sorted(KNOWN_UNDESCRIBED_SETTINGS - undescribed)
+    assert not described, f"described now: take them off KNOWN_UNDESCRIBED_SETTINGS: {described}"
+
+
+# --- command line ---
+
+
+def _commands(
+    parser: argparse.ArgumentParser, path: str
+) -> Iterator[tuple[str, list[argparse.Action]]]:
+    actions = [
+        a
+        for a in parser._actions
+        if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+    ]
+    yield path, actions
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, f"{path} {name}")
+
+
+def test_the_cli_reference_lists_every_command_and_option() -> None:
+    markdown = reference().cli_markdown()
+    listed = {**_blocks(markdown, "##"), **_blocks(markdown, "###"), **_blocks(markdown, "####")}
+    commands = dict(_commands(build_parser(), "relay"))
+    assert set(commands) == set(listed)
+    assert {"relay run", "relay migrate", "relay dead-letter requeue"} <= set(listed)
+    unhelped = set()
+    for command, actions in commands.items():
+        for action in actions:
+            names = action.option_strings or [str(action.metavar or action.dest)]
+            for name in names:
+                assert re.search(rf"^`{re.escape(name)}`", listed[command], re.M), (command, name)
+            if not action.help:
+                unhelped.add(f"{command} {names[0]}")
+            if action.choices:
+                for choice in action.choices:
+                    assert f"`{choice}`" in listed[command], (command, choice)
+    undocumented = sum(text.count(reference().UNDOCUMENTED) for text in listed.values())
+    assert undocumented == len(unhelped)
+    new = sorted(unhelped - KNOWN_UNHELPED_OPTIONS)
+    assert not new, f"give these options a help= text: {new}"
+    helped = sorted(KNOWN_UNHELPED_OPTIONS - unhelped)
+    assert not helped, f"helped now: take them off KNOWN_UNHELPED_OPTIONS: {helped}"
+
+
+# --- metrics ---
+
+_METRIC_CALLS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "BatchHistogram"}
+_FAMILIES = {
+    "CounterMetricFamily": "counter",
+    "GaugeMetricFamily": "gauge",
+    "HistogramMetricFamily": "histogram",
+    "SummaryMetricFamily": "summary",
+    "InfoMetricFamily": "info",
+}
+
+
+def _metrics_in_source() -> dict[str, tuple[str, ...]]:
+    """Every metric the relay's source defines, by its scraped name -> the label names
+    written beside it (prometheus_client objects, families and collectors' Metric)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for path in sorted((REPO / "relay").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if "prometheus_client" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            first = node.args[0]
+            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+                continue
+            name = first.value
+            labels: tuple[str, ...] = ()
+            if called in _METRIC_CALLS:
+                kind = {"Counter": "counter", "Info": "info"}.get(called, "")
+                label_node = node.args[2] if len(node.args) > 2 else None
+                for keyword in node.keywords:
+                    if keyword.arg == "labelnames":
+                        label_node = keyword.value
+                if isinstance(label_node, ast.List | ast.Tuple):
+                    labels = tuple(ast.literal_eval(label_node))
+                elif isinstance(label_node, ast.Constant) and called == "BatchHistogram":
+                    labels = (str(label_node.value),)
+            elif called == "Metric" and len(node.args) > 2:
+                kind = ast.literal_eval(node.args[2])
+            elif called in _FAMILIES:
+                kind = _FAMILIES[called]
+            else:
+                continue
+            suffix = {"counter": "_total", "info": "_info"}.get(kind, "")
+            found[name.removesuffix("_total") + suffix] = labels
+    return found
+
+
+def test_the_metrics_reference_lists_every_metric_of_the_source() -> None:
+    listed = _blocks(reference().metrics_markdown(), "###")
+    in_source = _metrics_in_source()
+    assert len(in_source) > 40  # the scan sees the metrics
+    for name, labels in in_source.items():
+        assert name in listed, f"{name} is missing from the metrics reference"
+        for label in labels:
+            assert f"`{label}`" in listed[name].split("**Labels:**")[1], (name, label)
+        assert "**Type:**" in listed[name], name
+
+
+def test_the_metrics_reference_lists_every_metric_in_the_registry() -> None:
+    listed = _blocks(reference().metrics_markdown(), "###")
+    for path in sorted((REPO / "relay").rglob("*.py")):
+        if "prometheus_client" in path.read_text(encoding="utf-8"):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            if not module.endswith("__main__"):
+                importlib.import_module(module)
+    for family in REGISTRY.collect():
+        suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+        assert family.name + suffix in listed, family.name
+        assert f"**Type:** {family.type}" in listed[family.name + suffix]
+
+
+def test_every_metric_has_help_and_known_labels() -> None:
+    markdown = reference().metrics_markdown()
+    assert reference().UNDOCUMENTED not in markdown
+
+
+# --- the site ---
+
+
+def test_the_site_builds_with_warnings_as_errors_and_works_offline(tmp_path: Path) -> None:
+    out = tmp_path / "html"
+    started = time.monotonic()
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(DOCS),
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert time.monotonic() - started < 120
+    pages = list(out.rglob("*.html"))
+    assert {"index.html", "settings.html", "cli.html", "metrics.html", "changelog.html"} <= {
+        p.name for p in pages
+    }
+    settings_page = (out / "reference" / "settings.html").read_text(encoding="utf-8")
+    assert "RELAY_BATCH_SIZE" in settings_page and "RELAY_CONSOLE_TOKEN_FILE" in settings_page
+    assert "relay_messages_total" in (out / "reference" / "metrics.html").read_text("utf-8")
+    # Nothing fetched from elsewhere: no script, style sheet, font or image by URL.
+    remote = re.compile(
+        r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=[\"'](?:https?:)?//", re.IGNORECASE
+    )
+    for page in pages:
+        found = remote.findall(page.read_text(encoding="utf-8"))
+        assert not found, f"{page.relative_to(out)} loads {found}"
+    css_remote = re.compile(r"url\(\s*[\"']?(?:https?:)?//|@import\s+[\"']?(?:https?:)?//")
+    for sheet in out.rglob("*.css"):
+        assert not css_remote.search(sheet.read_text(encoding="utf-8")), sheet.relative_to(out)
