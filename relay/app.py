@@ -11,7 +11,7 @@ from types import FrameType
 
 import psycopg
 
-from relay import __version__, db, fairness, metrics, runtime, tracing
+from relay import __version__, db, fairness, metrics, repository, runtime, tracing
 from relay.configs import lag_config, listener_config, presence_config, purge_config
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
@@ -190,6 +190,18 @@ class RelayApp:
                 f" `relay migrate --fairness-group {shlex.quote(group.spec)}{shards}` first",
             )
 
+    def _check_sent_history(self) -> None:
+        """Retention mode: without outbox_sent or its grants every settle would fail and
+        the drain publish the same batch again and again. As for the shard indexes."""
+        try:
+            with db.connect(self.settings, purpose="check") as conn:
+                problem = repository.sent_history_problem(conn)
+        except psycopg.Error as exc:
+            log.warning("retention.check_skipped", error=db.describe_error(exc))
+            return
+        if problem is not None:
+            raise SettingsError("RELAY_RETENTION_SECONDS", f"keeping sent rows: {problem}")
+
     def _check_own_table(self) -> None:
         """RELAY_OUTBOX_TABLE: its view must exist (`db.connect` raises SettingsError
         if not). As for the shard indexes, a database down now is not a reason not to
@@ -207,6 +219,8 @@ class RelayApp:
             self._check_shard_indexes()
         if s.fairness_group is not None:
             self._check_fairness_index()
+        if s.sent_rows == "move":
+            self._check_sent_history()
         if s.outbox_table is not None:
             self._check_own_table()
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})

@@ -359,6 +359,12 @@ def cmd_check(_args: argparse.Namespace) -> int:
             # but a leader cut off from the sink never gives way.
             conn.execute(QUERIES.replica_status).fetchall()
             sample = lag.measure(conn, 1_000)
+            history = (
+                repository.sent_history_problem(conn) if settings.sent_rows == "move" else None
+            )
+        if history is not None:
+            print(f"database: FAILED: keeping sent rows: {history}", file=sys.stderr)
+            return EXIT_FAILURE
     except psycopg.Error as exc:
         print(f"database: FAILED: {db.describe_error(exc)}", file=sys.stderr)
         return EXIT_FAILURE

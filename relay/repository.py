@@ -215,6 +215,20 @@ SETTLE_SENT = {"delete": QUERIES.delete_sent, "move": QUERIES.move_sent, "mark":
 SENT_GENERATIONS = 4
 
 
+def sent_history_problem(conn: Conn) -> str | None:
+    """Why this session's role cannot keep sent rows in outbox_sent; None if it can."""
+    row = conn.execute(QUERIES.sent_history_access).fetchone()
+    assert row is not None
+    if row["can_keep"] is None or row["can_read_generations"] is None:
+        return "outbox_sent is missing: run `relay migrate` (migration 0013)"
+    if not (row["can_keep"] and row["can_read_generations"]):
+        return (
+            "the role may not write outbox_sent: run migrations/grants.sql again"
+            " (INSERT on outbox_sent, SELECT and UPDATE on outbox_sent_generations)"
+        )
+    return None
+
+
 def rotate_sent(conn: Conn, retention_seconds: float) -> int | None:
     """Retention mode: empty the oldest generation of outbox_sent and make it the
     current one, if it is time (`sent_generation_due`); which one, or None."""

@@ -274,3 +274,38 @@ def test_with_shards_each_shard_shares_its_own_rows_out_by_group(database: str) 
             found += tenants(rows).get("B", 0)
             in_key_order(rows)
     assert found == 12
+
+
+# --- review: header grouping and per-key order ------------------------------------
+
+
+def test_with_header_grouping_a_key_whose_later_rows_carry_the_header_keeps_its_order(
+    database: str,
+) -> None:
+    """Header grouping: the group is a row's, not a key's. Key X's first row has no tenant
+    header (group ''), its second has tenant b: an app that starts tagging its rows, or
+    a key whose rows change tenant. Behind a full head of A's (with a deep backlog of A
+    and of '' too), b's share of the round holds X's second row while '''s share stops
+    before X's first: the batch must not hold X's second row without its first."""
+    insert_rows(database, "t", tenant_rows("A", keys=300, per_key=2), headers={"tenant": "a"})
+    insert_rows(database, "t", tenant_rows("N", keys=300, per_key=1))  # no header: group ''
+    insert_rows(database, "t", [("X", b"X:0")])  # no header: group ''
+    insert_rows(database, "t", [("X", b"X:1")], headers={"tenant": "b"})
+    build_index(database, BY_HEADER)
+    fair = fetch_from(database, grouped(BY_HEADER)).messages
+    assert len(fair) == LIMITS.rows
+    in_key_order(fair)
+
+
+def test_with_header_grouping_a_key_in_two_groups_is_chosen_as_a_prefix(database: str) -> None:
+    """Both of key X's rows are in the pool (X:0 first after the head, in a's share; X:1,
+    tenant b, b's first): chosen goes round the groups by each row's own group, so X:1
+    (b's first) comes before X:0 (a's 101st) and the batch, cut at 100, holds X:1 alone."""
+    insert_rows(database, "t", tenant_rows("A", keys=100, per_key=1), headers={"tenant": "a"})
+    insert_rows(database, "t", [("X", b"X:0")], headers={"tenant": "a"})
+    insert_rows(database, "t", tenant_rows("A", keys=200, per_key=1), headers={"tenant": "a"})
+    insert_rows(database, "t", [("X", b"X:1")], headers={"tenant": "b"})
+    build_index(database, BY_HEADER)
+    fair = fetch_from(database, grouped(BY_HEADER)).messages
+    assert len(fair) == LIMITS.rows
+    in_key_order(fair)

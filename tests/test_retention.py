@@ -6,14 +6,20 @@ needs no DDL for any of it."""
 
 from __future__ import annotations
 
+import threading
+
 import psycopg
+import pytest
 from psycopg.rows import dict_row
 
 from relay import repository
+from relay.app import RelayApp
+from relay.errors import SettingsError
 from relay.purge import Purger
 from relay.queries import QUERIES
 from tests.conftest import SettingsFactory, relay_env
 from tests.harness.kafka import TansuBroker, consume
+from tests.harness.webhook import Reply, WebhookServer
 from tests.support import (
     assert_per_key_order,
     dedup_by_message_id,
@@ -175,3 +181,105 @@ def test_the_runtime_role_may_move_and_rotate_but_not_more(database: str, relay_
                 continue
             raise AssertionError(f"the runtime role could: {forbidden}")
     assert kept(database) == {0: 2}
+
+
+# --- review ----------------------------------------------------------------------
+
+
+def test_a_settle_landing_in_the_old_generation_during_a_rotation_is_before_the_new_one_began(
+    database: str, relay_dsn: str
+) -> None:
+    """The rotation's timing argument: every row of a generation was sent before the next
+    generation began. A rotation waits for its TRUNCATE (a reader of the generation it
+    empties, up to RELAY_DATABASE_LOCK_TIMEOUT_MS, or the other leader's FOR UPDATE);
+    a settle meanwhile still lands in the old current generation, stamped sent now. The
+    new generation must not be said to have begun before those rows were sent (it is
+    stamped with the rotation's transaction start now, so the old generation is emptied
+    up to that wait before its last rows are a retention old)."""
+    ids = insert_rows(database, "t", [("k", b"1"), ("k", b"2")])
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO leases (name, holder, epoch, expires_at)"
+            " VALUES ('keep', 'test', 1, now() + interval '1 minute')"
+        )
+    set_started(database, g0="30 minutes")  # 0 current, 1 next: due now
+    reader = psycopg.connect(database)  # a reader of generation 1, in a transaction
+    reader.execute("SELECT count(*) FROM outbox_sent_1")
+    rotated: list[int | None] = []
+
+    def rotate() -> None:
+        with psycopg.connect(relay_dsn, autocommit=True, row_factory=dict_row) as conn:
+            rotated.append(repository.rotate_sent(conn, HOUR))
+
+    rotation = threading.Thread(target=rotate)
+    rotation.start()
+    try:
+        wait_until(
+            lambda: (
+                scalar(
+                    database,
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND datname = current_database()",
+                )
+                == 1
+            ),
+            10,
+            message="the rotation's TRUNCATE to wait on the reader",
+        )
+        with psycopg.connect(relay_dsn, autocommit=True, row_factory=dict_row) as settling:
+            fenced = settling.execute(
+                QUERIES.settle_move_sent,
+                {"name": "keep", "holder": "test", "epoch": 1, "ttl": 60.0, "ids": ids},
+            ).fetchone()
+            assert fenced is not None
+    finally:
+        reader.commit()
+        reader.close()
+        rotation.join(timeout=10)
+    assert rotated == [1]
+    late = scalar(
+        database,
+        "SELECT count(*) FROM outbox_sent AS s WHERE s.generation = 0 AND s.sent_at >"
+        " (SELECT started_at FROM outbox_sent_generations WHERE generation = 1)",
+    )
+    assert late == 0, f"{late} row(s) of generation 0 sent after generation 1 began"
+
+
+@pytest.mark.parametrize("missing", ["grant", "migration"])
+def test_a_relay_that_cannot_move_sent_rows_does_not_publish_them_again_and_again(
+    make_settings: SettingsFactory, database: str, missing: str
+) -> None:
+    """Retention mode needs migration 0013 and grants.sql's new lines (INSERT on
+    outbox_sent). An upgrade that runs the new relay before either (grants.sql not
+    re-run, or the image rolled out before `relay migrate`) must be refused at start-up
+    with a clear reason, as a missing shard or fairness index is: the settle fails
+    every time, and the drain would publish the same batch again some six times a
+    second, for ever, never moving on."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        if missing == "grant":
+            conn.execute("REVOKE INSERT ON outbox_sent FROM relay")
+        else:
+            conn.execute("DROP TABLE outbox_sent, outbox_sent_generations")
+    with WebhookServer(lambda d: Reply(200)) as receiver:
+        insert_rows(database, "t", [("k", b"1"), ("k", b"2")])
+        settings = make_settings(
+            sink="http", http_url=receiver.url + "/hooks/{topic}", retention_seconds=HOUR
+        )
+        app = RelayApp(settings)
+        outcome: list[object] = []
+
+        def run() -> None:
+            try:
+                outcome.append(app.run())
+            except BaseException as exc:  # what run() ended with is the point
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=3.0)
+        app.shutdown.request()
+        thread.join(timeout=30)
+        deliveries = len(receiver.acked())
+    assert deliveries <= 2, f"2 rows delivered {deliveries} times"
+    assert outcome and isinstance(outcome[0], SettingsError), outcome
+    assert outcome[0].name == "RELAY_RETENTION_SECONDS"

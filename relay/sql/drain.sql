@@ -490,7 +490,11 @@ LIMIT %(limit)s
 -- Step 4, the rows past the head that may take a head row's place for their group: each
 -- group's next rows after the head in id order, an equal share of the batch each, so no
 -- group's backlog (in rows or in keys) buys it more. One walk of the grouping's index
--- per group, from the head's last id.
+-- per group, from the head's last id. With a header's groups, one key's rows may be in
+-- several groups (an app that starts tagging them; a key that changes tenant): a row
+-- goes only if no earlier row of its key past the head is in another group, whose
+-- share may not reach it, so each key's rows in the pool stay a prefix of its rows
+-- (key-prefix groups are the key's own, and the test folds away).
 SELECT p.*
 FROM groups AS g
 CROSS JOIN LATERAL (
@@ -505,6 +509,20 @@ CROSS JOIN LATERAL (
       AND {{drainable}}
       AND o.id <> ALL(%(in_flight)s::bigint[])
       AND {{this_shard}}
+      AND (%(group_kind)s::text <> 'header'
+           OR o.key IS NULL
+           OR NOT EXISTS (
+               SELECT 1
+               FROM outbox AS earlier
+               WHERE earlier.key = o.key
+                 AND earlier.id > (SELECT last_id FROM crowded)
+                 AND earlier.id < o.id
+                 AND earlier.sent_at IS NULL
+                 AND earlier.dead_lettered_at IS NULL
+                 AND (earlier.available_at IS NULL OR earlier.promoted_at IS NOT NULL)
+                 AND earlier.id <> ALL(%(in_flight)s::bigint[])
+                 AND outbox_fairness_group(earlier.key, earlier.headers, %(group_kind)s::text,
+                                           %(group_arg)s::text) <> g.grp))
     ORDER BY o.id
     LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM groups)
 ) AS p
@@ -515,19 +533,24 @@ CROSS JOIN LATERAL (
 -- before any key's further ones: that is the fairness. place: 1 for a key's first
 -- ready row, 2 for its second, ...; rows without a key have no order to keep and are
 -- each their own first. group_place, when grouped: 1 for a group's first row in
--- chosen's order, 2 for its second, ...: chosen goes round the groups. A key's rows
--- stay in id order in both, so whatever prefix of this order is chosen, each key keeps
--- a prefix of its rows.
+-- chosen's order, 2 for its second, ...: chosen goes round the groups. A key counts in
+-- the group of its first row in the pool (with a header's groups its rows may carry
+-- several), so all its rows are numbered in one group, in id order; whatever prefix of
+-- this order is chosen, each key keeps a prefix of its rows.
 SELECT placed.*,
        CASE WHEN %(grouped)s
-            THEN row_number() OVER (PARTITION BY placed.grp COLLATE "C"
+            THEN row_number() OVER (PARTITION BY placed.key_group COLLATE "C"
                                     ORDER BY placed.place > %(key_cap)s, placed.id)
             ELSE 0
        END AS group_place
 FROM (SELECT pool.*,
              CASE WHEN pool.key IS NULL THEN 1
                   ELSE row_number() OVER (PARTITION BY pool.key COLLATE "C" ORDER BY pool.id)
-             END AS place
+             END AS place,
+             CASE WHEN pool.key IS NULL THEN pool.grp
+                  ELSE first_value(pool.grp) OVER (PARTITION BY pool.key COLLATE "C"
+                                                   ORDER BY pool.id)
+             END AS key_group
       FROM (SELECT * FROM head WHERE ready
             UNION ALL
             SELECT * FROM beyond WHERE ready

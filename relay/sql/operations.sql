@@ -206,6 +206,14 @@ ORDER BY r.key;
 -- Retention
 ------------------------------------------------------------------------------------
 
+-- name: sent_history_access
+-- Retention mode needs outbox_sent (migration 0013) and the runtime role's grants on
+-- it (grants.sql): without them every settle fails, and the drain would publish the
+-- same batch again and again. NULL: the table is missing.
+SELECT has_table_privilege(to_regclass('outbox_sent'), 'INSERT') AS can_keep,
+       has_table_privilege(to_regclass('outbox_sent_generations'), 'SELECT')
+           AS can_read_generations;
+
 -- name: sent_generation_due
 -- Retention mode (migration 0013): the generation of outbox_sent to empty and make the
 -- current one, if it is time. It is the one after the current, once the current has
@@ -257,9 +265,11 @@ WHERE after.started_at > g.started_at
 ORDER BY g.generation;
 
 -- name: sent_generation_begin
--- ... and it takes the rows sent from now on.
+-- ... and it takes the rows sent from now on: from the clock's time after the TRUNCATE
+-- (not the transaction's start), since settles that came meanwhile still went into the
+-- generation before, and all of its rows must be older than this one's start.
 UPDATE outbox_sent_generations
-SET started_at = now()
+SET started_at = clock_timestamp()
 WHERE generation = %(generation)s;
 
 -- name: purge_sent
