@@ -4,8 +4,8 @@
     publish them; while their acknowledgements come back, fetch the batch after them
     wait for every acknowledgement
     settle: atomically, fenced on our lease epoch (one transaction; one statement when
-            every row was acknowledged), mark the acknowledged rows
-            sent (or delete them), back off the failed ones, dead-letter the hopeless;
+            every row was acknowledged), delete (or keep) the acknowledged rows, back
+            off the failed ones, dead-letter the hopeless;
             this runs on the settler's own session while the loop publishes the next
             batch, so at most two batches are ever published and not yet settled,
             plus up to a batch of stragglers: rows a sick partition holds while the rest
@@ -20,13 +20,11 @@ then the loop holds the key back itself. The lease check inside the settle is wh
 a paused or partitioned ex-leader harmless.
 
 Its parts, each the one owner of its state: the reading (relay/reader.py: fetch rounds,
-read-ahead, scheduled rows let in), what each outcome means (relay/outcomes.py), the
-settle pipeline (relay/pipeline.py: the batch being settled on the settler's session,
-relay/settler.py, and the stragglers, relay/stragglers.py), the give-way decision
-(relay/give_way.py) and the letting go it leads to (relay/hand_over.py), the idle wait
-(relay/idle.py), the pace (relay/pacer.py), and what is recorded (relay/recorder.py:
-metrics, dead-letter lines, spans). The database is a store (relay/store/port.py). What
-stays here is the loop that ties them together, and backing off while the sink is down.
+read-ahead, scheduled rows let in), what outcomes mean (relay/outcomes.py), the settle
+pipeline (relay/pipeline.py: the batch being settled, relay/settler.py, and the
+stragglers), the give-way decision (relay/give_way.py) and the letting go (hand_over.py),
+the idle wait (idle.py), the pace (pacer.py), what is recorded (recorder.py), the
+store (relay/store/port.py). Here: the loop that ties them, and backing off outages.
 """
 
 from __future__ import annotations
@@ -136,17 +134,20 @@ class Drainer:
         """Drain until the lease is lost or shutdown is requested."""
         token = self._lease.token()
         self._progress.reset()
+        landed = -1  # lands counted at the last store error
         try:
             while token is not None and not self._shutdown.requested:
                 self._health.beat(self._loop)
                 try:
                     self._step(token)
-                    self._db_retry.reset()
+                    if not self._pipeline.settling or self._pipeline.landed_count > landed:
+                        self._db_retry.reset()  # not while a failed settle is retried
                     if self._cannot_deliver():
                         self._hand_over.give_way(token)
                     elif self._surplus is not None and self._surplus():
                         self._hand_over.rebalance(token)
                 except StoreError as exc:
+                    landed = self._pipeline.landed_count
                     self._recorder.end(failed=True)
                     # Rows of a batch published but not settled stay unsent: they will
                     # be published again (a duplicate, never a loss).

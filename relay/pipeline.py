@@ -29,6 +29,7 @@ class SettlePipeline:
         self._lease = lease
         self._in_flight: InFlight | None = None  # published, being settled
         self.stragglers = Stragglers()  # published, no outcome yet
+        self.landed_count = 0  # batches settled (fenced ones not counted)
 
     def unsettled(self) -> tuple[list[str], frozenset[str]]:
         """Ids every fetch leaves out (as `id_text` parts) and keys held back
@@ -90,6 +91,7 @@ class SettlePipeline:
         if settled_at is None:
             self._lease.fenced(token)
             return False
+        self.landed_count += 1
         # Debug level: one line a batch is history for tests/chaos, noise in production.
         log.debug(
             "batch.settled",

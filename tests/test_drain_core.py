@@ -270,6 +270,22 @@ def test_a_failed_statement_is_retried_on_a_fresh_session_and_nothing_is_lost() 
     assert per_key(first_seen) == per_key(written)  # first publications in order
 
 
+def test_a_failing_settle_backs_off_instead_of_republishing_at_a_fixed_pace() -> None:
+    """Every settle fails for 30 s (a missing grant, a table locked away): each step
+    publishes the batch again, then its settle fails. Before, the backoff was reset by
+    every publish that succeeded, so the batch went out every 0.1-0.2 s; now it
+    grows as for any outage (0.2 s doubling to 5 s), and the rows go once it recovers."""
+    clock, store, sink = FakeClock(), MemoryStore(), ScriptedSink()
+    store.clock = clock
+    written = rows(store, 2, keys=2)
+    store.settles_fail_until = clock.now + 30.0
+    drain(store, sink, clock, done=lambda: not store.unsent())
+    assert clock.now >= 30.0
+    # About 13 rounds in 30 s (equal jitter: 2.5 to 5 s apart once grown); before, 200.
+    assert len(sink.published) <= 2 * 20, len(sink.published)
+    assert sorted(set(sink.delivered)) == sorted(written)
+
+
 def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key() -> None:
     clock, store, sink = FakeClock(), MemoryStore(), ScriptedSink()
     store.clock = clock

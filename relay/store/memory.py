@@ -72,6 +72,7 @@ class MemoryStore:
         self.leases: dict[str, LeaseRow] = {}
         self.settles = 0  # settles that committed
         self._failures = 0
+        self.settles_fail_until = 0.0  # by the store's clock: every settle fails till then
         self._lock = threading.Lock()
 
     # --- what a test does ---
@@ -237,6 +238,8 @@ class MemoryStore:
         with self._lock:
             self._statement()
             now = self.clock()
+            if now < self.settles_fail_until:
+                raise StoreError("permission denied for table outbox_sent (a test's fault)")
             if not self._renew(token, ttl):
                 return None  # fenced: a newer holder, or released; nothing is written
             by_id = {row.id: row for row in self.rows}
