@@ -504,12 +504,31 @@ def build_parser() -> argparse.ArgumentParser:
     _status_arguments(add("status", cmd_status, "show lease holder, epoch, expiry and backlog"))
     add("check", cmd_check, "validate settings and connect to the database and the sink")
     health = add("healthcheck", cmd_healthcheck, "probe this replica's /healthz (for Docker)")
-    health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS")
+    health.add_argument(
+        "--timeout",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="how long to wait for /healthz to answer; no answer in time is unhealthy",
+    )
     _dead_letter_commands(sub.add_parser("dead-letter", help="list or requeue dead-lettered rows"))
     add("console", cmd_console, "serve the operators' web console (RELAY_CONSOLE_* settings)")
     purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
-    purge.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
-    purge.add_argument("--batch-size", type=_positive_int, default=1000)
+    purge.add_argument(
+        "--older-than",
+        type=parse_duration,
+        required=True,
+        metavar="DURATION",
+        help="purge rows sent longer ago than this: 90 (seconds), 45s, 30m, 12h, 7d",
+    )
+    purge.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1000,
+        help="delete the sent rows kept in the outbox itself (an own table's) this many at"
+        " a time, each batch its own short transaction; outbox_sent is emptied a generation"
+        " at a time",
+    )
     return parser
 
 
@@ -567,17 +586,26 @@ def _dead_letter_commands(dead: argparse.ArgumentParser) -> None:
     dead_sub = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
     listing = dead_sub.add_parser("list", help="list dead-lettered rows, oldest first")
     listing.set_defaults(func=cmd_dead_letter_list)
-    listing.add_argument("--topic")
-    listing.add_argument("--key")
-    listing.add_argument("--limit", type=_positive_int, default=100)
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--topic", help="only the rows of this topic (exact)")
+    listing.add_argument("--key", help="only the rows of this key (exact)")
+    listing.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=100,
+        help="list at most this many rows, oldest first (stderr says when more exist)",
+    )
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
     requeue = dead_sub.add_parser("requeue", help="put dead-lettered rows back in the drain")
     requeue.set_defaults(func=cmd_dead_letter_requeue)
     which = requeue.add_mutually_exclusive_group(required=True)
     which.add_argument("--id", type=int, nargs="+", help="row ids")
     which.add_argument("--key", help="every dead letter of this key")
     which.add_argument("--all", action="store_true", help="every dead letter")
-    requeue.add_argument("--dry-run", action="store_true")
+    requeue.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="requeue nothing: roll back and print what would be requeued",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

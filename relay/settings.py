@@ -151,12 +151,45 @@ class CommonSettings(BaseSettings):
     )
     database_sslmode: (
         Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] | None
-    ) = None
-    database_sslrootcert: str | None = None
-    database_connect_timeout_seconds: int = Field(default=5, ge=1, le=300)
-    database_statement_timeout_ms: int = Field(default=10_000, ge=0)
-    database_lock_timeout_ms: int = Field(default=2_000, ge=0)
-    database_idle_in_transaction_timeout_ms: int = Field(default=30_000, ge=0)
+    ) = Field(
+        default=None,
+        description="libpq sslmode, over the URL's. Unset: the URL's, else PGSSLMODE, else "
+        "libpq's `prefer`, which checks no certificate; `verify-full` (with "
+        "RELAY_DATABASE_SSLROOTCERT) keeps the password from whoever answers.",
+    )
+    database_sslrootcert: str | None = Field(
+        default=None,
+        description="The CA file (PEM) the server's certificate is verified against, over the "
+        "URL's sslrootcert; `system` for the system's CAs (libpq 16+). Checked readable at "
+        "start.",
+    )
+    database_connect_timeout_seconds: int = Field(
+        default=5,
+        ge=1,
+        le=300,
+        description="libpq connect_timeout: how long opening a database session may take "
+        "before it fails.",
+    )
+    database_statement_timeout_ms: int = Field(
+        default=10_000,
+        ge=0,
+        description="statement_timeout on every relay session, so a statement stuck on a "
+        "sick database fails and is retried instead of stalling a loop; 0: no limit.",
+    )
+    database_lock_timeout_ms: int = Field(
+        default=2_000,
+        ge=0,
+        description="lock_timeout on every relay session: how long a statement waits for a "
+        "lock before it fails (a lease race lost, a purge put off to its next run); 0: no "
+        "limit.",
+    )
+    database_idle_in_transaction_timeout_ms: int = Field(
+        default=30_000,
+        ge=0,
+        description="idle_in_transaction_session_timeout on every relay session; 0: none. "
+        "`relay run` caps it at the lease ttl, so a replica frozen inside a transaction "
+        "holds the lease row's lock a ttl at most.",
+    )
     database_synchronous_commit: (
         Literal["on", "off", "local", "remote_write", "remote_apply"] | None
     ) = Field(
@@ -167,7 +200,14 @@ class CommonSettings(BaseSettings):
         "standbys configured) trades commit latency for keeping them.",
     )
 
-    lease_name: str = Field(default="default", min_length=1, max_length=200)
+    lease_name: str = Field(
+        default="default",
+        min_length=1,
+        max_length=200,
+        description="The lease replicas contend for: those with the same name share it, so "
+        "one drains (one per shard with RELAY_SHARDS). Each outbox needs its own; it also "
+        "names the sink client (`relay-<name>`).",
+    )
     # --- bring your own outbox table (relay/own_table.py) ---
     outbox_table: str | None = Field(
         default=None,
@@ -187,8 +227,14 @@ class CommonSettings(BaseSettings):
         "created_at, available_at, and header:NAME for a column sent as header NAME. A "
         "field not named maps to the column of its own name, if the table has one.",
     )
-    log_format: Literal["json", "console"] | None = None
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "console"] | None = Field(
+        default=None,
+        description="Log lines on stderr as JSON objects, or readable console lines. Unset: "
+        "console when stderr is a terminal, JSON otherwise.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="The least severe level logged."
+    )
 
     @field_validator("lease_name")
     @classmethod
@@ -299,10 +345,35 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
     sink: str = Field(default="kafka", description="Where rows go: " + ", ".join(sink_specs()))
 
     # --- lease ---
-    lease_ttl_seconds: float = Field(default=10.0, ge=1.0, le=3600.0)
-    lease_renew_interval_seconds: float | None = Field(default=None, gt=0)
-    lease_safety_margin_seconds: float | None = Field(default=None, ge=0)
-    standby_poll_seconds: float = Field(default=0.5, gt=0, le=60)
+    lease_ttl_seconds: float = Field(
+        default=10.0,
+        ge=1.0,
+        le=3600.0,
+        description="How long a lease lasts after each acquisition or renewal, by the "
+        "database's clock: after a crash (no release) a standby takes over within about "
+        "this long; shorter also means renewing more often.",
+    )
+    lease_renew_interval_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="A leader renews its lease when no settle has renewed it for this long "
+        "(each settled batch renews it too). Default: a third of the ttl; must be shorter "
+        "than the ttl minus the safety margin.",
+    )
+    lease_safety_margin_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="A leader stops publishing this long before its lease would expire, "
+        "counted on its own clock from before the acquiring or renewing transaction, to "
+        "cover clock drift and slow commits. Default: a fifth of the ttl, at most 2.",
+    )
+    standby_poll_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="How often a standby tries to acquire the lease (±20 % jitter): a lease "
+        "released on shutdown is taken over within about this long.",
+    )
     shards: int = Field(
         default=1,
         ge=1,
@@ -311,7 +382,14 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "with a lease of its own, so several replicas drain at once with per-key order "
         "kept. More than 1 needs `relay migrate --shards N` first (its indexes).",
     )
-    replica_id: str = Field(default_factory=default_replica_id, min_length=1, max_length=200)
+    replica_id: str = Field(
+        default_factory=default_replica_id,
+        min_length=1,
+        max_length=200,
+        description="This process's name as lease holder, in heartbeats, `relay status` and "
+        "logs. Default: host:pid:random. Keep it unique: two replicas with one id would "
+        "take the lease from each other.",
+    )
     heartbeat_seconds: float = Field(
         default=2.0,
         gt=0,
@@ -416,24 +494,86 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "RELAY_BATCH_MAX_BYTES counts them) each drain loop hands the sink a second; a batch "
         "is made at most a tenth of a second of it (at least one row). Unset: no cap.",
     )
-    poll_interval_min_seconds: float = Field(default=0.005, gt=0, le=10)
-    poll_interval_max_seconds: float = Field(default=0.1, gt=0, le=60)
-    max_attempts: int = Field(default=10, ge=1)
-    retry_base_seconds: float = Field(default=0.5, gt=0)
-    retry_max_seconds: float = Field(default=300.0, gt=0)
+    poll_interval_min_seconds: float = Field(
+        default=0.005,
+        gt=0,
+        le=10,
+        description="An idle drain loop's first wait after traffic; each empty poll doubles "
+        "it, up to RELAY_POLL_INTERVAL_MAX_SECONDS.",
+    )
+    poll_interval_max_seconds: float = Field(
+        default=0.1,
+        gt=0,
+        le=60,
+        description="The longest an idle drain loop waits between polls, so the first row "
+        "after a quiet spell waits up to this long (less with RELAY_NOTIFY_CHANNEL); "
+        "scheduled rows that came due are looked for at least this often.",
+    )
+    max_attempts: int = Field(
+        default=10,
+        ge=1,
+        description="Failed publishes of a row before it is dead-lettered. An outage of the "
+        "whole sink spends no attempt.",
+    )
+    retry_base_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        description="A failed row waits up to this long (at least half: jitter) before its "
+        "first retry; each further failure doubles it, up to RELAY_RETRY_MAX_SECONDS.",
+    )
+    retry_max_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="The longest retry delay of a failed row; it also caps how long a sink's "
+        "Retry-After hint (HTTP 429, 503) is honoured.",
+    )
     retention_seconds: float = Field(
         default=0.0,
         ge=0,
         description="0 deletes rows once sent; above 0 keeps them (sent_at set) that long.",
     )
-    purge_interval_seconds: float = Field(default=60.0, gt=0)
-    purge_batch_size: int = Field(default=1_000, ge=1, le=100_000)
-    shutdown_timeout_seconds: float = Field(default=20.0, gt=0)
+    purge_interval_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="With RELAY_RETENTION_SECONDS above 0: how often the lease holder (of "
+        "shard 0) purges sent rows past the retention; a run cut short with rows left goes "
+        "on at once.",
+    )
+    purge_batch_size: int = Field(
+        default=1_000,
+        ge=1,
+        le=100_000,
+        description="Rows one purge statement deletes, of the sent rows kept in the outbox "
+        "itself (an own table's, an earlier release's); small batches keep locks and WAL "
+        "bursts short. outbox_sent is emptied a generation at a time instead.",
+    )
+    shutdown_timeout_seconds: float = Field(
+        default=20.0,
+        gt=0,
+        description="After SIGTERM, how long the batch in flight may take before it is "
+        "abandoned (its rows stay unsent: published again later, never lost); then the producer "
+        "is flushed and the lease released. Keep the pod's termination grace period about "
+        "10 s longer.",
+    )
 
     # --- operations ---
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = Field(default=9108, ge=0, le=65535)
-    metrics_enabled: bool = True
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="The address the server of /metrics, /healthz and /readyz listens on; "
+        "0.0.0.0 in a pod, so Prometheus and the probes reach it.",
+    )
+    metrics_port: int = Field(
+        default=9108,
+        ge=0,
+        le=65535,
+        description="Its port; 0 picks a free one (logged at start; `relay healthcheck` "
+        "then fails, not knowing it).",
+    )
+    metrics_enabled: bool = Field(
+        default=True,
+        description="Serve /metrics, /healthz and /readyz; false serves none of them "
+        "(`relay healthcheck` then passes without probing).",
+    )
     metrics_topic_labels: int = Field(
         default=100,
         ge=0,

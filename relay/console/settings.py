@@ -41,15 +41,29 @@ class ConsoleSettings(BaseSettings):
         env_prefix=PREFIX, extra="ignore", case_sensitive=False, validate_default=True
     )
 
-    host: str = Field(default="127.0.0.1", min_length=1)
-    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="The address to listen on (0.0.0.0 in a pod); it also sets the default "
+        "of RELAY_CONSOLE_ALLOWED_HOSTS.",
+    )
+    port: int = Field(
+        default=DEFAULT_PORT,
+        ge=0,
+        le=65535,
+        description="The port to listen on (the relay's metrics port is 9108).",
+    )
     token: SecretStr | None = Field(
         default=None, description="The shared secret typed into the login form."
     )
     viewer_token: SecretStr | None = Field(
         default=None, description="A second secret whose sessions may look but not change."
     )
-    read_only: bool = False
+    read_only: bool = Field(
+        default=False,
+        description="Nobody may requeue or discard, whatever their login; run it under the "
+        "relay_console_viewer role, so the database refuses too.",
+    )
     trusted_user_header: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9-]{1,100}$",
@@ -70,15 +84,63 @@ class ConsoleSettings(BaseSettings):
         description="Comma-separated origins (https://console.example.com) accepted "
         "besides the request's own Host, for a proxy that rewrites Host.",
     )
-    cookie_secure: bool = True
-    session_hours: float = Field(default=8.0, gt=0, le=24 * 30)
-    page_size: int = Field(default=50, ge=1, le=500)
-    refresh_seconds: int = Field(default=10, ge=0, le=3600)
-    payload_preview_bytes: int = Field(default=64 * 1024, ge=64, le=16 * 1024 * 1024)
-    count_cap: int = Field(default=100_000, ge=1, le=100_000_000)
-    bulk_cap: int = Field(default=100_000, ge=1, le=10_000_000)
-    rate_window_seconds: float = Field(default=300.0, ge=10, le=86_400)
-    pool_size: int = Field(default=4, ge=1, le=64)
+    cookie_secure: bool = Field(
+        default=True,
+        description="Mark the session cookie Secure: browsers send it over HTTPS and to "
+        "localhost only. Set false only for a plain-HTTP console on loopback whose browser "
+        "drops it (logging in then returns to the login page).",
+    )
+    session_hours: float = Field(
+        default=8.0,
+        gt=0,
+        le=24 * 30,
+        description="How long a login lasts before the token must be typed again.",
+    )
+    page_size: int = Field(
+        default=50, ge=1, le=500, description="Rows per page of dead letters and of the audit."
+    )
+    refresh_seconds: int = Field(
+        default=10,
+        ge=0,
+        le=3600,
+        description="The overview and blocked-keys pages reload themselves this often; 0 "
+        "turns it off.",
+    )
+    payload_preview_bytes: int = Field(
+        default=64 * 1024,
+        ge=64,
+        le=16 * 1024 * 1024,
+        description="Payload bytes a row's page reads from the database and shows; a longer "
+        "payload is cut, with its whole size shown.",
+    )
+    count_cap: int = Field(
+        default=100_000,
+        ge=1,
+        le=100_000_000,
+        description="Counts on the pages stop here (shown as at least the cap), so a count's "
+        "cost is bounded.",
+    )
+    bulk_cap: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="The most rows one requeue or discard changes; a selection or search "
+        "matching more is refused, to be narrowed.",
+    )
+    rate_window_seconds: float = Field(
+        default=300.0,
+        ge=10,
+        le=86_400,
+        description="The overview's settled rate is the rows settled per second over the "
+        "last this many seconds.",
+    )
+    pool_size: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Database sessions the console keeps open for its requests; a request "
+        "that finds them all busy for 30 s answers 503.",
+    )
     statement_timeout_ms: int = Field(
         default=5_000,
         gt=0,

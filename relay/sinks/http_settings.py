@@ -2,6 +2,10 @@
 among them, and the signing key; where each URL's credentials go is
 relay/sinks/http_destinations.py. `relay.settings.Settings` is made of these and the
 other sinks' settings.
+
+Long: every RELAY_HTTP_* field with its description (the settings reference is made from
+them), and the checks that refuse a bad URL, header or secret at start-up, not on the
+first message.
 """
 
 from __future__ import annotations
@@ -95,7 +99,13 @@ class HttpSettings(BaseModel):
         "origin (scheme, host, port) and to topic URLs on that origin; a topic URL on "
         "another origin gets them only with share_credentials, or has its own.",
     )
-    http_max_in_flight: int = Field(default=16, ge=1, le=1024)
+    http_max_in_flight: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Requests in flight at once, across keys (a key's rows go one at a "
+        "time); also the size of the connection pool.",
+    )
     http_max_requests_per_second: float | None = Field(
         default=None,
         gt=0,
@@ -104,14 +114,53 @@ class HttpSettings(BaseModel):
         "each its own budget; a RELAY_HTTP_TOPIC_URLS entry's max_requests_per_second sets "
         "its origin's instead. Unset: no limit.",
     )
-    http_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=300)
-    http_read_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
-    http_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
-    http_tls_verify: bool = True
-    http_ca_file: str | None = None
-    http_client_cert_file: str | None = None
-    http_client_key_file: str | None = None
-    http_content_type: str = Field(default="application/octet-stream", min_length=1)
+    http_connect_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="How long opening a connection (TCP and TLS) may take.",
+    )
+    http_read_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="How long sending the request or reading the answer may go without a "
+        "byte moving.",
+    )
+    http_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="The whole request, waiting for a connection included, until the "
+        "answer; a request past it is retried. No new request of a batch starts after this "
+        "long, so a slow endpoint holds a batch about twice this at most.",
+    )
+    http_tls_verify: bool = Field(
+        default=True,
+        description="Verify the endpoint's certificate and host name; false accepts anyone "
+        "who answers (logged as a warning at start).",
+    )
+    http_ca_file: str | None = Field(
+        default=None,
+        description="A PEM bundle of CAs to verify endpoints against (a private CA). "
+        "Default: the system's CAs.",
+    )
+    http_client_cert_file: str | None = Field(
+        default=None,
+        description="A client certificate (PEM) for mutual TLS, offered to every endpoint "
+        "that asks; its key too, unless RELAY_HTTP_CLIENT_KEY_FILE holds it.",
+    )
+    http_client_key_file: str | None = Field(
+        default=None,
+        description="The private key (PEM) of RELAY_HTTP_CLIENT_CERT_FILE, when that file "
+        "does not hold it.",
+    )
+    http_content_type: str = Field(
+        default="application/octet-stream",
+        min_length=1,
+        description="The content-type of a request whose row has no content-type header of "
+        "its own (set application/json for JSON payloads).",
+    )
     http_forward_headers: str = Field(
         default="*",
         description="Row headers to send: `*` for all, or a comma-separated allow-list.",
@@ -123,8 +172,17 @@ class HttpSettings(BaseModel):
     http_signing_secret: SecretStr | None = Field(
         default=None, description="Standard Webhooks secret (`whsec_<base64>`)."
     )
-    http_auth_header_name: str = "Authorization"
-    http_auth_header_value: SecretStr | None = None
+    http_auth_header_name: str = Field(
+        default="Authorization",
+        description="The header RELAY_HTTP_AUTH_HEADER_VALUE (and a topic URL's own value "
+        "without a name) is sent in; a row's header of that name is never forwarded.",
+    )
+    http_auth_header_value: SecretStr | None = Field(
+        default=None,
+        description="A static credential sent with every request to RELAY_HTTP_URL's "
+        "origin, e.g. `Bearer <token>`; a topic URL elsewhere gets it only with "
+        "share_credentials.",
+    )
     http_allow_plaintext_credentials: bool = Field(
         default=False,
         description="Allow an http:// destination that would get an auth header value, or "

@@ -56,10 +56,32 @@ _EXPOSED_MECHANISMS = {
 
 
 class KafkaSettings(BaseModel):
-    kafka_bootstrap_servers: str | None = None
-    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "lz4"
-    kafka_linger_ms: int = Field(default=5, ge=0, le=60_000)
-    kafka_delivery_timeout_ms: int = Field(default=30_000, ge=1_000, le=900_000)
+    kafka_bootstrap_servers: str | None = Field(
+        default=None,
+        description="Brokers to connect to first, comma-separated host:port; required with "
+        "RELAY_SINK=kafka.",
+    )
+    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="lz4",
+        description="The producer's compression.type: smaller requests and less broker "
+        "storage, for some CPU.",
+    )
+    kafka_linger_ms: int = Field(
+        default=5,
+        ge=0,
+        le=60_000,
+        description="The producer's linger.ms: how long it waits to fill a request with more "
+        "messages; longer gives larger, fewer requests and adds that much latency.",
+    )
+    kafka_delivery_timeout_ms: int = Field(
+        default=30_000,
+        ge=1_000,
+        le=900_000,
+        description="The longest a batch waits for room in the producer and for its "
+        "delivery reports; then what is still queued or in flight is purged and the "
+        "producer replaced, so per-key order holds (the relay keeps this deadline, not "
+        "librdkafka).",
+    )
     kafka_straggler_ms: int = Field(
         default=1_000,
         ge=50,
@@ -68,10 +90,27 @@ class KafkaSettings(BaseModel):
         "rest after this long without a report: they stay in flight (their keys held) "
         "while other partitions flow.",
     )
-    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] | None = None
-    kafka_sasl_mechanism: str | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: SecretStr | None = None
+    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] | None = (
+        Field(
+            default=None,
+            description="librdkafka's security.protocol: `ssl` for TLS, `sasl_ssl` for "
+            "SASL over TLS, `sasl_plaintext` for SASL without TLS. Unset: librdkafka's "
+            "default, `plaintext`.",
+        )
+    )
+    kafka_sasl_mechanism: str | None = Field(
+        default=None,
+        description="librdkafka's sasl.mechanism: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, "
+        "OAUTHBEARER or GSSAPI (librdkafka's default).",
+    )
+    kafka_sasl_username: str | None = Field(
+        default=None, description="librdkafka's sasl.username, for PLAIN and SCRAM."
+    )
+    kafka_sasl_password: SecretStr | None = Field(
+        default=None,
+        description="librdkafka's sasl.password, for PLAIN and SCRAM; not together with "
+        "RELAY_KAFKA__SASL_PASSWORD.",
+    )
     kafka_topic_map: dict[str, str] = Field(
         default_factory=dict,
         description='JSON: outbox topic -> Kafka topic, e.g. {"orders": "prod.orders"}.',

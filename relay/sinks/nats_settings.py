@@ -21,15 +21,31 @@ class NatsSettings(BaseModel):
         default=None,
         description="Server URL(s), comma-separated: nats://host:4222 or tls://host:4222.",
     )
-    nats_user: str | None = None
-    nats_password: SecretStr | None = None
-    nats_token: SecretStr | None = None
+    nats_user: str | None = Field(default=None, description="User name for user and password auth.")
+    nats_password: SecretStr | None = Field(
+        default=None, description="Its password; needs RELAY_NATS_USER."
+    )
+    nats_token: SecretStr | None = Field(
+        default=None, description="An authorization token, for token auth."
+    )
     nats_creds_file: str | None = Field(
         default=None, description="A .creds file (JWT and NKey seed) for decentralized auth."
     )
-    nats_tls_ca_file: str | None = None
-    nats_tls_cert_file: str | None = None
-    nats_tls_key_file: str | None = None
+    nats_tls_ca_file: str | None = Field(
+        default=None,
+        description="A PEM bundle of CAs to verify the servers against when the connection "
+        "uses TLS (tls:// URLs, or a server that requires it). Default: the system's CAs.",
+    )
+    nats_tls_cert_file: str | None = Field(
+        default=None,
+        description="A client certificate (PEM) for mutual TLS; its key too, unless "
+        "RELAY_NATS_TLS_KEY_FILE holds it.",
+    )
+    nats_tls_key_file: str | None = Field(
+        default=None,
+        description="The private key (PEM) of RELAY_NATS_TLS_CERT_FILE, when that file does "
+        "not hold it.",
+    )
     nats_subject_map: dict[str, str] = Field(
         default_factory=dict,
         description='JSON: outbox topic -> subject, e.g. {"orders": "prod.orders"}.',

@@ -30,9 +30,21 @@ class RabbitmqSettings(BaseModel):
         default_factory=dict,
         description='JSON: outbox topic -> routing key, e.g. {"orders": "orders.created"}.',
     )
-    rabbitmq_tls_ca_file: str | None = None
-    rabbitmq_tls_cert_file: str | None = None
-    rabbitmq_tls_key_file: str | None = None
+    rabbitmq_tls_ca_file: str | None = Field(
+        default=None,
+        description="A PEM bundle of CAs to verify the broker against (default: the "
+        "system's); with an amqps:// URL only.",
+    )
+    rabbitmq_tls_cert_file: str | None = Field(
+        default=None,
+        description="A client certificate (PEM) for mutual TLS, with an amqps:// URL; its "
+        "key too, unless RELAY_RABBITMQ_TLS_KEY_FILE holds it.",
+    )
+    rabbitmq_tls_key_file: str | None = Field(
+        default=None,
+        description="The private key (PEM) of RELAY_RABBITMQ_TLS_CERT_FILE, when that file "
+        "does not hold it.",
+    )
     rabbitmq_publish_timeout_seconds: float = Field(
         default=5.0, gt=0, le=300, description="How long one publish waits for its confirm."
     )
