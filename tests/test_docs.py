@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import REGISTRY
 
 from relay.cli import build_parser
@@ -253,6 +254,69 @@ def test_the_metrics_reference_lists_every_metric_in_the_registry() -> None:
 def test_every_metric_has_help_and_known_labels() -> None:
     markdown = reference().metrics_markdown()
     assert reference().UNDOCUMENTED not in markdown
+
+
+# --- the runbooks ---
+
+
+def unlinked(markdown: str) -> str:
+    """Markdown with its links as their text, and a repository path the runbooks page
+    puts after a link's text, ` (`deploy/x.yaml`)`, left out."""
+    text = re.sub(r"\[([^\]]*)\]\([^()\s]*\)", r"\1", markdown)
+    return re.sub(r" \(`[\w.-]+/[\w./#-]*`\)", "", text)
+
+
+def test_the_runbooks_page_has_every_alert_with_its_runbook() -> None:
+    rules = yaml.safe_load((REPO / "deploy" / "monitoring" / "relay-alerts.yml").read_text())
+    names = [r["alert"] for group in rules["groups"] for r in group["rules"] if "alert" in r]
+    readme = (REPO / "deploy" / "README.md").read_text(encoding="utf-8")
+    runbooks = readme[readme.index("\n## Runbooks\n") :]
+    page = reference().runbooks_markdown()
+    headings = re.findall(r"^## (\w+)$", page, flags=re.MULTILINE)
+    assert headings == names, "one section per alert, in the rules' order"
+    sections = dict(zip(headings, re.split(r"^## \w+$", page, flags=re.MULTILINE)[1:], strict=True))
+    for name in names:
+        start = runbooks.index(f"\n### {name}\n") + len(f"\n### {name}\n")
+        end = re.compile(r"^##", re.MULTILINE).search(runbooks, start)
+        body = runbooks[start : end.start() if end else None].strip()
+        # The whole runbook, its links aside (made to work from docs/operations/).
+        assert unlinked(body) in unlinked(sections[name]), f"{name}: runbook not on the page"
+        assert "Severity **" in sections[name] and "```text\n" in sections[name]
+    # Every relative link of the page leads to a file from docs/operations/.
+    for target in re.findall(r"\]\(([^()\s]+)\)", page):
+        path = target.partition("#")[0]
+        if path and not re.match(r"[a-z]+:", path):
+            assert (DOCS / "operations" / path).is_file(), f"{target} leads nowhere"
+    # The page source keeps only its introduction and the marker.
+    source = (DOCS / "operations" / "runbooks.md").read_text(encoding="utf-8")
+    assert "<!-- relay-reference: runbooks -->" in source
+    assert not re.search(r"^## ", source, flags=re.MULTILINE)
+
+
+def test_an_alert_without_a_runbook_fails_the_runbooks_page(tmp_path: Path) -> None:
+    rules = tmp_path / "alerts.yml"
+    rules.write_text(
+        "groups:\n  - name: relay\n    rules:\n"
+        "      - alert: RelayDown\n        expr: up == 0\n        for: 2m\n"
+        "        labels: {severity: warning}\n"
+        "      - alert: RelayForgotten\n        expr: vector(1)\n"
+        "        labels: {severity: critical}\n"
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# Deploying\n\n## Runbooks\n\n### RelayDown\n\n*Down.*\n\n"
+        "## Other\n\n### RelayForgotten\n\nNot a runbook: outside *Runbooks*.\n"
+    )
+    page = tmp_path / "docs" / "operations" / "runbooks.md"
+    with pytest.raises(
+        ValueError, match=r"alert RelayForgotten .* has no runbook.*### RelayForgotten"
+    ):
+        reference().runbooks_markdown(rules, readme, page)
+    readme.write_text(readme.read_text().replace("## Other\n\n", ""))
+    made = reference().runbooks_markdown(rules, readme, page)
+    assert "## RelayDown\n\nSeverity **warning**; fires after the condition holds for 2m." in made
+    assert "Severity **critical**; fires as soon as the condition holds." in made
+    assert "```text\nvector(1)\n```\n\nNot a runbook" in made
 
 
 # --- the site ---

@@ -1,14 +1,18 @@
-"""The docs site's generated references: settings, command line, metrics.
+"""The docs site's generated references: settings, command line, metrics, runbooks.
 
-Each reference page (docs/reference/*.md) holds a marker line,
-`<!-- relay-reference: settings -->`; when Sphinx reads the page this extension puts
-the Markdown made from the code in its place. Nothing generated is committed, so the
-references cannot drift from the code:
+Each reference page (docs/reference/*.md, and docs/operations/runbooks.md) holds a
+marker line, `<!-- relay-reference: settings -->`; when Sphinx reads the page this
+extension puts the Markdown made from the code in its place. Nothing generated is
+committed, so the references cannot drift from the code:
 
 - settings: every field of `relay.settings.Settings` (the common settings, the daemon's,
   each sink's) and of `relay.console.settings.ConsoleSettings`, from the pydantic models;
 - command line: every command, subcommand and option of `relay.cli.build_parser()`;
-- metrics: every metric the relay's modules register in prometheus_client's registry.
+- metrics: every metric the relay's modules register in prometheus_client's registry;
+- runbooks: every alert of deploy/monitoring/relay-alerts.yml, in file order (severity,
+  `for:`, expression), with its `### <AlertName>` runbook from deploy/README.md's
+  *Runbooks* (the source of truth; its links are made to work from the docs page). An
+  alert without a runbook there fails the build.
 
 The functions `settings_markdown`, `cli_markdown` and `metrics_markdown` are what
 tests/test_docs.py checks against its own look at the code. A setting without a
@@ -27,6 +31,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import pkgutil
 import re
 import types
@@ -582,10 +587,151 @@ def metrics_markdown() -> str:
     return "\n".join(lines)
 
 
+# --- runbooks ---
+
+REPO = Path(__file__).resolve().parents[2]
+ALERTS = REPO / "deploy" / "monitoring" / "relay-alerts.yml"
+DEPLOY_README = REPO / "deploy" / "README.md"
+RUNBOOKS_PAGE = REPO / "docs" / "operations" / "runbooks.md"
+
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})")
+# A code span (left as it is) or an inline link or image.
+_LINK = re.compile(
+    r"(?P<code>(?P<ticks>`+).+?(?<!`)(?P=ticks)(?!`))"
+    r"|(?P<bang>!?)\[(?P<label>[^\]]*)\]\((?P<target>[^()\s]+)\)",
+    re.DOTALL,
+)
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    severity: str
+    for_: str | None  # None: fires as soon as the condition holds
+    expr: str
+
+
+def alerts(path: Path = ALERTS) -> list[Alert]:
+    """The alert rules of relay-alerts.yml, in file order."""
+    import yaml
+
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return [
+        Alert(
+            name=rule["alert"],
+            severity=rule.get("labels", {}).get("severity", "none"),
+            for_=rule.get("for"),
+            expr=str(rule["expr"]).strip(),
+        )
+        for group in document["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
+
+
+def runbook_sections(path: Path = DEPLOY_README) -> dict[str, str]:
+    """Each `### <AlertName>` subsection of the README's `## Runbooks` section -> its
+    text up to the next `###` or `##` heading (headings inside code fences are text)."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    in_runbooks = False
+    fence: str | None = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        opening = _FENCE.match(line)
+        if fence is not None:
+            if opening and opening.group(1)[0] == fence[0] and len(opening.group(1)) >= len(fence):
+                fence = None
+        elif opening:
+            fence = opening.group(1)
+        else:
+            heading = _HEADING.match(line)
+            if heading and len(heading.group(1)) <= 3:
+                level, title = len(heading.group(1)), heading.group(2)
+                if level <= 2:
+                    in_runbooks = level == 2 and title == "Runbooks"
+                    current = None
+                elif in_runbooks:
+                    current = sections.setdefault(title, [])
+                else:
+                    current = None
+                continue
+        if current is not None:
+            current.append(line)
+    return {name: "\n".join(lines).strip("\n") for name, lines in sections.items()}
+
+
+def _shown(path: Path) -> str:
+    """A path as the repository names it (or as given, outside it)."""
+    resolved = path.resolve()
+    return resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else str(path)
+
+
+def _relinked(text: str, *, source: Path, page: Path, anchors: set[str], where: str) -> str:
+    """The text's relative links, written relative to `source`'s folder, made to work
+    from `page`: a docs page is linked from the page's folder; any other file of the
+    repository (not on the site) becomes its path; an anchor of another runbook stays."""
+
+    def relink(match: re.Match[str]) -> str:
+        bang, label, target = match.group("bang", "label", "target")
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+            return match.group(0)  # a URL
+        path, _, fragment = target.partition("#")
+        if not path and fragment in anchors:
+            return match.group(0)  # another runbook: a section of the page too
+        resolved = (source.parent / path).resolve() if path else source.resolve()
+        if not resolved.exists():
+            raise ValueError(f"{where}: the link {target!r} points at nothing in the repository")
+        docs = REPO / "docs"
+        if resolved.suffix == ".md" and resolved.is_relative_to(docs) and not bang:
+            relative = Path(os.path.relpath(resolved, page.parent)).as_posix()
+            return f"[{label}]({relative}{'#' + fragment if fragment else ''})"
+        in_repo = resolved.relative_to(REPO).as_posix() + (f"#{fragment}" if fragment else "")
+        return f"{label} ({_code(in_repo)})"
+
+    def outside_code(match: re.Match[str]) -> str:
+        return match.group(0) if match.group("code") else relink(match)
+
+    return _LINK.sub(outside_code, text)
+
+
+def runbooks_markdown(
+    alerts_path: Path = ALERTS, readme: Path = DEPLOY_README, page: Path = RUNBOOKS_PAGE
+) -> str:
+    """One section per alert of relay-alerts.yml, in file order: its severity, `for:`
+    and expression, then its runbook from deploy/README.md (the source of truth)."""
+    runbooks = runbook_sections(readme)
+    rules = alerts(alerts_path)
+    anchors = {rule.name.lower() for rule in rules}
+    lines: list[str] = []
+    for rule in rules:
+        if rule.name not in runbooks:
+            raise ValueError(
+                f"alert {rule.name} of {_shown(alerts_path)} has no runbook: add a "
+                f"'### {rule.name}' subsection under '## Runbooks' in {_shown(readme)}"
+            )
+        when = (
+            f"after the condition holds for {rule.for_}"
+            if rule.for_
+            else "as soon as the condition holds"
+        )
+        body = _relinked(
+            runbooks[rule.name],
+            source=readme,
+            page=page,
+            anchors=anchors,
+            where=f"{_shown(readme)}, ### {rule.name}",
+        )
+        lines += [f"## {rule.name}", "", f"Severity **{rule.severity}**; fires {when}.", ""]
+        lines += ["```text", rule.expr, "```", "", body, ""]
+    return "\n".join(lines)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_markdown,
     "cli": cli_markdown,
     "metrics": metrics_markdown,
+    "runbooks": runbooks_markdown,
 }
 
 
