@@ -302,14 +302,20 @@ o.sent_at IS NULL
 AND o.dead_lettered_at IS NULL
 AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
 
+-- fragment: candidate
+-- A candidate row's columns, as every part of fetch_batch that reads rows hands them on
+-- (head, beyond, beyond_groups): what the batch projection needs, its size, whether it
+-- may be sent now.
+o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
+o.available_at, o.attempts,
+{{row_size}} AS size,
+{{ready}} AS ready
+
 -- fragment: head
 -- Step 1: fetch_head's rows again, in one scan of outbox_due_idx, materialized: every
 -- later step weighs itself against this same head (what is crowded in it, which keys
 -- already have their share, which rows beyond it are new).
-SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-       o.available_at, o.attempts,
-       {{row_size}} AS size,
-       {{ready}} AS ready,
+SELECT {{candidate}},
        {{fairness_group}} AS grp
 FROM outbox AS o
 WHERE {{drainable}}
@@ -394,10 +400,7 @@ LIMIT %(limit)s
 SELECT p.*
 FROM keys AS k
 CROSS JOIN LATERAL (
-    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-           o.available_at, o.attempts,
-           {{row_size}} AS size,
-           {{ready}} AS ready,
+    SELECT {{candidate}},
            {{fairness_group}} AS grp
     FROM outbox AS o
     -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
@@ -498,10 +501,7 @@ LIMIT %(limit)s
 SELECT p.*
 FROM groups AS g
 CROSS JOIN LATERAL (
-    SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
-           o.available_at, o.attempts,
-           {{row_size}} AS size,
-           {{ready}} AS ready,
+    SELECT {{candidate}},
            g.grp
     FROM outbox AS o
     WHERE {{fairness_group}} = g.grp
