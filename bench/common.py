@@ -20,7 +20,7 @@ BARE_PRODUCER = {
     "compression.type": "lz4",
     "linger.ms": 5,
 }
-# "Unsent and due" as the drain's indexes (outbox_due_idx, outbox_due_key_idx) state it, so
+# "Unsent and due" as the drain's indexes (outbox_due_idx, outbox_due_key_hash_idx) state it, so
 # the benchmark's own probes use them.
 DUE = (
     "sent_at IS NULL AND dead_lettered_at IS NULL"

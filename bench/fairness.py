@@ -48,10 +48,11 @@ def _others(conn: psycopg.Connection[Any]) -> float:
 
 
 def _left(conn: psycopg.Connection[Any], key: str) -> int:
-    """Unsent rows of `key` (an index range of outbox_due_key_idx)."""
+    """Unsent rows of `key` (an index range of outbox_due_key_hash_idx)."""
     row = conn.execute(
-        "SELECT count(*) FROM outbox WHERE key = %s AND " + DUE,
-        (key,),
+        "SELECT count(*) FROM outbox"
+        " WHERE outbox_key_hash(key) = outbox_key_hash(%(key)s) AND key = %(key)s AND " + DUE,
+        {"key": key},
     ).fetchone()
     return 0 if row is None else int(row[0])
 
@@ -60,14 +61,18 @@ def _others_left(conn: psycopg.Connection[Any]) -> bool:
     """Any unsent row of the other keys ('o0'...'o49'), by one short index range, so
     polling it does not load the database the relay is being measured on."""
     row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM outbox WHERE key >= 'o' AND key < 'p' AND " + DUE + ")"
+        "SELECT EXISTS (SELECT 1 FROM outbox WHERE outbox_key_hash(key) = ANY(ARRAY("
+        "SELECT outbox_key_hash('o' || g) FROM generate_series(0, %s - 1) AS g))"
+        " AND key LIKE 'o%%' AND " + DUE + ")",
+        (OTHERS,),
     ).fetchone()
     return bool(row and row[0])
 
 
 def _any_left(conn: psycopg.Connection[Any], key: str | None = None) -> bool:
     row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM outbox WHERE (%(key)s::text IS NULL OR key = %(key)s)"
+        "SELECT EXISTS (SELECT 1 FROM outbox WHERE (%(key)s::text IS NULL"
+        " OR (outbox_key_hash(key) = outbox_key_hash(%(key)s) AND key = %(key)s))"
         " AND " + DUE + ")",
         {"key": key},
     ).fetchone()
@@ -76,8 +81,9 @@ def _any_left(conn: psycopg.Connection[Any], key: str | None = None) -> bool:
 
 def _first_left(conn: psycopg.Connection[Any], key: str) -> int | None:
     row = conn.execute(
-        "SELECT min(id) FROM outbox WHERE key = %s AND " + DUE,
-        (key,),
+        "SELECT min(id) FROM outbox"
+        " WHERE outbox_key_hash(key) = outbox_key_hash(%(key)s) AND key = %(key)s AND " + DUE,
+        {"key": key},
     ).fetchone()
     return None if row is None else row[0]
 

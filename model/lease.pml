@@ -280,8 +280,8 @@ inline release(l) {
 /* A row the fetch gives this lane (fetch_head / fetch_batch, one READ COMMITTED
  * statement; the rows it reads are only ever settled under a fence, so a stale read
  * costs a duplicate, never more):
- *   sql: drain.sql fetch_head sha256:c0cec5e360e936fb
- *   sql: drain.sql fetch_batch sha256:ee2027b33df6f44e
+ *   sql: drain.sql fetch_head sha256:37f7395eef32c489
+ *   sql: drain.sql fetch_batch sha256:916785a8d9d0d8c2
  * unsent, in this lane's shard, not in flight here (`in_flight`), not in a backoff
  * (`ready`), and the first such row of its key: an earlier unsent row of the key is
  * fetched first, one in a backoff holds it back (`ready`), one in flight here without

@@ -19,7 +19,7 @@ from relay.lease import Lease, Shard
 from relay.logging import get_logger
 from relay.metrics import Health
 from relay.metrics_server import MetricsServer
-from relay.migrate import index_state, shard_index_state
+from relay.migrate import index_state, missing, shard_index_state
 from relay.presence import Presence
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
@@ -151,6 +151,21 @@ class RelayApp:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
+    def _check_schema(self) -> None:
+        """The migrations this release reads, or its statements fail every round (a relay
+        deployed before `relay migrate` ran). As for the shard indexes."""
+        try:
+            with db.connect(self.settings, purpose="check") as conn:
+                lacking = missing(conn)
+        except psycopg.Error as exc:
+            log.warning("schema.check_skipped", error=db.describe_error(exc))
+            return
+        if lacking:
+            raise SettingsError(
+                "RELAY_DATABASE_URL",
+                f"the database lacks {', '.join(lacking)}: run `relay migrate` first",
+            )
+
     def _check_shard_indexes(self) -> None:
         """With shards, their indexes must exist: without them every shard's fetch would
         read the whole backlog. Checked when the database answers at start-up (a
@@ -215,6 +230,7 @@ class RelayApp:
         s = self.settings
         for variable, problem in startup_warnings(s):
             log.warning("settings.insecure", setting=variable, problem=problem)
+        self._check_schema()
         if s.shards > 1:
             self._check_shard_indexes()
         if s.fairness_group is not None:

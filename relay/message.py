@@ -34,11 +34,11 @@ class OutboxMessage(NamedTuple):
     topic: str
     key: str | None
     payload: bytes | None
-    # The row's own headers as PostgreSQL prints them, flat: [name, value, name, ...];
-    # nulls and the reserved names already left out by the query. Never parsed here: a
-    # jsonb value Python's json could not load (a 5,000-digit number, deep nesting)
-    # never reaches Python as anything but text.
-    headers: list[str] | None
+    # The row's own headers as PostgreSQL prints them, [name, value] pairs (a 2-D text
+    # array), in no meaningful order; nulls and the reserved names already left out by
+    # the query. Never parsed here: a jsonb value Python's json could not load (a
+    # 5,000-digit number, deep nesting) never reaches Python as anything but text.
+    headers: list[list[str]] | None
     # Why the row cannot be sent as it is (too large, a NULL an own table allowed,
     # headers that are no object of scalars): it is dead-lettered with this reason.
     unsendable: str | None
@@ -57,19 +57,19 @@ class OutboxMessage(NamedTuple):
         strings as they are, numbers and booleans in their JSON text."""
         if self.unsendable is not None:
             raise MalformedRow(self.unsendable)
-        flat = self.headers
-        if not flat:
+        pairs = self.headers
+        if not pairs:
             return []
-        return list(zip(flat[::2], flat[1::2], strict=True))
+        return [(name, value) for name, value in pairs]
 
     def header(self, name: str) -> str | None:
         """The value of the row's first header called `name` (given in lower case,
         compared case-insensitively), read in place; None without one."""
-        flat = self.headers
-        if flat:
-            for i in range(0, len(flat) - 1, 2):
-                if flat[i].lower() == name:
-                    return flat[i + 1]
+        pairs = self.headers
+        if pairs:
+            for key, value in pairs:
+                if key.lower() == name:
+                    return value
         return None
 
     def header_pairs(self) -> list[tuple[str, str | bytes | None]]:

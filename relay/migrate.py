@@ -48,8 +48,8 @@ class Migrated:
     """What a `relay migrate` run did."""
 
     applied: list[str]
-    # The first migration held back until a rolling upgrade is done, and why; the ones
-    # after it wait too (migrations apply in order).
+    # The migrations held back until a rolling upgrade is done, and why (one line
+    # each); None when none is.
     waiting: str | None = None
 
 
@@ -78,13 +78,15 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
     """Apply what is pending, in order, each in its transaction. Safe to run concurrently.
 
     A migration marked `-- after-rollout-of: NNNN` drops what relays from before NNNN
-    read: it waits (and so do the later ones) while this run is the one that applied
-    NNNN, since replicas of that earlier release may still be running; a fresh database
-    (nothing applied yet) has none, and takes everything at once.
+    read: it waits while this run is the one that applied NNNN, since replicas of that
+    earlier release may still be running; a fresh database (nothing applied yet) has
+    none, and takes everything at once. The migrations after a waiting one still go
+    in: this release's relays need them, and nothing a later migration does needs an
+    index dropped first (a test holds every after-rollout file to DROP statements).
     """
     migrations = load(directory)
     applied_now: list[str] = []
-    waiting: str | None = None
+    waiting: list[str] = []
     with db.connect(settings, purpose="migrate") as conn:
         # DDL may wait behind the app's traffic; do not let the relay's own timeouts
         # (meant for the hot path) cut a migration short.
@@ -99,10 +101,11 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
                 if migration.version in applied:
                     _check_unchanged(migration, applied[migration.version])
                     continue
-                waiting = _waits_for_rollout(migration, applied)
-                if waiting is not None:
-                    log.warning("migration.waiting", name=migration.name, reason=waiting)
-                    break
+                waits = _waits_for_rollout(migration, applied)
+                if waits is not None:
+                    log.warning("migration.waiting", name=migration.name, reason=waits)
+                    waiting.append(waits)
+                    continue
                 with conn.transaction():
                     # A migration file is trusted SQL shipped with the relay.
                     conn.execute(migration.sql)
@@ -117,7 +120,16 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
         finally:
             if not conn.closed and not conn.broken:
                 conn.execute(QUERIES.migrations_unlock)
-    return Migrated(applied_now, waiting)
+    return Migrated(applied_now, "\n".join(waiting) or None)
+
+
+def missing(conn: db.Conn, directory: Path | None = None) -> list[str]:
+    """The migrations this release's relay needs and the database lacks: every one but
+    those that only retire what an earlier release read, which wait for a rollout."""
+    applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
+    return [
+        m.name for m in load(directory) if m.after_rollout_of is None and m.version not in applied
+    ]
 
 
 def _check_unchanged(migration: Migration, checksum: str) -> None:
@@ -141,9 +153,9 @@ def _waits_for_rollout(migration: Migration, applied_before: dict[str, str]) -> 
 
 def shard_index_names(shards: int) -> tuple[str, str]:
     """The two indexes a count of `shards` needs: unsent rows that are due by id, and
-    their keys. (`outbox_shards_N_idx` and `_key_idx`, built before scheduled delivery,
-    also held rows not yet due; a relay of that release still reads them.)"""
-    return f"outbox_shards_{shards}_due_idx", f"outbox_shards_{shards}_due_key_idx"
+    by key hash (migration 0015; `outbox_shards_N_due_key_idx` on whole keys, which
+    the previous release reads, goes with migration 0017)."""
+    return f"outbox_shards_{shards}_due_idx", f"outbox_shards_{shards}_due_key_hash_idx"
 
 
 def shard_index_state(conn: db.Conn, shards: int) -> dict[str, bool]:

@@ -45,14 +45,18 @@ def statements(
     table_schema = settings.outbox_table.split(".")[0] if "." in settings.outbox_table else None
     made: list[str] = []
 
-    def index(query: LiteralString, what: str) -> sql.Composed:
-        """The index, named for its definition: a changed mapping makes new ones (and
+    def name_of(query: LiteralString, what: str) -> str:
+        """An index is named for its definition: a changed mapping makes new ones (and
         the old ones go), where IF NOT EXISTS would keep a stale one by its name."""
         args = {"table": table, "due": due, **layout.index_columns}
         definition = sql.SQL(query).format(index=sql.Identifier("_"), **args).as_string(None)
         digest = hashlib.sha256(definition.encode()).hexdigest()[:8]
-        name = f"{index_prefix(settings)}{what}_{digest}"
+        return f"{index_prefix(settings)}{what}_{digest}"
+
+    def index(query: LiteralString, what: str) -> sql.Composed:
+        name = name_of(query, what)
         made.append(name)
+        args = {"table": table, "due": due, **layout.index_columns}
         return sql.SQL(query).format(index=sql.Identifier(name), **args)
 
     due: sql.Composable = sql.SQL("true")
@@ -80,6 +84,8 @@ def statements(
     if keyed:
         out.append(index(QUERIES.own_table_index_key, "key"))
         out.append(index(QUERIES.own_table_index_backoff, "backoff"))
+        # Not built, but not dropped where an earlier release built it.
+        made.append(name_of(QUERIES.own_table_index_key_retired, "key"))
     if "available_at" in layout.index_columns:
         out.append(index(QUERIES.own_table_index_scheduled, "scheduled"))
         if keyed:

@@ -103,7 +103,7 @@ def message_bytes(message: OutboxMessage) -> int:
     if message.key is not None:
         size += len(message.key.encode())
     if message.headers:
-        size += sum(len(part.encode()) for part in message.headers)
+        size += sum(len(name.encode()) + len(value.encode()) for name, value in message.headers)
     return size
 
 

@@ -52,7 +52,7 @@ class Reader:
         self._poll_max = poll_max_seconds
         self._clock = clock
         self._prefetched: Prefetched | None = None  # fetched, not published yet
-        self._after_key: str | None = None  # where the next round over keys starts
+        self._after_key: int | None = None  # where the next round over keys starts
         self._after_group: str | None = None  # ... over fairness groups
         self._look_for_others_at = 0.0
         self._promote_at = 0.0  # when to look for scheduled rows that are due

@@ -26,7 +26,7 @@ def fetch_batch(
     conn: Conn,
     limits: BatchLimits,
     in_flight: str = "{}",
-    after_key: str | None = None,
+    after_key: int | None = None,
     *,
     held: Sequence[str] = (),
     share_busy_keys: bool = True,

@@ -163,16 +163,32 @@ def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
     return psycopg.connect(dsn, autocommit=True)
 
 
+def _database_at(pg: PostgresServer, tmp_path: Path, last: str) -> tuple[str, str]:
+    """(name, dsn) of a new database migrated up to migration `last` only."""
+    name = f"m_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name)
+    folder = tmp_path / f"migrations-{last}"
+    folder.mkdir()
+    for path in sorted(migrations_dir().glob("[0-9][0-9][0-9][0-9]_*.sql")):
+        if path.name[:4] <= last:
+            shutil.copy(path, folder / path.name)
+    migrate(CommonSettings(database_url=dsn), folder)
+    return name, dsn
+
+
 @pytest.fixture
 def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
     """A database migrated up to 0007 only, as a relay from before scheduled delivery
     (0008-0009) left it."""
-    name = f"m_{uuid.uuid4().hex[:10]}"
-    dsn = pg.create_database(name)
-    folder = tmp_path / "migrations-0007"
-    folder.mkdir()
-    for path in sorted(migrations_dir().glob("000[1-7]_*.sql")):
-        shutil.copy(path, folder / path.name)
-    migrate(CommonSettings(database_url=dsn), folder)
+    name, dsn = _database_at(pg, tmp_path, "0007")
+    yield dsn
+    pg.drop_database(name)
+
+
+@pytest.fixture
+def db_at_0014(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
+    """A database migrated up to 0014 only, as a relay from before the key hash index
+    (0015-0017) left it."""
+    name, dsn = _database_at(pg, tmp_path, "0014")
     yield dsn
     pg.drop_database(name)

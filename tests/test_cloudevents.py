@@ -120,7 +120,7 @@ def test_kafka_records_are_cloudevents_to_the_sdk(
         check(event, row, topic)
 
 
-def message(key: str | None, headers: list[str] | None) -> OutboxMessage:
+def message(key: str | None, headers: list[list[str]] | None) -> OutboxMessage:
     return OutboxMessage(
         id=1,
         message_id="0b6b7a0e-8f3c-4c1e-9a57-1d2c3b4a5f60",
@@ -138,7 +138,7 @@ def message(key: str | None, headers: list[str] | None) -> OutboxMessage:
 def test_rabbitmq_and_nats_messages_carry_the_attributes_by_their_binding() -> None:
     ce = CloudEvents(SOURCE, "type")
     row = message(
-        "order 42/ü", ["content-type", "application/json", "type", "t.paid", "ce-id", "x"]
+        "order 42/ü", [["content-type", "application/json"], ["type", "t.paid"], ["ce-id", "x"]]
     )
     amqp = message_for(row, ce)
     event = ce_rabbitmq.from_binary(
@@ -164,7 +164,7 @@ def test_rabbitmq_and_nats_messages_carry_the_attributes_by_their_binding() -> N
     assert "ce-source" not in headers_for(row) and headers_for(row)["ce-id"] == "x"
     # An empty type falls back to the topic, an empty key is no subject; the app's own
     # extension attributes go through.
-    odd = message("", ["type", "", "ce-dataschema", "https://example.com/s"])
+    odd = message("", [["type", ""], ["ce-dataschema", "https://example.com/s"]])
     attributes = dict(ce.attributes(odd))
     assert attributes["type"] == "orders" and "subject" not in attributes
     assert headers_for(odd, ce)["ce-dataschema"] == "https://example.com/s"
@@ -200,7 +200,12 @@ def test_each_sinks_binding_sends_the_shared_attributes_its_own_way() -> None:
     ce = CloudEvents(SOURCE, "type")
     row = message(
         "order 42/ü",
-        ["content-type", "application/json", "type", "t.paid", "ce-id", "x", "CE_Source", "s"],
+        [
+            ["content-type", "application/json"],
+            ["type", "t.paid"],
+            ["ce-id", "x"],
+            ["CE_Source", "s"],
+        ],
     )
     mid, time = row.message_id, row.created_at
     attributes = [

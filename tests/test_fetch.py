@@ -29,7 +29,7 @@ from tests.support import (
 LIMITS = BatchLimits(rows=100, bytes=8 << 20, per_key=20)
 
 
-def fetch_from(dsn: str, limits: BatchLimits = LIMITS, after_key: str | None = None) -> Fetched:
+def fetch_from(dsn: str, limits: BatchLimits = LIMITS, after_key: int | None = None) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
         return repository.fetch_batch(conn, limits, "{}", after_key)
@@ -178,7 +178,7 @@ def test_past_a_crowded_head_the_keys_take_turns(database: str) -> None:
         bulk(database, "t", f"k{k:02}", 1)
     limits = BatchLimits(rows=12, bytes=8 << 20, per_key=2, fill=False)
     seen: set[str | None] = set()
-    after: str | None = None
+    after: int | None = None
     with psycopg.connect(database, autocommit=True) as conn:
         for _ in range(4):
             fetched = fetch_from(database, limits, after_key=after)
@@ -193,19 +193,28 @@ def test_past_a_crowded_head_the_keys_take_turns(database: str) -> None:
 
 
 def test_a_round_that_meets_only_held_back_keys_moves_on(database: str) -> None:
-    """More keys in backoff than a round reaches, all sorting before the healthy ones:
-    the round comes back empty but says where it stopped, and the next goes on from
-    there (found in review: the cursor used to stay put, and the batches stayed empty)."""
+    """More keys in backoff than a round reaches, all before the healthy ones in the
+    round's order (their hashes'): the round comes back empty but says where it
+    stopped, and the next goes on from there (found in review: the cursor used to stay
+    put, and the batches stayed empty)."""
     with psycopg.connect(database, autocommit=True) as conn:
+        by_hash = [
+            key
+            for (key,) in conn.execute(
+                "SELECT k FROM (SELECT 'a' || g AS k FROM generate_series(0, 999) AS g) AS c"
+                " ORDER BY outbox_key_hash(k)"
+            )
+        ]
+        held, healthy = by_hash[:30], by_hash[-5:]
         conn.execute(
             "INSERT INTO outbox (topic, key, attempts, next_attempt_at)"
-            " SELECT 't', 'a' || lpad(g::text, 2, '0'), 1, now() + interval '1 hour'"
-            " FROM generate_series(0, 29) AS g"
+            " SELECT 't', k, 1, now() + interval '1 hour' FROM unnest(%s::text[]) AS k",
+            (held,),
         )
-    for k in range(5):
-        bulk(database, "t", f"z{k}", 3)
+    for key in healthy:
+        bulk(database, "t", key, 3)
     limits = BatchLimits(rows=10, bytes=8 << 20, per_key=2)
-    after: str | None = None
+    after: int | None = None
     rounds = []
     for _ in range(5):
         fetched = fetch_from(database, limits, after_key=after)
@@ -214,8 +223,8 @@ def test_a_round_that_meets_only_held_back_keys_moves_on(database: str) -> None:
             break
         assert fetched.walked_to is not None and fetched.walked_to != after
         after = fetched.walked_to
-    assert rounds[-1] > 0, rounds
-    assert {r.key for r in fetched.messages} <= {f"z{k}" for k in range(5)}
+    assert rounds[0] == 0 and rounds[-1] > 0, rounds
+    assert {r.key for r in fetched.messages} <= set(healthy)
 
 
 def test_a_round_stopped_by_keys_in_backoff_never_counts_as_nobody_else_waiting(
@@ -236,7 +245,7 @@ def test_a_round_stopped_by_keys_in_backoff_never_counts_as_nobody_else_waiting(
     fetched = fetch_from(database, limits)
     assert fetched.fair and fetched.walked_to is not None
     assert not fetched.alone
-    after: str | None = fetched.walked_to
+    after: int | None = fetched.walked_to
     for _ in range(4):
         fetched = fetch_from(database, limits, after_key=after)
         if "C" in keys_of(fetched.messages):
@@ -336,7 +345,7 @@ def test_a_blocked_key_backlog_costs_the_fetch_nothing(database: str) -> None:
 
 def test_rare_keys_behind_a_hot_one_are_found_whatever_the_statistics(database: str) -> None:
     """The statistics saw only the hot key (analyzed before the others arrived): the
-    planner must still reach the other keys through outbox_key_idx, not by walking the
+    planner must still reach the other keys through outbox_due_key_hash_idx, not by walking the
     hot key's backlog in id order (found by the benchmark: 650 ms a fetch)."""
     bulk(database, "t", "H", 20_000)
     for k in range(20):
@@ -352,16 +361,24 @@ def test_many_rows_in_backoff_with_stale_statistics_keep_the_fetch_cheap(databas
     their own keys in backoff, in front: the per-row backoff probe must stay on
     outbox_backoff_idx (key, id). It used to take outbox_failing_idx (id) and read every
     failing row with a lower id, for every row it checked (found in review: 3 s a
-    fetch with 30,000 failing rows)."""
+    fetch with 30,000 failing rows). The 2,000 healthy keys come first in the round
+    over keys (their hashes are the lowest), so one fetch reaches 500 of them."""
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")  # stay stale
         conn.execute(
+            "CREATE TEMPORARY TABLE ranked AS SELECT 'k' || g AS key,"
+            " row_number() OVER (ORDER BY outbox_key_hash('k' || g)) AS n"
+            " FROM generate_series(1, 32000) AS g"
+        )
+        healthy = {key for (key,) in conn.execute("SELECT key FROM ranked WHERE n <= 2000")}
+        conn.execute(
             "INSERT INTO outbox (topic, key, payload)"
-            " SELECT 't', 'f' || g, 'x' FROM generate_series(1, 30000) AS g"
+            " SELECT 't', key, 'x' FROM ranked WHERE n > 2000 ORDER BY n"
         )
         conn.execute(
             "INSERT INTO outbox (topic, key, payload)"
-            " SELECT 't', 'a' || (g % 2000), 'x' FROM generate_series(1, 20000) AS g"
+            " SELECT 't', r.key, 'x' FROM generate_series(1, 20000) AS g"
+            " JOIN ranked AS r ON r.n = 1 + g % 2000 ORDER BY g"
         )
         conn.execute(
             "INSERT INTO outbox (topic, key, payload, attempts, next_attempt_at)"
@@ -370,11 +387,11 @@ def test_many_rows_in_backoff_with_stale_statistics_keep_the_fetch_cheap(databas
         conn.execute("VACUUM ANALYZE outbox")
         conn.execute(
             "UPDATE outbox SET attempts = 1, next_attempt_at = now() + interval '1 hour'"
-            " WHERE key LIKE 'f%%'"
+            " WHERE key IN (SELECT key FROM ranked WHERE n > 2000)"
         )
     limits = dataclasses.replace(LIMITS, rows=500, per_key=100)
     rows = fetch(database, limits)
-    assert len(rows) == 500 and all(r.key is not None and r.key[0] == "a" for r in rows)
+    assert len(rows) == 500 and {r.key for r in rows} <= healthy
     cost = _fetch_cost(database, limits)
     assert cost < 50_000, cost
 

@@ -97,8 +97,8 @@ def message(**fields: Any) -> OutboxMessage:
         "attempts": 0,
     }
     values.update(fields)
-    if isinstance(values["headers"], dict):  # as the fetch query hands them over: flat text
-        values["headers"] = [part for pair in values["headers"].items() for part in pair]
+    if isinstance(values["headers"], dict):  # as the fetch query hands them over: text pairs
+        values["headers"] = [[name, value] for name, value in values["headers"].items()]
     return OutboxMessage(**values)
 
 

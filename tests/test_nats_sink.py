@@ -125,10 +125,10 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
 
 
 def test_headers_steer_nothing_and_break_no_line() -> None:
-    def msg(headers: list[str], key: str | None = "k") -> OutboxMessage:
+    def msg(headers: list[list[str]], key: str | None = "k") -> OutboxMessage:
         return OutboxMessage(1, "m-1", "t", key, b"", headers, None, "now", 0.0, 0)
 
-    sent = headers_for(msg(["Nats-Expected-Stream", "OTHER", "Nats-Msg-Id", "x", "a", "b"]))
+    sent = headers_for(msg([["Nats-Expected-Stream", "OTHER"], ["Nats-Msg-Id", "x"], ["a", "b"]]))
     assert sent == {
         "a": "b",
         "message-id": "m-1",
@@ -139,6 +139,6 @@ def test_headers_steer_nothing_and_break_no_line() -> None:
     from relay.message import MalformedRow
 
     with pytest.raises(MalformedRow, match="line break"):
-        headers_for(msg(["a", "x\r\nNats-Msg-Id: y"]))
+        headers_for(msg([["a", "x\r\nNats-Msg-Id: y"]]))
     with pytest.raises(MalformedRow, match="header name"):
-        headers_for(msg(["a b", "x"]))
+        headers_for(msg([["a b", "x"]]))

@@ -113,7 +113,7 @@ def test_the_settings_make_the_batches_and_reach_the_drain() -> None:
 
 def test_a_row_counts_its_payload_topic_key_and_headers_in_bytes() -> None:
     message = OutboxMessage(
-        1, "m", "tópic", "key", b"x" * 10, ["h", "vé"], None, "2024", 0.0, 0
+        1, "m", "tópic", "key", b"x" * 10, [["h", "vé"]], None, "2024", 0.0, 0
     )  # ó and é are two bytes each
     assert message_bytes(message) == 10 + 6 + 3 + 1 + 3
 

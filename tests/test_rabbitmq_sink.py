@@ -87,7 +87,7 @@ def test_the_amqp_message_of_a_row() -> None:
         "orders",
         "k1",
         b"{}",
-        ["content-type", "application/json", "tenant", "acme", "message-id", "forged"],
+        [["content-type", "application/json"], ["tenant", "acme"], ["message-id", "forged"]],
         None,
         "2026-11-24T10:00:00.000000Z",
         0.0,
@@ -102,7 +102,7 @@ def test_the_amqp_message_of_a_row() -> None:
         "created-at": "2026-11-24T10:00:00.000000Z",
         "message-key": "k1",
     }
-    long_name = OutboxMessage(1, "i", "t", None, b"", ["h" * 200, "v"], None, "x", 0.0, 0)
+    long_name = OutboxMessage(1, "i", "t", None, b"", [["h" * 200, "v"]], None, "x", 0.0, 0)
     with pytest.raises(MalformedRow):
         message_for(long_name)
 

@@ -231,7 +231,8 @@ def test_a_dba_can_build_the_indexes_concurrently_first_and_a_failed_build_is_na
             " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
         )
     applied = migrate(CommonSettings(database_url=db_at_0007)).applied  # 0008 went in before
-    assert [name[:4] for name in applied] == ["0009"]
+    # 0009 now, 0010 waiting for the rollout (the later ones go in beside it).
+    assert [name[:4] for name in applied if name[:4] <= "0010"] == ["0009"]
     assert "outbox_scheduled_key_idx" in outbox_indexes(db_at_0007)
 
 

@@ -32,7 +32,7 @@ CREATED_AT = "2026-11-24T10:00:00.000000Z"
 
 
 def message(
-    topic: str, key: str | None, payload: str, headers: list[str] | None = None
+    topic: str, key: str | None, payload: str, headers: list[list[str]] | None = None
 ) -> OutboxMessage:
     return OutboxMessage(
         id=0,
@@ -74,7 +74,7 @@ def test_acknowledges_and_carries_id_and_headers(
 ) -> None:
     sink = open_sink(target.settings())
     batch = [
-        message(target.topic, "a", "a:0", ["trace", "t-1", "tenant", "acme"]),
+        message(target.topic, "a", "a:0", [["trace", "t-1"], ["tenant", "acme"]]),
         message(target.topic, "a", "a:1"),
         message(target.topic, None, "keyless"),
     ]
@@ -99,7 +99,7 @@ def test_kafka_records_carry_what_the_positional_produce_call_meant(
     topic = f"positional-{uuid.uuid4().hex[:8]}"
     kafka.create_topic(topic, partitions=1)
     sink = open_sink({"sink": "kafka", "kafka_bootstrap_servers": kafka.bootstrap_servers})
-    sent = message(topic, "k-1", "v-1", ["trace", "t-1"])
+    sent = message(topic, "k-1", "v-1", [["trace", "t-1"]])
     before_ms = time.time() * 1000
     assert sink.start_publish([sent], lambda: False).wait()[0].outcome is Outcome.ACKED
     [record] = consume(kafka.bootstrap_servers, topic, min_count=1)

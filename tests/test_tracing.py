@@ -157,7 +157,7 @@ def test_a_batch_span_links_a_traceparent_whatever_the_case_of_its_name() -> Non
 
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     rows = [
-        OutboxMessage(n, str(n), "t", "k", b"", [name, traceparent], None, "", 0.0, 0)
+        OutboxMessage(n, str(n), "t", "k", b"", [[name, traceparent]], None, "", 0.0, 0)
         for n, name in enumerate(("traceparent", "Traceparent", "x-other"))
     ]
     tracing = Tracing("kafka")
@@ -179,11 +179,11 @@ def test_an_http_request_span_replaces_the_rows_trace_context_with_its_own(
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    own = ["TraceParent", f"00-{trace_id}-{parent}-01", "tracestate", "vendor=1"]
+    own = [["TraceParent", f"00-{trace_id}-{parent}-01"], ["tracestate", "vendor=1"]]
     row = OutboxMessage(1, "m-1", "t", "k", b"", own, None, "", 0.0, 0)
     tracing = Tracing("http")
     spans = RequestSpans(tracing)
-    forwarded = [("TraceParent", own[1].encode()), ("tracestate", b"vendor=1"), ("x-a", b"1")]
+    forwarded = [("TraceParent", own[0][1].encode()), ("tracestate", b"vendor=1"), ("x-a", b"1")]
     try:
         url = "https://hooks.example:8443/in?token=secret"
         with spans.request(row, url, forwarded) as (span, headers):

@@ -1,6 +1,6 @@
-"""Upgrades: the index set a fresh outbox carries, and the rolling upgrade that retires
-the previous release's indexes (migration 0010) with a relay of that release running
-beside this one, nothing lost."""
+"""Upgrades: the index set a fresh outbox carries, and the rolling upgrades that retire
+a previous release's indexes (migrations 0010 and 0017) with a relay of that release
+running beside this one, nothing lost."""
 
 from __future__ import annotations
 
@@ -28,16 +28,19 @@ from tests.support import (
 )
 
 # The relay before scheduled delivery (migrations 0008-0009), which reads
-# outbox_unsent_idx and outbox_key_idx: "the previous release" of this upgrade.
+# outbox_unsent_idx and outbox_key_idx: "the previous release" of that upgrade.
 BEFORE_0009 = "26f30cd^"
 LEGACY = ("outbox_unsent_idx", "outbox_key_idx")
+# The relay before the key hash index (migrations 0015-0017), which walks keys through
+# outbox_due_key_idx.
+BEFORE_0015 = "e0577bc"
 
 # What a fresh outbox carries, and which of them an app's INSERT writes (a partial
 # index whose predicate a new row fails costs the insert nothing).
 INDEXES = {
     "outbox_pkey": "the id",
     "outbox_due_idx": "the fetch's walk in id order (written by every insert)",
-    "outbox_due_key_idx": "the fair fetch's walk over keys (written by every insert)",
+    "outbox_due_key_hash_idx": "the fair fetch's walk over keys (written by every insert)",
     "outbox_backoff_idx": "rows waiting out a backoff, blocking their keys",
     "outbox_failing_rows_idx": "rows that failed, for the lag and the CLI",
     "outbox_dead_letter_idx": "dead letters, for listing and requeueing",
@@ -45,7 +48,7 @@ INDEXES = {
     "outbox_scheduled_idx": "scheduled rows by due time, for their promotion",
     "outbox_scheduled_key_idx": "scheduled rows by key, blocking their keys",
 }
-WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_idx", "outbox_due_key_idx"}
+WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_idx", "outbox_due_key_hash_idx"}
 
 
 def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: str) -> None:
@@ -66,21 +69,26 @@ def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: st
     assert grown == WRITTEN_BY_EVERY_INSERT
 
 
-@pytest.fixture
-def previous_release(tmp_path: Path) -> Path:
-    """The relay of the release before 0009, from the repository's history."""
+def release(commit: str, tmp_path: Path) -> Path:
+    """The relay as it was at `commit`, from the repository's history."""
     try:
         archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", BEFORE_0009, "relay"],
+            ["git", "-C", str(REPO), "archive", "--format=tar", commit, "relay"],
             check=True,
             capture_output=True,
         ).stdout
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"needs the repository's history (a full clone): {exc.stderr.decode()}")
-    folder = tmp_path / "previous"
+    folder = tmp_path / f"release-{commit}"
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
     return folder
+
+
+@pytest.fixture
+def previous_release(tmp_path: Path) -> Path:
+    """The relay of the release before 0009."""
+    return release(BEFORE_0009, tmp_path)
 
 
 def start(code: Path, dsn: str, kafka: TansuBroker, replica: str) -> subprocess.Popen[str]:
@@ -146,6 +154,8 @@ def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are
         output = relay_migrate(db_at_0007)
         assert "0008" in output and "0009" in output and "0010" not in output.splitlines()[0]
         assert "0010_retire_legacy_indexes.sql waits" in output, output
+        # The migrations after it go in: this release's relay needs them.
+        assert "0015_key_hash_index.sql" in output.splitlines()[0], output
         assert set(LEGACY) <= set(outbox_indexes(db_at_0007))
         insert_rows(db_at_0007, topic, rows[200:400])  # the old relay drains on
         new = start(REPO, db_at_0007, kafka, "new")
@@ -186,18 +196,90 @@ def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
         "0009",
     ]
     migrated = migrate(CommonSettings(database_url=db_at_0007))
-    assert migrated.applied[0] == "0010_retire_legacy_indexes.sql" and migrated.waiting is None
+    assert migrated.applied[0] == "0010_retire_legacy_indexes.sql"
+    # ... and 0017 waits behind the 0015 this run applied, as 0010 did behind 0009.
+    assert migrated.waiting is not None and "0017" in migrated.waiting
+    migrated = migrate(CommonSettings(database_url=db_at_0007))
+    assert migrated.applied == ["0017_retire_key_index.sql"] and migrated.waiting is None
     assert set(outbox_indexes(db_at_0007)) == set(INDEXES)
 
 
-def test_the_previous_release_is_in_the_history() -> None:
-    """A guard for the upgrade test: BEFORE_0009 names a commit whose migrations stop at
-    0007 (so its relay is one that reads the old indexes)."""
+def test_a_rolling_upgrade_to_key_hashes_walks_keys_fairly_and_loses_nothing(
+    db_at_0014: str, kafka: TansuBroker, topic: str, tmp_path: Path
+) -> None:
+    """The previous release (its fair fetch walks whole keys, outbox_due_key_idx)
+    drains a hot key and six others (the hot key passes its cap in every head, so the
+    fair fetch runs); this release's `relay migrate` adds 0015 and holds
+    0017 back; a relay of this release joins and takes over, walking key hashes; a
+    second `relay migrate` drops the whole-key index. Every row arrives, each key in
+    order."""
+    rows = [
+        ("hot", f"hot:{n // 2}".encode()) if n % 2 else (f"k{n % 6}", f"k{n % 6}:{n}".encode())
+        for n in range(1200)
+    ]
+    old = start(release(BEFORE_0015, tmp_path), db_at_0014, kafka, "old")
+    new: subprocess.Popen[str] | None = None
+    try:
+        wait_until(lambda: holder(db_at_0014) == "old", timeout=20, message="old relay leads")
+        insert_rows(db_at_0014, topic, rows[:400])
+        output = relay_migrate(db_at_0014)
+        assert "0015" in output and "0017_retire_key_index.sql waits" in output, output
+        indexes = outbox_indexes(db_at_0014)
+        assert {"outbox_due_key_idx", "outbox_due_key_hash_idx"} <= set(indexes)
+        insert_rows(db_at_0014, topic, rows[400:700])  # the old relay drains on
+        new = start(REPO, db_at_0014, kafka, "new")
+        wait_until(lambda: unsent_count(db_at_0014) < 500, timeout=30, message="old drains")
+        old_err = stop(old)
+        assert "Traceback" not in old_err, old_err[-2000:]
+        wait_until(lambda: holder(db_at_0014) == "new", timeout=20, message="new takes over")
+        insert_rows(db_at_0014, topic, rows[700:1000])
+        output = relay_migrate(db_at_0014)
+        assert output.split(": ", 1)[1].startswith("0017_retire_key_index.sql"), output
+        assert "outbox_due_key_idx" not in outbox_indexes(db_at_0014)
+        insert_rows(db_at_0014, topic, rows[1000:])
+        wait_until(lambda: unsent_count(db_at_0014) == 0, timeout=60, message="all sent")
+    finally:
+        stop(old)
+        if new is not None:
+            new_err = stop(new)
+            assert "Traceback" not in new_err, new_err[-2000:]
+    records = dedup_by_message_id(consume(kafka.bootstrap_servers, topic, min_count=1200))
+    assert sorted((r.key, r.value) for r in records) == sorted(rows)
+    for key in {k for k, _ in rows}:
+        assert [r.value for r in records if r.key == key] == [p for k, p in rows if k == key]
+
+
+def test_a_relay_deployed_before_its_migrations_refuses_to_start_and_says_what_to_run(
+    db_at_0014: str, kafka: TansuBroker
+) -> None:
+    """Without 0015 the fair fetch would fail on every round; the relay says so at once.
+    Once `relay migrate` ran (0017 waiting for the rollout, which it may), it starts."""
+    env = relay_env(db_at_0014, kafka.bootstrap_servers)
+    done = subprocess.run(
+        relay_command("run"), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "RELAY_DATABASE_URL" in done.stderr and "0015_key_hash_index.sql" in done.stderr
+    assert "relay migrate" in done.stderr and "0017" not in done.stderr
+    assert "0017_retire_key_index.sql waits" in relay_migrate(db_at_0014)
+    relay = start(REPO, db_at_0014, kafka, "new")
+    try:
+        wait_until(lambda: holder(db_at_0014) == "new", timeout=20, message="it starts")
+    finally:
+        err = stop(relay)
+    assert "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize(("commit", "last"), [(BEFORE_0009, "0007"), (BEFORE_0015, "0014")])
+def test_the_previous_release_is_in_the_history(commit: str, last: str) -> None:
+    """A guard for the upgrade tests: each previous release names a commit whose
+    migrations stop where its test's database does (so its relay is one that reads
+    the old indexes)."""
     listed = subprocess.run(
-        ["git", "-C", str(REPO), "ls-tree", "--name-only", BEFORE_0009, "migrations/"],
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", commit, "migrations/"],
         check=True,
         capture_output=True,
         text=True,
         env={**os.environ, "GIT_PAGER": "cat"},
     ).stdout.split()
-    assert max(Path(p).name for p in listed if Path(p).name[0].isdigit())[:4] == "0007"
+    assert max(Path(p).name for p in listed if Path(p).name[0].isdigit())[:4] == last

@@ -96,12 +96,13 @@ WHERE id = %(id)s::bigint;
 -- name: console_blocked_keys
 -- Keys in backoff: each failing row (the head of its key, waiting out next_attempt_at,
 -- found through outbox_failing_rows_idx), with how many later rows of its key wait
--- behind it (counted through outbox_due_key_idx, up to a cap).
+-- behind it (counted through outbox_due_key_hash_idx, up to a cap).
 SELECT f.key, f.id, f.topic, f.attempts, f.next_attempt_at, f.last_error,
        extract(epoch FROM f.next_attempt_at - now())::float8 AS next_attempt_in_seconds,
        (SELECT count(*)
           FROM (SELECT 1 FROM outbox AS w
-                 WHERE w.key = f.key AND w.id > f.id
+                 WHERE outbox_key_hash(w.key) = outbox_key_hash(f.key)
+                   AND w.key = f.key AND w.id > f.id
                    AND w.sent_at IS NULL AND w.dead_lettered_at IS NULL
                    AND (w.available_at IS NULL OR w.promoted_at IS NOT NULL)
                  LIMIT %(cap)s) AS behind)

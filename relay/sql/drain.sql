@@ -38,28 +38,49 @@ SELECT set_config('enable_bitmapscan', 'off', false);
 -- fragment: this_shard
 -- With %(shards)s > 1 (RELAY_SHARDS, migration 0007), shard %(shard)s's rows only, read
 -- through the per-count indexes `relay migrate --shards N` creates
--- (outbox_shards_N_due_idx, outbox_shards_N_due_key_idx): under a custom plan the count
+-- (outbox_shards_N_due_idx, outbox_shards_N_due_key_hash_idx): under a custom plan the count
 -- is a constant, so the expression matches theirs. With one shard the test folds away.
 (%(shards)s::integer = 1 OR outbox_shard(o.key, o.id, %(shards)s::integer) = %(shard)s::integer)
 
+-- fragment: header_facts
+-- What the fetch needs of a candidate row's (`o`) headers, from one walk of them (a
+-- walk per need cost three times as much), as one outbox_header_facts (migration
+-- 0016); NULL for headers that are no object (jsonb_each would fail on them), without
+-- running the walk at all. bytes: their size in row_size, each header its name and its
+-- value as text, never the whole headers printed as JSON (a value of control
+-- characters prints six times its size, past what one text can hold: the fetch would
+-- fail for good); an array or object value counts as stored: such a row is
+-- dead-lettered anyway. refused: why the first header whose value is an array or
+-- object cannot be sent (unsendable). pairs: the headers to send as [name, value] text
+-- pairs (a flat array takes a second set-returning function per header), each value
+-- as PostgreSQL prints it (headers->>'name'), nulls and the relay's own names left
+-- out: never parsed by Python (a value Python's json cannot load cannot hurt the
+-- relay). Header order carries no meaning: "first" and the pairs' order are jsonb's
+-- own key order, in which array_agg reads the function scan.
+CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
+    (SELECT ROW(coalesce(sum(octet_length(header.key)
+                             + CASE WHEN jsonb_typeof(header.value) IN ('object', 'array')
+                                    THEN pg_column_size(header.value)
+                                    ELSE coalesce(octet_length(header.value #>> '{}'), 0)
+                               END), 0),
+                (array_agg('header ' || to_jsonb(header.key)::text
+                           || ' must be a string or scalar, got '
+                           || jsonb_typeof(header.value))
+                     FILTER (WHERE jsonb_typeof(header.value) IN ('object', 'array')))[1],
+                array_agg(ARRAY[header.key, header.value #>> '{}'])
+                    FILTER (WHERE jsonb_typeof(header.value) <> 'null'
+                              AND lower(header.key) NOT IN ('message-id', 'created-at'))
+               )::outbox_header_facts
+     FROM jsonb_each(o.headers) AS header)
+END
+
 -- fragment: row_size
 -- A row's size as %(max_bytes)s and %(message_max)s count it: payload, topic, key and
--- headers, each as the relay would hold it. octet_length reads a stored length, never
--- the bytes; a header counts its name and its value as text, never the whole headers
--- printed as JSON (a value of control characters prints six times its size, past
--- what one text can hold: the fetch would fail for good). An array or object value is
--- counted as stored: such a row is dead-lettered anyway.
+-- headers, each as the relay would hold it (an object's: its header_facts, `o.facts`;
+-- other headers as stored). octet_length reads a stored length, never the bytes.
 coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 + coalesce(octet_length(o.key), 0)
-+ CASE WHEN jsonb_typeof(o.headers) = 'object' THEN
-           coalesce((SELECT sum(octet_length(header.key)
-                                + CASE WHEN jsonb_typeof(header.value) IN ('object', 'array')
-                                       THEN pg_column_size(header.value)
-                                       ELSE coalesce(octet_length(header.value #>> '{}'), 0)
-                                  END)
-                     FROM jsonb_each(o.headers) AS header), 0)
-       ELSE coalesce(pg_column_size(o.headers), 0)
-  END
++ coalesce((o.facts).bytes, pg_column_size(o.headers), 0)
 
 -- fragment: ready
 -- Whether a row may be sent now: it is not waiting out a retry backoff, its key is not
@@ -103,16 +124,6 @@ AND (NOT EXISTS (SELECT 1
            AND scheduled.promoted_at IS NULL
      ))
 
--- fragment: header_array
--- A fetched row's headers as one flat text array [name, value, ...], exactly as
--- PostgreSQL prints each value (headers->>'name'), nulls and the relay's own names left
--- out: never parsed by Python (a value Python's json cannot load cannot hurt the relay).
-(SELECT array_agg(pair.text ORDER BY header.n, pair.n)
- FROM jsonb_each_text(m.headers) WITH ORDINALITY AS header (key, value, n)
- CROSS JOIN LATERAL (VALUES (1, header.key), (2, header.value)) AS pair (n, text)
- WHERE header.value IS NOT NULL
-   AND lower(header.key) NOT IN ('message-id', 'created-at'))
-
 -- fragment: unsendable
 -- Why a fetched row cannot be sent as it is (it is dead-lettered with this reason): too
 -- large to load, a topic no destination takes, a column an own table left NULL, or
@@ -132,11 +143,7 @@ CASE WHEN m.size > %(message_max)s::bigint THEN
          'headers must be a JSON object, got string: ' || left(m.headers #>> '{}', 200)
      WHEN jsonb_typeof(m.headers) <> 'object' THEN
          'headers must be a JSON object, got ' || jsonb_typeof(m.headers)
-     ELSE (SELECT 'header ' || to_jsonb(header.key)::text
-                  || ' must be a string or scalar, got ' || jsonb_typeof(header.value)
-           FROM jsonb_each(m.headers) AS header
-           WHERE jsonb_typeof(header.value) IN ('object', 'array')
-           LIMIT 1)
+     ELSE (m.facts).refused
 END
 
 -- fragment: message_times
@@ -174,7 +181,7 @@ SELECT m.id,
        m.key,
        CASE WHEN m.within AND m.size <= %(message_max)s::bigint THEN m.payload END AS payload,
        CASE WHEN m.within AND m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
-           {{header_array}}
+           (m.facts).pairs
        END AS headers,
        {{unsendable}} AS unsendable,
        {{message_times}},
@@ -191,21 +198,22 @@ FROM (SELECT head.*,
                       OVER running <= %(max_bytes)s
                   OR count(*) FILTER (WHERE head.ready)
                       OVER running = 1) AS within
-      FROM (SELECT o.*,
-                   {{row_size}} AS size,
-                   {{ready}} AS ready
-            FROM outbox AS o
-            WHERE o.sent_at IS NULL
-              AND o.dead_lettered_at IS NULL
-              -- Not scheduled, or due and promoted (promote_due): outbox_due_idx.
-              AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-              -- The batches published and not yet settled. The parameter is sent
-              -- untyped, so the cast makes it a bigint[] constant of the custom plan:
-              -- a hash lookup.
-              AND o.id <> ALL(%(in_flight)s::bigint[])
-              AND {{this_shard}}
-            ORDER BY o.id
-            LIMIT %(limit)s) AS head
+      FROM (SELECT o.*, {{row_size}} AS size
+            FROM (SELECT o.*,
+                         {{header_facts}} AS facts,
+                         {{ready}} AS ready
+                  FROM outbox AS o
+                  WHERE o.sent_at IS NULL
+                    AND o.dead_lettered_at IS NULL
+                    -- Not scheduled, or due and promoted (promote_due): outbox_due_idx.
+                    AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                    -- The batches published and not yet settled. The parameter is sent
+                    -- untyped, so the cast makes it a bigint[] constant of the custom
+                    -- plan: a hash lookup.
+                    AND o.id <> ALL(%(in_flight)s::bigint[])
+                    AND {{this_shard}}
+                  ORDER BY o.id
+                  LIMIT %(limit)s) AS o) AS head
       WINDOW running AS (ORDER BY head.id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS m
 ORDER BY m.id;
 
@@ -219,14 +227,15 @@ ORDER BY m.id;
 --    one key than %(key_cap)s. Only then does the fetch look further (the relay runs
 --    this statement when either holds, or when a key passes the cap in a head that is
 --    not full, or, with fairness groups, when the head is full).
--- 3. keys: a round over the keys from just after %(after_key)s; beyond: each key's next
---    rows after the head, and the next rows without a key.
+-- 3. keys: a round over the keys (by their hash) from just after %(after_key)s;
+--    beyond: each key's next rows after the head, and the next rows without a key.
 -- 4. groups (with %(grouped)s, RELAY_FAIRNESS_GROUP, and a full head): a round over
 --    the groups from just after %(after_group)s; beyond_groups: each group's next rows
 --    after the head, an equal share each.
--- 5. chosen: every key's first %(key_cap)s ready rows, each group's first before any
---    group's second when grouped, then (if %(fill)s) further rows of busy keys, up to
---    %(limit)s rows; kept: up to %(max_bytes)s bytes.
+-- 5. chosen: every key's first %(key_cap)s ready rows (the head's, then the round's keys
+--    in its order), each group's first before any group's second when grouped, then
+--    (if %(fill)s) further rows of busy keys, up to %(limit)s rows; kept: up to
+--    %(max_bytes)s bytes.
 -- Cost: at most %(limit)s head rows, plus, when crowded, %(limit)s key descents and
 -- 2 x %(limit)s rows beyond the head; when grouped, %(limit)s group descents and
 -- 2 x %(limit)s rows more. Rows come in id order, in fetch_head's projection plus
@@ -245,10 +254,10 @@ head_keys AS (
 crowded AS (
     {{crowded}}
 ),
-keys_after (key) AS (
+keys_after (key_hash) AS (
     {{keys_after}}
 ),
-keys_before (key) AS (
+keys_before (key_hash) AS (
     {{keys_before}}
 ),
 keys AS MATERIALIZED (
@@ -276,7 +285,7 @@ chosen AS (
     SELECT r.*
     FROM ranked AS r
     WHERE %(fill)s OR r.place <= %(key_cap)s
-    ORDER BY r.place > %(key_cap)s, r.group_place, r.id
+    ORDER BY r.place > %(key_cap)s, r.group_place, r.walk, r.id
     LIMIT %(limit)s
 ),
 kept AS (
@@ -296,27 +305,30 @@ ORDER BY id NULLS LAST;
 -- fragment: drainable
 -- A row the drain may take: unsent, not dead-lettered, and not scheduled unless
 -- promote_due has let it in. Word for word the predicate of the partial indexes
--- outbox_due_idx and outbox_due_key_idx (migration 0009), so the planner can tell
--- that they hold every row the fetch wants.
+-- outbox_due_idx (migration 0009) and outbox_due_key_hash_idx (0015), so the planner
+-- can tell that they hold every row the fetch wants.
 o.sent_at IS NULL
 AND o.dead_lettered_at IS NULL
 AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
 
 -- fragment: candidate
 -- A candidate row's columns, as every part of fetch_batch that reads rows hands them on
--- (head, beyond, beyond_groups): what the batch projection needs, its size, whether it
--- may be sent now.
+-- (head, beyond, beyond_groups): what the batch projection needs, what its size is
+-- made of, whether it may be sent now (the size itself is ranked's: it reads the facts
+-- made here).
 o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
 o.available_at, o.attempts,
-{{row_size}} AS size,
+{{header_facts}} AS facts,
 {{ready}} AS ready
 
 -- fragment: head
 -- Step 1: fetch_head's rows again, in one scan of outbox_due_idx, materialized: every
 -- later step weighs itself against this same head (what is crowded in it, which keys
--- already have their share, which rows beyond it are new).
+-- already have their share, which rows beyond it are new). walk: where a row stands
+-- in the round over keys (chosen's order); the head's rows come before it.
 SELECT {{candidate}},
-       {{fairness_group}} AS grp
+       {{fairness_group}} AS grp,
+       0::bigint AS walk
 FROM outbox AS o
 WHERE {{drainable}}
   -- The batches published and not yet settled. The parameter is sent untyped, so
@@ -341,97 +353,105 @@ SELECT count(*) = %(limit)s
 FROM head AS h
 
 -- fragment: next_key
--- One step of the round over keys, from the key k it is at: the least key after it
--- with a row to drain, one descent of outbox_due_key_idx however many rows either key
--- has (a DISTINCT over the keys would read every row of every key).
-(SELECT min(o.key)
+-- One step of the round over keys, from the key k it is at: the least key hash after
+-- it with a row to drain, one descent of outbox_due_key_hash_idx however many rows
+-- either key has (a DISTINCT over the keys would read every row of every key). The
+-- round goes by the keys' hashes (migration 0015): the index then holds 8 bytes a
+-- row, not the key, and the round needs no order of the keys themselves.
+(SELECT min(outbox_key_hash(o.key))
  FROM outbox AS o
  WHERE {{drainable}}
-   AND o.key > k.key
+   AND outbox_key_hash(o.key) > k.key_hash
    AND {{this_shard}})
 
 -- fragment: keys_after
 -- Step 3, the round over keys, first half: from just after %(after_key)s, where the
 -- last round stopped (walked_to), to the last key, so the keys the last round had no
 -- room for come first. A loose index scan: one descent per key (next_key).
-SELECT s.key
-FROM (SELECT min(o.key) AS key
+SELECT s.key_hash
+FROM (SELECT min(outbox_key_hash(o.key)) AS key_hash
       FROM outbox AS o
       WHERE {{drainable}}
         AND {{this_shard}}
-        AND (%(after_key)s::text IS NULL OR o.key > %(after_key)s::text)) AS s
-WHERE s.key IS NOT NULL AND (SELECT yes FROM crowded)
+        AND (%(after_key)s::bigint IS NULL
+             OR outbox_key_hash(o.key) > %(after_key)s::bigint)) AS s
+WHERE s.key_hash IS NOT NULL AND (SELECT yes FROM crowded)
 UNION ALL
 SELECT {{next_key}}
 FROM keys_after AS k
-WHERE k.key IS NOT NULL
+WHERE k.key_hash IS NOT NULL
 
 -- fragment: keys_before
 -- The round's second half: from the first key up to %(after_key)s, wrapping around
 -- once, so every key gets its turn wherever the round starts.
-SELECT s.key
-FROM (SELECT min(o.key) AS key
+SELECT s.key_hash
+FROM (SELECT min(outbox_key_hash(o.key)) AS key_hash
       FROM outbox AS o
       WHERE {{drainable}}
         AND {{this_shard}}) AS s
-WHERE s.key <= %(after_key)s::text AND (SELECT yes FROM crowded)
+WHERE s.key_hash <= %(after_key)s::bigint AND (SELECT yes FROM crowded)
 UNION ALL
 SELECT {{next_key}}
 FROM keys_before AS k
-WHERE k.key < %(after_key)s::text
+WHERE k.key_hash < %(after_key)s::bigint
 
 -- fragment: keys
 -- The round itself, in walk order: at most %(limit)s keys (so at most %(limit)s
 -- descents, whatever the number of keys), leaving out keys that already have their
 -- share in a head full of ready rows (crowded's `filled`).
-SELECT u.key, row_number() OVER () AS walk
-FROM (SELECT key FROM keys_after WHERE key IS NOT NULL
+SELECT u.key_hash, row_number() OVER () AS walk
+FROM (SELECT key_hash FROM keys_after WHERE key_hash IS NOT NULL
       UNION ALL
-      SELECT key FROM keys_before WHERE key <= %(after_key)s::text) AS u
+      SELECT key_hash FROM keys_before WHERE key_hash <= %(after_key)s::bigint) AS u
 WHERE NOT ((SELECT filled FROM crowded)
            AND EXISTS (SELECT 1 FROM head_keys AS hk
-                       WHERE hk.key = u.key AND hk.n >= %(key_cap)s))
+                       WHERE outbox_key_hash(hk.key) = u.key_hash
+                         AND hk.n >= %(key_cap)s))
 LIMIT %(limit)s
 
 -- fragment: beyond
 -- Step 3, the rows past the head that may take a head row's place: the next rows after
 -- the head of each key in the round, an equal share of the batch each, so no key's
--- backlog buys it more; and the next rows without a key.
-SELECT p.*
+-- backlog buys it more; and the next rows without a key. Each row carries its key's
+-- place in the round (walk), so that a batch too small for every key's share takes
+-- the first keys of the round, and the next round starts after them (walked_to); a
+-- row without a key is a key of its own, the n-th of them placed n-th.
+SELECT p.*, k.walk
 FROM keys AS k
 CROSS JOIN LATERAL (
     SELECT {{candidate}},
            {{fairness_group}} AS grp
     FROM outbox AS o
-    -- The key's rows after the head: "key >= k AND key <= k", ordered by (key, id),
-    -- and not "key = k" ordered by id. With equality the planner may walk
+    -- The key's rows after the head: "hash >= k AND hash <= k", ordered by (hash,
+    -- id), and not "hash = k" ordered by id. With equality the planner may walk
     -- outbox_due_idx in id order and filter on the key (it did, when the
     -- statistics saw one key), reading a hot key's whole backlog to find a rare
-    -- key's rows. This way only outbox_due_key_idx yields the order without reading
-    -- every candidate row first; "id > last head id" is checked in the index.
-    WHERE o.key >= k.key
-      AND o.key <= k.key
+    -- key's rows. This way only outbox_due_key_hash_idx yields the order without
+    -- reading every candidate row first; "id > last head id" is checked in the index.
+    WHERE outbox_key_hash(o.key) >= k.key_hash
+      AND outbox_key_hash(o.key) <= k.key_hash
       AND o.id > (SELECT last_id FROM crowded)
       AND {{drainable}}
       AND o.id <> ALL(%(in_flight)s::bigint[])
-    ORDER BY o.key, o.id
+    ORDER BY outbox_key_hash(o.key), o.id
     LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
 ) AS p
 UNION ALL
 (SELECT o.id, o.message_id, o.topic, o.key, o.payload, o.headers, o.created_at,
         o.available_at, o.attempts,
-        {{row_size}},
+        {{header_facts}},
         -- `ready` for a row without a key: no key to hold back or wait behind.
         o.next_attempt_at IS NULL OR o.next_attempt_at <= now(),
-        {{fairness_group}}
+        {{fairness_group}},
+        row_number() OVER (ORDER BY outbox_key_hash(o.key), o.id)
  FROM outbox AS o
  WHERE (SELECT yes FROM crowded)
-   AND o.key IS NULL
+   AND outbox_key_hash(o.key) IS NULL
    AND o.id > (SELECT last_id FROM crowded)
    AND {{drainable}}
    AND o.id <> ALL(%(in_flight)s::bigint[])
    AND {{this_shard}}
- ORDER BY o.key, o.id  -- the (key, id) order of outbox_due_key_idx: see above
+ ORDER BY outbox_key_hash(o.key), o.id  -- outbox_due_key_hash_idx's order: see above
  LIMIT %(limit)s)
 
 -- fragment: fairness_group
@@ -498,7 +518,7 @@ LIMIT %(limit)s
 -- goes only if no earlier row of its key past the head is in another group, whose
 -- share may not reach it, so each key's rows in the pool stay a prefix of its rows
 -- (key-prefix groups are the key's own, and the test folds away).
-SELECT p.*
+SELECT p.*, 0::bigint AS walk
 FROM groups AS g
 CROSS JOIN LATERAL (
     SELECT {{candidate}},
@@ -514,7 +534,8 @@ CROSS JOIN LATERAL (
            OR NOT EXISTS (
                SELECT 1
                FROM outbox AS earlier
-               WHERE earlier.key = o.key
+               WHERE outbox_key_hash(earlier.key) = outbox_key_hash(o.key)
+                 AND earlier.key = o.key
                  AND earlier.id > (SELECT last_id FROM crowded)
                  AND earlier.id < o.id
                  AND earlier.sent_at IS NULL
@@ -551,21 +572,23 @@ FROM (SELECT pool.*,
                   ELSE first_value(pool.grp) OVER (PARTITION BY pool.key COLLATE "C"
                                                    ORDER BY pool.id)
              END AS key_group
-      FROM (SELECT * FROM head WHERE ready
-            UNION ALL
-            SELECT * FROM beyond WHERE ready
-            UNION ALL
-            SELECT * FROM beyond_groups AS g
-            WHERE g.ready AND NOT EXISTS (SELECT 1 FROM beyond AS b WHERE b.id = g.id)
-           ) AS pool) AS placed
+      FROM (SELECT o.*, {{row_size}} AS size
+            FROM (SELECT * FROM head WHERE ready
+                  UNION ALL
+                  SELECT * FROM beyond WHERE ready
+                  UNION ALL
+                  SELECT * FROM beyond_groups AS g
+                  WHERE g.ready AND NOT EXISTS (SELECT 1 FROM beyond AS b WHERE b.id = g.id)
+                 ) AS o) AS pool) AS placed
 
 -- fragment: kept
--- Step 5's byte bound, cut in (group_place, place, id) order: every group's first row
+-- Step 5's byte bound, cut in (group_place, place, walk, id) order: every group's first row
 -- before any group's second, every key's first before any key's second, so one group's
 -- or key's large rows cannot take the whole budget; each key still keeps a prefix of
 -- its rows, so per-key order holds. The first row goes even if larger.
 SELECT w.*
-FROM (SELECT c.*, sum(c.carried) OVER (ORDER BY c.group_place, c.place, c.id) AS bytes
+FROM (SELECT c.*,
+             sum(c.carried) OVER (ORDER BY c.group_place, c.place, c.walk, c.id) AS bytes
       FROM (SELECT chosen.*,
                    CASE WHEN chosen.size > %(message_max)s::bigint THEN 0
                         ELSE chosen.size END AS carried
@@ -585,14 +608,14 @@ SELECT m.id,
        m.key,
        CASE WHEN m.size <= %(message_max)s::bigint THEN m.payload END AS payload,
        CASE WHEN m.size <= %(message_max)s::bigint AND jsonb_typeof(m.headers) = 'object' THEN
-           {{header_array}}
+           (m.facts).pairs
        END AS headers,
        {{unsendable}} AS unsendable,
        {{message_times}},
        m.attempts,
        true AS ready,
        true AS within,
-       NULL::text AS walked_to,
+       NULL::bigint AS walked_to,
        NULL::text AS walked_group
 
 -- fragment: walked_to
@@ -603,12 +626,13 @@ SELECT m.id,
 -- round over groups (%(after_group)s).
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
-            THEN coalesce((SELECT k.key
+            THEN coalesce((SELECT k.key_hash
                            FROM keys AS k
-                           WHERE EXISTS (SELECT 1 FROM kept AS c WHERE c.key = k.key)
+                           WHERE EXISTS (SELECT 1 FROM kept AS c
+                                         WHERE outbox_key_hash(c.key) = k.key_hash)
                            ORDER BY k.walk DESC
                            LIMIT 1),
-                          (SELECT k.key FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
+                          (SELECT k.key_hash FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
        END,
        CASE WHEN (SELECT count(*) FROM groups) = %(limit)s
             THEN coalesce((SELECT g.grp

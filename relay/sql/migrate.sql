@@ -47,9 +47,9 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
       AND (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: shard_index_keys
--- ... and walks its keys (the fair fetch) from this one.
+-- ... and walks its keys (the fair fetch, by their hash: migration 0015) from this one.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
-    ON outbox (outbox_shard(key, id, {shards}), key, id)
+    ON outbox (outbox_shard(key, id, {shards}), outbox_key_hash(key), id)
     WHERE sent_at IS NULL AND dead_lettered_at IS NULL
       AND (available_at IS NULL OR promoted_at IS NOT NULL);
 

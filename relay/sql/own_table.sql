@@ -119,6 +119,14 @@ CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
     WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
 
 -- name: own_table_index_key
+-- The fair fetch's round over keys, by their hash (migration 0015's outbox_key_hash).
+CREATE INDEX IF NOT EXISTS {index} ON {table} (outbox_key_hash({key}), {id})
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
+
+-- name: own_table_index_key_retired
+-- own_table_index_key as the previous release built it, on the whole key: never built
+-- now, but kept where an earlier run built it, since a relay of that release may still
+-- run during a rolling upgrade and walks keys through it. The next release drops it.
 CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
     WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
 

@@ -173,7 +173,7 @@ class MemoryStore:
         self,
         limits: BatchLimits,
         in_flight: str,
-        after_key: str | None,
+        after_key: int | None,
         *,
         held: list[str],
         share_busy_keys: bool,

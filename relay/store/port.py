@@ -27,9 +27,10 @@ class StoreError(Exception):
 @dataclass(slots=True)
 class Fetched:
     messages: list[OutboxMessage]
-    # Where the round over keys stopped (the next fetch's `after_key`); None when the
-    # head needed no sharing out, or the round went all the way round.
-    walked_to: str | None = None
+    # Where the round over keys stopped (the next fetch's `after_key`: a key's hash, as
+    # the round goes); None when the head needed no sharing out, or the round went
+    # all the way round.
+    walked_to: int | None = None
     # Where the round over fairness groups stopped (the next fetch's `after_group`).
     walked_group: str | None = None
     # The fair statement ran (then `walked_to` and `walked_group` are meaningful).
@@ -54,7 +55,7 @@ class ReadStore(Protocol):
         self,
         limits: BatchLimits,
         in_flight: str,
-        after_key: str | None,
+        after_key: int | None,
         *,
         held: list[str],
         share_busy_keys: bool,

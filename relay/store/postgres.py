@@ -64,7 +64,7 @@ class PostgresReadStore:
         self,
         limits: BatchLimits,
         in_flight: str,
-        after_key: str | None,
+        after_key: int | None,
         *,
         held: list[str],
         share_busy_keys: bool,
