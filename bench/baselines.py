@@ -27,9 +27,13 @@ and identity, whatever the migrations made them) and dropped afterwards:
 3. The app's write path: pgbench with scripts written here (4 clients, 2 threads,
    simple protocol, no vacuum), one-row and ten-row INSERT transactions
    `INSERT INTO <table> (topic, key, payload, headers)` (200 B payload, a traceparent
-   header, 100 keys) for a fixed time; then COPY of N rows in one transaction. Each runs
-   outbox, bare, outbox, bare, every run on emptied, vacuumed tables after a
-   CHECKPOINT; each run is printed, so drift shows, and the ratio is of the means.
+   header, 100 keys) for a fixed time; then COPY of N rows in one transaction, with those
+   100 keys and with a random uuid key per row (a key's index costs more the longer the
+   key). Each runs outbox, bare, then `outbox` as it was before migration 0015 (a
+   whole-key index, outbox_due_key_idx, where it has the key hash's) and before 0010
+   (two more), then the same the other way round, every run on emptied, vacuumed tables
+   after a CHECKPOINT; each run is printed, so drift shows, and the ratio is of the
+   means.
 
 Sizes: 200,000 rows for the loops, 300,000 for the bare relay and the relay in 2
 rounds, 15 s per pgbench run, 200,000 rows of COPY (--quick: 50,000, 100,000 in one
@@ -43,6 +47,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, LiteralString
 
@@ -57,13 +62,17 @@ from relay.queries import QUERIES
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
-# `outbox` as it was before migration 0010: its indexes plus the two it retired, for the
-# write path's before and after in one run.
+# `outbox` as it was before migration 0015 (outbox_due_key_idx on whole keys, not
+# outbox_due_key_hash_idx), and before 0010 (also the two 0010 retired): the write
+# path's before and after in one run.
+BEFORE_0015 = "outbox_before_0015"
 BEFORE_0010 = "outbox_before_0010"
+WHOLE_KEYS: LiteralString = "(key, id) WHERE " + DUE
 RETIRED = (
     "(id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
     "(key, id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
 )
+BEFORE = {BEFORE_0015: (WHOLE_KEYS,), BEFORE_0010: (WHOLE_KEYS, *RETIRED)}
 # What "unsent" is in each table's one-index-per-purpose world: on `outbox` the
 # predicate of outbox_due_idx (as bench/drain.py's raw loop), on the minimal table that
 # of its one partial index.
@@ -93,11 +102,19 @@ def _sizes(quick: bool) -> tuple[int, int, int, int]:
 
 
 def create_tables(conn: Conn) -> None:
-    before = sql.Identifier(BEFORE_0010)
-    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(before))
-    conn.execute(sql.SQL("CREATE TABLE {} (LIKE outbox INCLUDING ALL)").format(before))
-    for definition in RETIRED:
-        conn.execute(sql.SQL("CREATE INDEX ON {} " + definition).format(before))
+    for table, definitions in BEFORE.items():
+        before = sql.Identifier(table)
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(before))
+        conn.execute(sql.SQL("CREATE TABLE {} (LIKE outbox INCLUDING ALL)").format(before))
+        hashed = conn.execute(
+            "SELECT quote_ident(indexname) FROM pg_indexes"
+            " WHERE tablename = %s AND indexdef LIKE '%%outbox_key_hash%%'",
+            (table,),
+        ).fetchall()
+        for (index,) in hashed:  # the copy of outbox_due_key_hash_idx
+            conn.execute(sql.SQL("DROP INDEX {}").format(sql.SQL(index)))
+        for definition in definitions:
+            conn.execute(sql.SQL("CREATE INDEX ON {} " + definition).format(before))
     for table in (MINIMAL, BARE):
         name = sql.Identifier(table)
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name))
@@ -115,7 +132,7 @@ def create_tables(conn: Conn) -> None:
 
 
 def drop_tables(conn: Conn) -> None:
-    for table in (MINIMAL, BARE, BEFORE_0010):
+    for table in (MINIMAL, BARE, *BEFORE):
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
 
@@ -132,10 +149,10 @@ def fresh(conn: Conn) -> None:
     due in the middle of a short run)."""
     conn.execute(
         sql.SQL("TRUNCATE {}").format(
-            sql.SQL(", ").join(sql.Identifier(t) for t in (OUTBOX, MINIMAL, BARE, BEFORE_0010))
+            sql.SQL(", ").join(sql.Identifier(t) for t in (OUTBOX, MINIMAL, BARE, *BEFORE))
         )
     )
-    for table in (OUTBOX, MINIMAL, BARE, BEFORE_0010):
+    for table in (OUTBOX, MINIMAL, BARE, *BEFORE):
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
     conn.execute("CHECKPOINT")
 
@@ -341,11 +358,14 @@ def pgbench(dsn: str, script: Path, seconds: int) -> float:
     return float(tps[1])
 
 
-def copy_data(rows: int) -> bytes:
-    """`rows` lines of COPY text: topic, key, payload (bytea hex, its backslash
-    escaped), headers."""
+def copy_data(rows: int, *, uuid_keys: bool = False) -> bytes:
+    """`rows` lines of COPY text: topic, key (one of KEYS, or a random uuid), payload
+    (bytea hex, its backslash escaped), headers."""
     payload = "\\\\x" + PAYLOAD.hex()
-    return "".join(f"{TOPIC}\tk{n % KEYS}\t{payload}\t{HEADERS}\n" for n in range(rows)).encode()
+    return "".join(
+        f"{TOPIC}\t{uuid.uuid4() if uuid_keys else f'k{n % KEYS}'}\t{payload}\t{HEADERS}\n"
+        for n in range(rows)
+    ).encode()
 
 
 def copy_rate(dsn: str, table: str, data: bytes, rows: int) -> float:
@@ -365,12 +385,13 @@ def copy_rate(dsn: str, table: str, data: bytes, rows: int) -> float:
 
 
 def write_path(dsn: str, seconds: int, copy_rows: int) -> dict[str, Any]:
-    """outbox, bare, outbox before 0010, then the other way round, for each way of
-    writing: each run's figure."""
-    order = (OUTBOX, BARE, BEFORE_0010, BEFORE_0010, BARE, OUTBOX)
+    """outbox, bare, outbox before 0015 and before 0010, then the other way round, for
+    each way of writing: each run's figure."""
+    tables = (OUTBOX, BARE, *BEFORE)
+    order = (*tables, *reversed(tables))
     report: dict[str, Any] = {"clients": CLIENTS, "threads": THREADS, "seconds": seconds}
     with psycopg.connect(dsn, autocommit=True) as conn, tempfile.TemporaryDirectory() as tmp:
-        written = {table: scripts(Path(tmp), table) for table in (OUTBOX, BARE, BEFORE_0010)}
+        written = {table: scripts(Path(tmp), table) for table in tables}
         for way in ("one_row", "ten_rows"):
             runs: list[dict[str, Any]] = []
             for table in order:
@@ -378,27 +399,29 @@ def write_path(dsn: str, seconds: int, copy_rows: int) -> dict[str, Any]:
                 tps = pgbench(dsn, written[table][way], seconds)
                 runs.append({"table": table, "tps": tps})
             report[way] = _summary(runs, "tps")
-        data = copy_data(copy_rows)
-        runs = []
-        for table in order:
-            fresh(conn)
-            runs.append({"table": table, "rows_per_s": copy_rate(dsn, table, data, copy_rows)})
-        report["copy"] = {"rows": copy_rows, **_summary(runs, "rows_per_s")}
+        for way, uuid_keys in (("copy", False), ("copy_uuid_keys", True)):
+            data = copy_data(copy_rows, uuid_keys=uuid_keys)
+            runs = []
+            for table in order:
+                fresh(conn)
+                rate = copy_rate(dsn, table, data, copy_rows)
+                runs.append({"table": table, "rows_per_s": rate})
+            report[way] = {"rows": copy_rows, **_summary(runs, "rows_per_s")}
         fresh(conn)
     return report
 
 
 def _summary(runs: list[dict[str, Any]], field: str) -> dict[str, Any]:
-    outbox = statistics.mean(r[field] for r in runs if r["table"] == OUTBOX)
-    before = statistics.mean(r[field] for r in runs if r["table"] == BEFORE_0010)
-    bare = statistics.mean(r[field] for r in runs if r["table"] == BARE)
+    def mean(table: str) -> float:
+        return float(statistics.mean(r[field] for r in runs if r["table"] == table))
+
+    bare = mean(BARE)
     return {
         "runs": runs,
-        "outbox": outbox,
-        "before_0010": before,
+        "outbox": mean(OUTBOX),
         "bare": bare,
-        "ratio": outbox / bare,
-        "ratio_before_0010": before / bare,
+        "ratio": mean(OUTBOX) / bare,
+        **{f"ratio_{table.removeprefix('outbox_')}": mean(table) / bare for table in BEFORE},
     }
 
 
@@ -409,7 +432,7 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
     raw_rows, relay_rows, seconds, copy_rows = _sizes(quick)
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_tables(conn)
-        counts = {table: indexes(conn, table) for table in (OUTBOX, MINIMAL, BARE, BEFORE_0010)}
+        counts = {table: indexes(conn, table) for table in (OUTBOX, MINIMAL, BARE, *BEFORE)}
     try:
         print(
             f"\n14. baselines (issue 36): `outbox` ({counts[OUTBOX]} indexes) against a"
@@ -492,12 +515,16 @@ def _print_writes(writes: dict[str, Any]) -> None:
         ("one_row", "one-row INSERT tx", "tps"),
         ("ten_rows", "ten-row INSERT tx", "tps"),
         ("copy", f"COPY {writes['copy']['rows']:,} rows", "rows_per_s"),
+        ("copy_uuid_keys", "... with uuid keys", "rows_per_s"),
     ):
         figures = writes[way]
-        runs = "  ".join(f"{r['table']} {r[unit]:,.0f}" for r in figures["runs"])
+        runs = "  ".join(
+            f"{r['table'].removeprefix('outbox_')} {r[unit]:,.0f}" for r in figures["runs"]
+        )
         print(
             f"    {label:>21} ({'tps' if unit == 'tps' else 'rows/s'}): {runs}"
             f"  -> outbox / bare {figures['ratio']:.2f}"
-            f" (before 0010: {figures['ratio_before_0010']:.2f})",
+            f" (before 0015: {figures['ratio_before_0015']:.2f},"
+            f" before 0010: {figures['ratio_before_0010']:.2f})",
             flush=True,
         )
