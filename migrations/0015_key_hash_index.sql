@@ -5,9 +5,10 @@
 -- for (uuid keys, one run: the outbox's COPY at 0.61 of a table with only a primary
 -- key with it, 0.71 with this one instead). The walk needs only to find each key's
 -- rows in id order, one descent per key, and never the keys' order: a 64-bit hash
--- does that in a fixed 8 bytes, compared as an integer. Two keys with one hash (about
--- one pair in 10^10 at a million keys) are walked as one: their rows still go in id
--- order, each key's prefix kept, and only their share of the round is one key's.
+-- does that in a fixed 8 bytes, compared as an integer. Two keys with one hash (a
+-- chance of about 3 in 10^8 that any two of a million keys do) are walked as one:
+-- their rows still go in id order, each key's prefix kept; one may wait while the
+-- other has its share in a full head.
 --
 -- The fetch of this release reads outbox_due_key_hash_idx; a relay of the previous
 -- release, still running during a rolling upgrade, reads outbox_due_key_idx, which
@@ -16,7 +17,7 @@
 -- CREATE INDEX reads the whole outbox and holds a SHARE lock meanwhile: the app's
 -- writes wait, its reads go on (a drained outbox is usually small). On a large, busy
 -- one a DBA may prefer to run first, outside a transaction (after creating the
--- function below by hand, as written here),
+-- function below by hand, as written in it),
 --   CREATE INDEX CONCURRENTLY outbox_due_key_hash_idx ON outbox (outbox_key_hash(key), id)
 --       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
 --         AND (available_at IS NULL OR promoted_at IS NOT NULL);
@@ -24,13 +25,19 @@
 
 -- hashtextextended is what hash partitioning uses, so PostgreSQL keeps it stable across
 -- versions; NULL for a NULL key. IMMUTABLE and a plain SQL body: the planner inlines it,
--- so the fetch's outbox_key_hash(o.key) is the index's expression.
-CREATE OR REPLACE FUNCTION outbox_key_hash(key text) RETURNS bigint
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE
-    RETURN hashtextextended(key, 0);
-
-COMMENT ON FUNCTION outbox_key_hash(text) IS
-    'A 64-bit hash of an outbox row''s key: the fair fetch walks keys by it (NULL: no key).';
+-- so the fetch's outbox_key_hash(o.key) is the index's expression. Made only if absent:
+-- a DBA who built the index first made it, as written here, and may be another role.
+DO $$
+BEGIN
+    IF to_regprocedure('outbox_key_hash(text)') IS NULL THEN
+        CREATE FUNCTION outbox_key_hash(key text) RETURNS bigint
+            LANGUAGE sql IMMUTABLE PARALLEL SAFE
+            RETURN hashtextextended(key, 0);
+        COMMENT ON FUNCTION outbox_key_hash(text) IS
+            'A 64-bit hash of an outbox row''s key: the fair fetch walks keys by it (NULL: no key).';
+    END IF;
+END
+$$;
 
 DO $$
 BEGIN

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import threading
 import time
 from types import FrameType
 
-import psycopg
-
-from relay import __version__, db, fairness, metrics, repository, runtime, tracing
+from relay import __version__, db, metrics, runtime, startup_checks, tracing
 from relay.configs import lag_config, listener_config, presence_config, purge_config
 from relay.lag import LagSampler
 from relay.lanes import FairShare, Lane
@@ -19,7 +16,6 @@ from relay.lease import Lease, Shard
 from relay.logging import get_logger
 from relay.metrics import Health
 from relay.metrics_server import MetricsServer
-from relay.migrate import index_state, missing, shard_index_state
 from relay.presence import Presence
 from relay.purge import Purger
 from relay.settings import Settings, SettingsError
@@ -151,94 +147,11 @@ class RelayApp:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
-    def _check_schema(self) -> None:
-        """The migrations this release reads, or its statements fail every round (a relay
-        deployed before `relay migrate` ran). As for the shard indexes."""
-        try:
-            with db.connect(self.settings, purpose="check") as conn:
-                lacking = missing(conn)
-        except psycopg.Error as exc:
-            log.warning("schema.check_skipped", error=db.describe_error(exc))
-            return
-        if lacking:
-            raise SettingsError(
-                "RELAY_DATABASE_URL",
-                f"the database lacks {', '.join(lacking)}: run `relay migrate` first",
-            )
-
-    def _check_shard_indexes(self) -> None:
-        """With shards, their indexes must exist: without them every shard's fetch would
-        read the whole backlog. Checked when the database answers at start-up (a
-        database down now is the elector's to wait out, not a reason not to start)."""
-        try:
-            with db.connect(self.settings, purpose="check") as conn:
-                valid = shard_index_state(conn, self.settings.shards)
-        except psycopg.Error as exc:
-            log.warning("shards.index_check_skipped", error=db.describe_error(exc))
-            return
-        missing = [name for name, ok in valid.items() if not ok]
-        if missing:
-            raise SettingsError(
-                "RELAY_SHARDS",
-                f"{self.settings.shards} shards need the indexes {', '.join(missing)}:"
-                f" run `relay migrate --shards {self.settings.shards}` first",
-            )
-
-    def _check_fairness_index(self) -> None:
-        """RELAY_FAIRNESS_GROUP: its index must exist, or each fetch with a full head
-        would read every waiting row to find the groups. As for the shard indexes."""
-        s = self.settings
-        assert s.fairness_group is not None
-        group = fairness.parse(s.fairness_group)
-        name = group.index_name(s.shards)
-        try:
-            with db.connect(s, purpose="check") as conn:
-                valid = index_state(conn, [name])[name]
-        except psycopg.Error as exc:
-            log.warning("fairness.index_check_skipped", error=db.describe_error(exc))
-            return
-        if not valid:
-            shards = f" --shards {s.shards}" if s.shards > 1 else ""
-            raise SettingsError(
-                "RELAY_FAIRNESS_GROUP",
-                f"{group.spec} needs the index {name}: run"
-                f" `relay migrate --fairness-group {shlex.quote(group.spec)}{shards}` first",
-            )
-
-    def _check_sent_history(self) -> None:
-        """Retention mode: without outbox_sent or its grants every settle would fail and
-        the drain publish the same batch again and again. As for the shard indexes."""
-        try:
-            with db.connect(self.settings, purpose="check") as conn:
-                problem = repository.sent_history_problem(conn)
-        except psycopg.Error as exc:
-            log.warning("retention.check_skipped", error=db.describe_error(exc))
-            return
-        if problem is not None:
-            raise SettingsError("RELAY_RETENTION_SECONDS", f"keeping sent rows: {problem}")
-
-    def _check_own_table(self) -> None:
-        """RELAY_OUTBOX_TABLE: its view must exist (`db.connect` raises SettingsError
-        if not). As for the shard indexes, a database down now is not a reason not to
-        start."""
-        try:
-            db.connect(self.settings, purpose="check").close()
-        except psycopg.Error as exc:
-            log.warning("own_table.check_skipped", error=db.describe_error(exc))
-
     def run(self) -> int:
         s = self.settings
         for variable, problem in startup_warnings(s):
             log.warning("settings.insecure", setting=variable, problem=problem)
-        self._check_schema()
-        if s.shards > 1:
-            self._check_shard_indexes()
-        if s.fairness_group is not None:
-            self._check_fairness_index()
-        if s.sent_rows == "move":
-            self._check_sent_history()
-        if s.outbox_table is not None:
-            self._check_own_table()
+        startup_checks.run(s)
         metrics.BUILD_INFO.info({"version": __version__, "sink": s.sink})
         if self.fair is not None:
             fair = self.fair

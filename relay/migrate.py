@@ -84,7 +84,9 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
     in: this release's relays need them, and nothing a later migration does needs an
     index dropped first (a test holds every after-rollout file to DROP statements).
     """
-    migrations = load(directory)
+    # Those that only retire indexes go last: one that fails (its lock timeout) then
+    # leaves nothing this release needs unapplied.
+    migrations = sorted(load(directory), key=lambda m: m.after_rollout_of is not None)
     applied_now: list[str] = []
     waiting: list[str] = []
     with db.connect(settings, purpose="migrate") as conn:

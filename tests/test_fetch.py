@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from typing import Any
 
 import psycopg
@@ -190,6 +191,32 @@ def test_past_a_crowded_head_the_keys_take_turns(database: str) -> None:
             for key in {r.key for r in rows if r.key != "H"}:
                 conn.execute("INSERT INTO outbox (topic, key) VALUES ('t', %s)", (key,))
     assert {f"k{k:02}" for k in range(30)} <= seen
+
+
+def test_a_round_too_short_for_every_keys_share_goes_on_after_the_last_key_served(
+    database: str,
+) -> None:
+    """Found in review: seven keys behind a hot one, a round of fewer keys than the limit
+    but a batch too small for every key's share. The round said "went all the way
+    round" and the next started from the first hash again: the last keys in hash order
+    got nothing for as long as the hot key's backlog lasted."""
+    bulk(database, "t", "H", 400)
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key) SELECT 't', 'k' || (g % 7) FROM generate_series(0, 209) g"
+        )
+    limits = BatchLimits(rows=10, bytes=8 << 20, per_key=5, fill=False)
+    served: Counter[str | None] = Counter()
+    after: int | None = None
+    with psycopg.connect(database, autocommit=True) as conn:
+        for _ in range(12):
+            fetched = fetch_from(database, limits, after_key=after)
+            served.update(keys_of(fetched.messages))
+            after = fetched.walked_to
+            conn.execute(
+                "DELETE FROM outbox WHERE id = ANY(%s)", ([r.id for r in fetched.messages],)
+            )
+    assert {f"k{k}" for k in range(7)} <= set(served), served
 
 
 def test_a_round_that_meets_only_held_back_keys_moves_on(database: str) -> None:

@@ -433,6 +433,7 @@ CROSS JOIN LATERAL (
       AND o.id > (SELECT last_id FROM crowded)
       AND {{drainable}}
       AND o.id <> ALL(%(in_flight)s::bigint[])
+      AND {{this_shard}}  -- this shard's rows only, whatever shares their key's hash
     ORDER BY outbox_key_hash(o.key), o.id
     LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
 ) AS p
@@ -620,19 +621,28 @@ SELECT m.id,
 
 -- fragment: walked_to
 -- Last, a row of its own: where the next fetch's round over keys starts (%(after_key)s):
--- after the last key of this round that got rows, so keys it reached but had no room
--- for come first next time; after the whole round if none got rows (all held back); or
--- NULL, from the start, when this round went all the way round. The same for the
--- round over groups (%(after_group)s).
+-- when the round reached as many keys as it may, or had no room for some key's ready
+-- rows, after the last key of this round that got rows, so keys it reached but had no
+-- room for come first next time (a full round where none got rows, all held back:
+-- after the whole round; a shorter one: where it started); otherwise NULL, from the
+-- start, since this round went all the way round and served every key. The same for
+-- the round over groups (%(after_group)s).
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
+                 OR EXISTS (SELECT 1 FROM ranked AS r
+                            WHERE r.key IS NOT NULL AND r.walk > 0
+                              AND NOT EXISTS (SELECT 1 FROM kept AS c WHERE c.key = r.key))
             THEN coalesce((SELECT k.key_hash
                            FROM keys AS k
                            WHERE EXISTS (SELECT 1 FROM kept AS c
                                          WHERE outbox_key_hash(c.key) = k.key_hash)
                            ORDER BY k.walk DESC
                            LIMIT 1),
-                          (SELECT k.key_hash FROM keys AS k ORDER BY k.walk DESC LIMIT 1))
+                          CASE WHEN (SELECT count(*) FROM keys) = %(limit)s
+                               THEN (SELECT k.key_hash FROM keys AS k
+                                     ORDER BY k.walk DESC LIMIT 1)
+                               ELSE %(after_key)s::bigint
+                          END)
        END,
        CASE WHEN (SELECT count(*) FROM groups) = %(limit)s
             THEN coalesce((SELECT g.grp

@@ -32,6 +32,23 @@ JOIN pg_class AS c ON c.oid = i.indexrelid
 WHERE i.indrelid = to_regclass(%(table)s)
   AND c.relname LIKE %(prefix)s;
 
+-- name: own_table_key_index_check
+-- At start-up: whether `--own-table` built a key index on the table (%(prefix)s: its
+-- names' start), and whether one of them is on the key's hash (migration 0015), which
+-- the fair fetch walks.
+SELECT count(*) > 0 AS keyed,
+       count(*) FILTER (WHERE i.indisvalid
+                          AND pg_get_indexdef(i.indexrelid) LIKE '%%outbox_key_hash(%%') > 0
+           AS hashed
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = (SELECT t.oid  -- by name: the runtime role has no rights on its schema
+                    FROM pg_class AS t
+                    JOIN pg_namespace AS n ON n.oid = t.relnamespace
+                    WHERE n.nspname = split_part(%(table)s, '.', 1)
+                      AND t.relname = split_part(%(table)s, '.', 2))
+  AND starts_with(c.relname, %(prefix)s);
+
 -- name: own_table_bookkeeping
 -- The relay's columns, added to the app's table (no rewrite: all NULL or a constant).
 ALTER TABLE {table}
