@@ -18,6 +18,7 @@ import pytest
 
 from relay.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings, Settings
+from tests import model_runs
 from tests.harness.kafka import TansuBroker
 from tests.harness.postgres import PostgresServer
 
@@ -192,3 +193,10 @@ def db_at_0014(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
     name, dsn = _database_at(pg, tmp_path, "0014")
     yield dsn
     pg.drop_database(name)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The Spin checks start now, beside the suite (tests/model_runs.py), when spin and
+    gcc are there (else their tests fail, saying so)."""
+    if shutil.which("spin") and shutil.which("gcc"):
+        model_runs.start(item.name for item in session.items)

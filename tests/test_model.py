@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from model import checker, fingerprints
 from relay.queries import QUERIES
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests import model_runs
 
 
 def _require_spin() -> None:
@@ -22,17 +18,6 @@ def _require_spin() -> None:
     for tool in ("spin", "gcc"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} not found: run ./dev test (or ./dev model), which installs it")
-
-
-def _run_model(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "model", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
 
 
 @pytest.mark.unit
@@ -90,7 +75,7 @@ def test_a_changed_statement_changes_its_fingerprint_and_a_comment_does_not() ->
 
 def test_the_model_checks() -> None:
     _require_spin()
-    done = _run_model()
+    done = model_runs.result("test_the_model_checks")
     assert done.returncode == 0, done.stdout + done.stderr
     for check in checker.CHECKS:
         assert f"{check.name}:" in done.stdout
@@ -101,7 +86,7 @@ def test_the_model_checks() -> None:
 
 def test_every_mutant_is_caught_with_a_trail() -> None:
     _require_spin()
-    done = _run_model("--mutants")
+    done = model_runs.result("test_every_mutant_is_caught_with_a_trail")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("mutant ")]
     assert len(lines) == len(checker.MUTANTS), done.stdout
