@@ -45,10 +45,16 @@ def statements(
     table_schema = settings.outbox_table.split(".")[0] if "." in settings.outbox_table else None
     made: list[str] = []
 
+    due: sql.Composable = sql.SQL("true")
+    if "available_at" in layout.index_columns:
+        due = sql.SQL("({} IS NULL OR relay_promoted_at IS NOT NULL)").format(
+            layout.index_columns["available_at"]
+        )
+    args = {"table": table, "due": due, **layout.index_columns}
+
     def name_of(query: LiteralString, what: str) -> str:
         """An index is named for its definition: a changed mapping makes new ones (and
         the old ones go), where IF NOT EXISTS would keep a stale one by its name."""
-        args = {"table": table, "due": due, **layout.index_columns}
         definition = sql.SQL(query).format(index=sql.Identifier("_"), **args).as_string(None)
         digest = hashlib.sha256(definition.encode()).hexdigest()[:8]
         return f"{index_prefix(settings)}{what}_{digest}"
@@ -56,14 +62,8 @@ def statements(
     def index(query: LiteralString, what: str) -> sql.Composed:
         name = name_of(query, what)
         made.append(name)
-        args = {"table": table, "due": due, **layout.index_columns}
         return sql.SQL(query).format(index=sql.Identifier(name), **args)
 
-    due: sql.Composable = sql.SQL("true")
-    if "available_at" in layout.index_columns:
-        due = sql.SQL("({} IS NULL OR relay_promoted_at IS NOT NULL)").format(
-            layout.index_columns["available_at"]
-        )
     out: list[sql.Composed] = []
     if not layout.bookkept:  # ALTER TABLE locks the table even when it changes nothing
         out.append(sql.SQL(QUERIES.own_table_bookkeeping).format(table=table))

@@ -170,6 +170,16 @@ def test_a_hot_key_in_front_shares_the_batch_with_the_keys_behind_it(database: s
     assert keys_of(strict) == expected
 
 
+def settled_round(
+    conn: psycopg.Connection[Any], database: str, limits: BatchLimits, after: int | None
+) -> Fetched:
+    """One fetch from where the last round over keys stopped, its rows then settled
+    (deleted) as the relay would."""
+    fetched = fetch_from(database, limits, after_key=after)
+    conn.execute("DELETE FROM outbox WHERE id = ANY(%s)", ([r.id for r in fetched.messages],))
+    return fetched
+
+
 def test_past_a_crowded_head_the_keys_take_turns(database: str) -> None:
     """More keys wait behind the hot one than fit a batch, and the first ones keep
     getting new rows: the round over keys goes on from the last key served, so every
@@ -182,12 +192,11 @@ def test_past_a_crowded_head_the_keys_take_turns(database: str) -> None:
     after: int | None = None
     with psycopg.connect(database, autocommit=True) as conn:
         for _ in range(4):
-            fetched = fetch_from(database, limits, after_key=after)
+            fetched = settled_round(conn, database, limits, after)
             rows = fetched.messages
             seen |= set(keys_of(rows))
             after = fetched.walked_to
-            # Settled as the relay would; the busy keys get new rows meanwhile.
-            conn.execute("DELETE FROM outbox WHERE id = ANY(%s)", ([r.id for r in rows],))
+            # The busy keys get new rows meanwhile.
             for key in {r.key for r in rows if r.key != "H"}:
                 conn.execute("INSERT INTO outbox (topic, key) VALUES ('t', %s)", (key,))
     assert {f"k{k:02}" for k in range(30)} <= seen
@@ -210,12 +219,9 @@ def test_a_round_too_short_for_every_keys_share_goes_on_after_the_last_key_serve
     after: int | None = None
     with psycopg.connect(database, autocommit=True) as conn:
         for _ in range(12):
-            fetched = fetch_from(database, limits, after_key=after)
+            fetched = settled_round(conn, database, limits, after)
             served.update(keys_of(fetched.messages))
             after = fetched.walked_to
-            conn.execute(
-                "DELETE FROM outbox WHERE id = ANY(%s)", ([r.id for r in fetched.messages],)
-            )
     assert {f"k{k}" for k in range(7)} <= set(served), served
 
 
