@@ -1,7 +1,7 @@
 """The drain loop (docs/DESIGN.md, "Draining"), run while this replica holds the lease.
 
     fetch the next unsent rows in id order (never a last-seen-id cursor)
-    publish them; while their acknowledgements come back, fetch the batch after them
+    publish them; meanwhile, on the reader's thread, fetch the batch after them
     wait for every acknowledgement
     settle: atomically, fenced on our lease epoch (one transaction; one statement when
             every row was acknowledged), delete (or keep) the acknowledged rows, back
@@ -109,7 +109,8 @@ class Drainer:
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
-        self._reader = Reader(store.reading(), config.limits, config.poll_max, clock)
+        named = lease.shard.thread_name
+        self._reader = Reader(store.reading(), config.limits, config.poll_max, clock, named("read"))
         settler = Settler(
             store.settling(),
             lease,
@@ -210,16 +211,14 @@ class Drainer:
         started = self._clock()
         self._progress.publishing()
         self._recorder.publishing(batch, fetched_ns)
-        publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
-        prefetch_started = self._clock()
         batch_text = id_text(map(ID, batch))
         if not self._abandon(token):
             self._reader.prefetch(*self._pipeline.unsettled(), batch_text)
-        prefetching = self._clock() - prefetch_started
+        publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
         room = len(self._pipeline.stragglers) + len(batch) <= self._reader.limits.rows
         results = publishing.wait(leave_stragglers=room)
-        self._recorder.published(self._clock() - started - prefetching, results.count(ACKED))
+        self._recorder.published(self._clock() - started, results.count(ACKED))
         failpoints.hit("after_publish")
 
         rows: list[OutboxMessage] = batch

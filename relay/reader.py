@@ -1,20 +1,25 @@
 """The drain's reading side (docs/DESIGN.md, "Draining"): the next batch in id order,
-fair across keys, read ahead while the previous batch is being acknowledged, and the
-scheduled rows let in when due. It owns the drain's session (a `ReadStore`) and where
-the rounds over keys stand; the loop tells it which rows are unsettled and which keys
-are held back.
+fair across keys, read ahead on its own thread while the loop publishes the batch
+before it, and the scheduled rows let in when due. It owns the drain's session (a
+`ReadStore`) and where the rounds over keys stand; the loop tells it which rows are
+unsettled and which keys are held back.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 from relay import failpoints, metrics
 from relay.batch import BatchLimits, id_array
 from relay.message import OutboxMessage
 from relay.store.port import ReadStore, StoreError
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
 # head for other keys: the fair statement costs a few times the plain one.
@@ -30,15 +35,18 @@ def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessa
 
 @dataclass(slots=True)
 class Prefetched:
-    """The next batch, read while the previous one was being acknowledged."""
+    """The next batch, being read (or read) while the one before it is published."""
 
-    rows: list[OutboxMessage]
-    # Keys whose failures may not be written yet: the batches in flight at the read.
+    rows: Future[list[OutboxMessage] | None]  # None: the read failed
+    # Keys whose failures may not be written yet: the batches in flight at the read,
+    # and those whose rows failed since.
     held: frozenset[str]
 
 
 class Reader:
-    """Owned by the drain loop's thread alone."""
+    """Owned by the drain loop's thread; its session is used on the reader's own
+    thread alone, one statement after the other (the read-ahead, then whatever the
+    loop asks), and so is where the rounds stand."""
 
     def __init__(
         self,
@@ -46,12 +54,14 @@ class Reader:
         limits: BatchLimits,
         poll_max_seconds: float,
         clock: Callable[[], float] = time.monotonic,
+        thread_name: str = "relay-read",
     ) -> None:
         self._store = store
         self.limits = limits
         self._poll_max = poll_max_seconds
         self._clock = clock
-        self._prefetched: Prefetched | None = None  # fetched, not published yet
+        self._session_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._prefetched: Prefetched | None = None  # being read or read, not published yet
         self._after_key: int | None = None  # where the next round over keys starts
         self._after_group: str | None = None  # ... over fairness groups
         self._look_for_others_at = 0.0
@@ -64,25 +74,33 @@ class Reader:
         `unsettled`: the ids every fetch leaves out, as `id_text` parts."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
-            batch = without(prefetched.rows, held | prefetched.held)
+            rows = prefetched.rows.result()
+            batch = without(rows, held | prefetched.held) if rows is not None else []
             if batch:
                 return batch
-        return without(self._fetch(id_array(unsettled), held), held)
+        in_flight = id_array(unsettled)
+        return without(self._on_session(self._fetch, in_flight, held), held)
 
-    def prefetch(self, unsettled: list[str], held: frozenset[str], published: str) -> None:
-        """Read the batch after the one just `published` (its ids, as `id_text`) while
-        its acknowledgements come back.
+    def prefetch(self, unsettled: list[str], held: frozenset[str], publishing: str) -> None:
+        """Start reading the batch after the one being published (`publishing`, its
+        ids as `id_text`), on the reader's thread: the read overlaps the publish and
+        its acknowledgements.
 
         It leaves out every row not yet settled, and remembers the keys held back: when
         the prefetched rows are published, the failures of those batches may still be
         unwritten.
         """
+        in_flight = id_array([*unsettled, publishing])
+        self._prefetched = Prefetched(
+            self._session_thread.submit(self._read_ahead, in_flight, held), held
+        )
+
+    def _read_ahead(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage] | None:
         failpoints.stall("read_ahead")
         try:
-            rows = self._fetch(id_array([*unsettled, published]), held)
+            return self._fetch(in_flight, held)
         except StoreError:
-            return  # the next step's own fetch will meet (and report) the same trouble
-        self._prefetched = Prefetched(rows, held)
+            return None  # the next step's own fetch will meet (and report) the same trouble
 
     def hold(self, keys: frozenset[str]) -> None:
         """The prefetched rows were read before these keys' failures are written (or
@@ -91,8 +109,13 @@ class Reader:
             self._prefetched.held |= keys
 
     def forget(self) -> None:
-        """Drop the read-ahead: it is read again once the loop goes on."""
+        """Drop the read-ahead (a read still running ends unused on the reader's
+        thread): it is read again once the loop goes on."""
         self._prefetched = None
+
+    def _on_session(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `step` on the reader's thread, after any read-ahead still running."""
+        return self._session_thread.submit(step, *args, **kwargs).result()
 
     def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
@@ -131,7 +154,7 @@ class Reader:
         read. How many were let in."""
         if self._clock() < self._promote_at:
             return 0
-        promoted = self._store.promote_due(self.limits.rows)
+        promoted = self._on_session(self._store.promote_due, self.limits.rows)
         wait = self._poll_max
         if promoted.rows >= self.limits.rows:
             wait = 0.0
@@ -153,4 +176,6 @@ class Reader:
     # --- the session ---
 
     def close(self) -> None:
+        self._prefetched = None
+        self._session_thread.shutdown(wait=True)
         self._store.close()

@@ -448,6 +448,47 @@ def test_nothing_queued_is_sent_after_the_deadline_while_the_read_ahead_is_stuck
     assert_per_key_order(records)
 
 
+def test_a_stuck_read_ahead_does_not_hold_back_the_batch_being_published(
+    make_settings: SettingsFactory,
+    database: str,
+    kafka: TansuBroker,
+    topic: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The read of the next batch runs on the reader's thread while the loop publishes
+    and settles the batch before it: with that read stuck (a slow database), the batch
+    in hand is still delivered and settled; the loop waits for the read only when it
+    needs the next batch. Before, the drain thread itself made the read between
+    producing a batch and collecting its acknowledgements, so the batch settled only
+    once the read came back."""
+    monkeypatch.setattr("relay.failpoints._DIRECTORY", str(tmp_path))
+    stall = tmp_path / "stall_read_ahead"
+    with running_relay(make_settings(batch_size=500)):
+        insert_rows(database, topic, [("warm", b"warm:0")])
+        wait_until(lambda: unsent_count(database) == 0, timeout=20, message="producer warm")
+        stall.touch()
+        try:
+            insert_rows(
+                database, topic, [(f"k{i % 5}", f"k{i % 5}:{i}".encode()) for i in range(50)]
+            )
+            wait_until(
+                lambda: unsent_count(database) == 0,
+                timeout=20,
+                message="the batch settled while the read after it is stuck",
+            )
+            assert stall.exists()  # the stall was still armed (it lasts 60 s at most)
+        finally:
+            stall.unlink(missing_ok=True)
+        insert_rows(
+            database, topic, [(f"k{i % 5}", f"k{i % 5}:{i}".encode()) for i in range(50, 80)]
+        )
+        wait_until(lambda: unsent_count(database) == 0, timeout=30, message="the rest delivered")
+    records = consume(kafka.bootstrap_servers, topic, min_count=81, timeout=30)
+    assert len(dedup_by_message_id(records)) == 81
+    assert_per_key_order(records)
+
+
 def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(
     make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
 ) -> None:
