@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -177,6 +178,16 @@ class Session:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+    def cancel(self, timeout: float = 2.0) -> None:
+        """From another thread: ask the server to cancel the statement running on the
+        session, if any (the one running it then fails as the statement would)."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        # Unreachable server: the session's statement timeout ends the statement.
+        with contextlib.suppress(psycopg.Error, OSError):
+            conn.cancel_safe(timeout=timeout)
 
 
 def idle_in_transaction_timeout_ms(settings: CommonSettings) -> int:

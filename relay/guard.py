@@ -2,10 +2,11 @@
 
 The drain loop stops publishing when it notices the lease is gone, but it notices only
 between steps. A sink that sends in the background (Kafka) keeps sending what it holds
-on its own threads while the drain thread is stuck elsewhere, say in its read-ahead
-against a database that does not answer; past the deadline a newer holder may already
-be publishing. This thread watches the lease alone and, the moment our token stops
-being good, tells the sink to drop what it still holds. It touches nothing else.
+on its own threads while the drain thread is stuck elsewhere, say waiting for a read
+or a settle against a database that does not answer while stragglers sit queued; past
+the deadline a newer holder may already be publishing. This thread watches the lease
+alone and, the moment our token stops being good, tells the sink to drop what it still
+holds. It touches nothing else.
 """
 
 from __future__ import annotations

@@ -11,15 +11,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints, metrics
 from relay.batch import BatchLimits, id_array
+from relay.logging import get_logger
 from relay.message import OutboxMessage
+from relay.shutdown import Shutdown
 from relay.store.port import ReadStore, StoreError
+
+log = get_logger("relay.drain")
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+# How long closing waits for a read still running (after cancelling it), and how often
+# a wait for a read looks whether the relay is stopping.
+CLOSE_SECONDS = 5.0
+STOP_CHECK_SECONDS = 0.1
 
 # While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
 # head for other keys: the fair statement costs a few times the plain one.
@@ -55,13 +64,17 @@ class Reader:
         poll_max_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         thread_name: str = "relay-read",
+        shutdown: Shutdown | None = None,
     ) -> None:
         self._store = store
         self.limits = limits
         self._poll_max = poll_max_seconds
         self._clock = clock
+        self._shutdown = shutdown  # once requested, waiting for a read is over
         self._session_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._prefetched: Prefetched | None = None  # being read or read, not published yet
+        self._dropped: Future[list[OutboxMessage] | None] | None = None  # a read forgotten
+        self._last: Future[Any] | None = None  # the last statement handed to the thread
         self._after_key: int | None = None  # where the next round over keys starts
         self._after_group: str | None = None  # ... over fairness groups
         self._look_for_others_at = 0.0
@@ -74,7 +87,7 @@ class Reader:
         `unsettled`: the ids every fetch leaves out, as `id_text` parts."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
-            rows = prefetched.rows.result()
+            rows = self._result(prefetched.rows)
             batch = without(rows, held | prefetched.held) if rows is not None else []
             if batch:
                 return batch
@@ -91,9 +104,7 @@ class Reader:
         unwritten.
         """
         in_flight = id_array([*unsettled, publishing])
-        self._prefetched = Prefetched(
-            self._session_thread.submit(self._read_ahead, in_flight, held), held
-        )
+        self._prefetched = Prefetched(self._submit(self._read_ahead, in_flight, held), held)
 
     def _read_ahead(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage] | None:
         failpoints.stall("read_ahead")
@@ -111,11 +122,37 @@ class Reader:
     def forget(self) -> None:
         """Drop the read-ahead (a read still running ends unused on the reader's
         thread): it is read again once the loop goes on."""
+        if self._prefetched is not None:
+            self._dropped = self._prefetched.rows
         self._prefetched = None
 
     def _on_session(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run `step` on the reader's thread, after any read-ahead still running."""
-        return self._session_thread.submit(step, *args, **kwargs).result()
+        """Run `step` on the reader's thread, after any read-ahead still running. A
+        read-ahead dropped unused that failed other than as the store fails (a bug, a
+        setting found wrong on reconnect) raises here: forgetting it must not hide it."""
+        result = self._result(self._submit(step, *args, **kwargs))
+        dropped, self._dropped = self._dropped, None
+        if dropped is not None:
+            dropped.result()  # done: it ran before `step`
+        return result
+
+    def _result(self, read: Future[T]) -> T:
+        """What `read` returns, once it has; a StoreError if the relay is stopping
+        first: a read stuck on the database does not hold the loop (and so the lease's
+        release) for its statement timeout; closing cancels it."""
+        while True:
+            try:
+                return read.result(timeout=STOP_CHECK_SECONDS)
+            except TimeoutError:
+                if self._shutdown is not None and self._shutdown.requested:
+                    raise StoreError(
+                        "the relay is stopping: a read still running is left"
+                    ) from None
+
+    def _submit(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future = self._session_thread.submit(step, *args, **kwargs)
+        self._last = future
+        return future
 
     def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
@@ -176,6 +213,16 @@ class Reader:
     # --- the session ---
 
     def close(self) -> None:
+        """Close the session on the reader's thread. A read still running (ahead, or
+        one the loop left waiting for when it was stopped) is cancelled first, and the
+        wait is bounded: a stuck read must not hold up the lease's release (it ends, at
+        the latest, at the session's statement timeout)."""
         self._prefetched = None
-        self._session_thread.shutdown(wait=True)
-        self._store.close()
+        if self._last is not None and not self._last.done():
+            self._store.interrupt()
+        closed = self._session_thread.submit(self._store.close)
+        self._session_thread.shutdown(wait=False)
+        try:
+            closed.result(timeout=CLOSE_SECONDS)
+        except TimeoutError:
+            log.warning("drain.read_abandoned", waited_s=CLOSE_SECONDS)

@@ -398,10 +398,11 @@ def test_nothing_queued_is_sent_after_the_deadline_while_the_read_ahead_is_stuck
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The broker stalls with a batch produced (ten messages on the wire, the rest
-    queued), the drain thread is stuck in its read-ahead, and renewals fail, so the
-    lease's local deadline passes. Before: the queued messages waited in librdkafka and
-    went out when the broker came back, long after the deadline (a newer holder may be
-    publishing by then). Now the deadline guard drops them at the deadline."""
+    queued), the read-ahead is stuck, and renewals fail, so the lease's local deadline
+    passes. Before: the queued messages waited in librdkafka and went out when the
+    broker came back, long after the deadline (a newer holder may be publishing by
+    then). Now they are dropped at the deadline: by the loop's own wait for the batch's
+    reports, which stops at the deadline, and by the deadline guard."""
     monkeypatch.setattr("relay.failpoints._DIRECTORY", str(tmp_path))
     settings = make_settings(
         batch_size=200,
@@ -421,7 +422,7 @@ def test_nothing_queued_is_sent_after_the_deadline_while_the_read_ahead_is_stuck
             wait_until(
                 lambda: len(sink._producer) >= 150,
                 timeout=10,
-                message="the batch produced, the drain thread stuck in its read-ahead",
+                message="the batch produced, the read-ahead stuck",
             )
             with psycopg.connect(database, autocommit=True) as conn:
                 conn.execute("REVOKE UPDATE ON leases FROM relay")
@@ -487,6 +488,51 @@ def test_a_stuck_read_ahead_does_not_hold_back_the_batch_being_published(
     records = consume(kafka.bootstrap_servers, topic, min_count=81, timeout=30)
     assert len(dedup_by_message_id(records)) == 81
     assert_per_key_order(records)
+
+
+def test_a_read_stuck_on_the_database_does_not_hold_up_the_leases_release_at_stop(
+    make_settings: SettingsFactory, database: str, topic: str
+) -> None:
+    """The drain's read waits on a lock the app holds (no lock or statement timeout to
+    end it soon). Stopping cancels it: the lease is given up while the lock is still
+    held, so a standby takes over at its next poll, not once the read gives up."""
+    settings = make_settings(database_lock_timeout_ms=0, database_statement_timeout_ms=60_000)
+    with running_relay(settings) as app, psycopg.connect(database) as locker:
+        insert_rows(database, topic, [("warm", b"warm:0")])
+        wait_until(lambda: unsent_count(database) == 0, timeout=20, message="warm")
+        locker.execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        wait_until(
+            lambda: _waiting_on_a_lock(database, "relay:drain"),
+            timeout=10,
+            message="the drain's read waiting on the lock",
+        )
+        app.shutdown.request()
+        wait_until(
+            lambda: _lease_released(database, settings.lease_name),
+            timeout=10,  # the read's statement timeout is a minute
+            message="the lease released while the read is stuck",
+        )
+        assert _waiting_on_a_lock(database, "relay:drain") is False  # cancelled
+        locker.rollback()
+
+
+def _waiting_on_a_lock(dsn: str, application: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = %s AND wait_event_type = 'Lock'",
+            (application,),
+        ).fetchone()
+    return row is not None and row[0] > 0
+
+
+def _lease_released(dsn: str, name: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT released_at IS NOT NULL AND expires_at <= now() FROM leases WHERE name = %s",
+            (name,),
+        ).fetchone()
+    return row is not None and bool(row[0])
 
 
 def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(

@@ -254,7 +254,7 @@ class KafkaSink:
         self, messages: Sequence[OutboxMessage], abandon: Callable[[], bool]
     ) -> Publishing:
         """Hand the batch to librdkafka and return at once; `wait()` collects the
-        reports. The drain loop fetches its next batch in between."""
+        reports (the drain's next read runs meanwhile, on the reader's thread)."""
         if self._needs_new_producer:
             self._replace_producer()
         publishing = Publishing(self, self._producer, len(messages), abandon)
@@ -263,7 +263,7 @@ class KafkaSink:
         produced = self._produce_batch(publishing, messages, abandon)
         publishing.pending += produced
         # flush(0): ask librdkafka to send the batch's tail now rather than after
-        # linger.ms, so its acknowledgements come back while the loop reads ahead.
+        # linger.ms: nothing more joins this batch.
         failure = self._serve(self._producer, 0, flush=True)
         if publishing.failure is None:  # expired while producing: keep that verdict
             publishing.failure = failure
@@ -541,8 +541,8 @@ class Publishing:
         sink, producer = self.sink, self.producer
         abandoned = False
         failure = self.failure
-        # The quiet time counts from now: reports may be waiting unserved after a slow
-        # read-ahead, and must not make the whole batch look stuck.
+        # The quiet time counts from now: reports may be waiting unserved since the
+        # batch was produced, and must not make the whole batch look stuck.
         self.last_report = max(self.last_report, time.monotonic())
         self._pending_seen = self.pending
         while failure is None and self.pending > 0:
@@ -554,8 +554,8 @@ class Publishing:
                 # still be delivered; the loop asks again (`again`) and holds their keys.
                 return [IN_FLIGHT if result is None else result for result in self.results]
             if time.monotonic() > self.deadline:
-                # Reports that arrived while we were away (a slow read-ahead) count:
-                # purging acknowledged messages would only make duplicates.
+                # Reports that arrived and are not served yet count: purging
+                # acknowledged messages would only make duplicates.
                 failure = sink._serve(producer, 0, flush=True)
                 if failure is not None or self.pending == 0:
                     break

@@ -140,12 +140,8 @@ class MemoryStore:
     def _renew(self, token: LeaseToken, ttl: float) -> bool:
         """`lease_renew`, and the settles' fence: a row taken since, or released, is not
         ours any more (an expired one nobody took still is)."""
-        row = self.leases.get(token.name)
-        if row is None or (row.holder, row.epoch, row.released) != (
-            token.holder,
-            token.epoch,
-            False,
-        ):
+        row, ours = self.leases.get(token.name), (token.holder, token.epoch, False)
+        if row is None or (row.holder, row.epoch, row.released) != ours:
             return False
         row.expires = self.clock() + ttl
         return True
@@ -223,6 +219,9 @@ class MemoryStore:
                 if not row.promoted and row.available_at is not None
             ]
             return Promoted(len(due), min(later) if later else None)
+
+    def interrupt(self) -> None:
+        """A statement here never waits: nothing to cancel."""
 
     def reset(self) -> None:
         """Sessions are not modelled: nothing to open again."""

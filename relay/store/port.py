@@ -72,6 +72,10 @@ class ReadStore(Protocol):
         """Let at most `limit` scheduled rows that are due into the drain."""
         ...
 
+    def interrupt(self) -> None:
+        """From another thread: cancel the statement the session is running, if any."""
+        ...
+
     def close(self) -> None: ...
 
 

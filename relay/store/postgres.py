@@ -43,7 +43,7 @@ def _failing_as_store_error(session: db.Session) -> Iterator[None]:
 
 
 class PostgresReadStore:
-    """Owned by the drain loop's thread alone."""
+    """Used on the reader's thread alone (relay/reader.py), but for `interrupt`."""
 
     def __init__(self, connect: Callable[[], db.Conn], shard: Shard) -> None:
         self._connect = connect
@@ -88,6 +88,9 @@ class PostgresReadStore:
             return repository.promote_due(
                 self._session.get(), limit, shards=self._shard.shards, shard=self._shard.shard
             )
+
+    def interrupt(self) -> None:
+        self._session.cancel()
 
     def close(self) -> None:
         self._session.close()

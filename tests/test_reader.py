@@ -1,0 +1,167 @@
+"""The reader's own thread (relay/reader.py) without servers: the read-ahead runs beside
+the loop, every use of the session runs after it, one at a time, and neither closing
+nor forgetting a read loses what went wrong in it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from relay.batch import BatchLimits
+from relay.message import OutboxMessage
+from relay.reader import CLOSE_SECONDS, Reader
+from relay.shutdown import Shutdown
+from relay.store.port import Fetched, Promoted, StoreError
+
+pytestmark = pytest.mark.unit
+
+LIMITS = BatchLimits(rows=10, bytes=1 << 20, per_key=10)
+# Long enough for any thread hand-over on a busy machine, far below a stuck read.
+PROMPTLY = 2.0
+
+
+def message(row_id: int, key: str = "k") -> OutboxMessage:
+    return OutboxMessage(
+        row_id, str(row_id), "t", key, b"p", None, None, "2026-01-01T00:00:00Z", 0.0, 0, True
+    )
+
+
+class SlowStore:
+    """A read store whose fetches wait while `blocked` is set (until `interrupt`), fail
+    as scripted, and count how many run at once."""
+
+    def __init__(self) -> None:
+        self.blocked = threading.Event()
+        self.released = threading.Event()
+        self.failures: list[BaseException] = []
+        self.running = 0
+        self.most_at_once = 0
+        self.interrupted = 0
+        self.closed_on: str | None = None
+        self._lock = threading.Lock()
+        self._next_id = 1
+
+    def fetch(
+        self,
+        limits: BatchLimits,
+        in_flight: str,
+        after_key: int | None,
+        *,
+        held: list[str],
+        share_busy_keys: bool,
+        after_group: str | None = None,
+    ) -> Fetched:
+        with self._lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            if self.blocked.is_set() and not self.released.wait(30):
+                raise AssertionError("never released")
+            time.sleep(0.01)  # long enough for a second statement to overlap it
+            if self.failures:
+                raise self.failures.pop(0)
+            row_id, self._next_id = self._next_id, self._next_id + 1
+            return Fetched([message(row_id)])
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def promote_due(self, limit: int) -> Promoted:
+        return Promoted(0, None)
+
+    def interrupt(self) -> None:
+        self.interrupted += 1
+        self.failures.insert(0, StoreError("canceling statement due to user request"))
+        self.released.set()
+
+    def close(self) -> None:
+        self.closed_on = threading.current_thread().name
+
+
+def reader(store: SlowStore, shutdown: Shutdown | None = None) -> Reader:
+    return Reader(store, LIMITS, 0.1, thread_name="relay-read-test", shutdown=shutdown)
+
+
+def test_closing_cancels_a_stuck_read_ahead_and_closes_the_session_on_its_thread() -> None:
+    """A read-ahead stuck on the database must not hold up the lane's stop (and so the
+    lease's release) until the statement times out."""
+    store = SlowStore()
+    read = reader(store)
+    assert read.next_batch([], frozenset())  # the session in use
+    store.blocked.set()
+    read.prefetch([], frozenset(), "1")
+    started = time.monotonic()
+    read.close()
+    took = time.monotonic() - started
+    assert store.interrupted == 1
+    assert took < PROMPTLY < CLOSE_SECONDS, f"close took {took:.2f} s"
+    assert store.closed_on is not None and store.closed_on.startswith("relay-read-test")
+
+
+def test_closing_an_idle_reader_cancels_nothing() -> None:
+    store = SlowStore()
+    read = reader(store)
+    assert read.next_batch([], frozenset())
+    read.prefetch([], frozenset(), "1")
+    assert read.next_batch([], frozenset())  # the read-ahead, used
+    read.close()
+    assert store.interrupted == 0
+    assert store.closed_on is not None
+
+
+def test_a_fresh_read_after_a_forgotten_one_waits_for_it() -> None:
+    """One session, one statement at a time: the loop may drop a read-ahead still
+    running and read afresh at once."""
+    store = SlowStore()
+    read = reader(store)
+    for _ in range(20):
+        read.prefetch([], frozenset(), "")
+        read.forget()
+        assert read.next_batch([], frozenset())
+    read.close()
+    assert store.most_at_once == 1
+
+
+def test_a_forgotten_read_ahead_that_failed_other_than_the_store_fails_is_raised() -> None:
+    """A bug in a read-ahead (not the database failing) crashes the lane, as it did when
+    the read ran on the loop's thread, even when the loop dropped the read meanwhile."""
+    store = SlowStore()
+    read = reader(store)
+    store.failures.append(ValueError("a row the relay cannot decode"))
+    read.prefetch([], frozenset(), "")
+    read.forget()
+    with pytest.raises(ValueError, match="cannot decode"):
+        read.next_batch([], frozenset())
+    assert read.next_batch([], frozenset())  # raised once; the loop may go on
+    read.close()
+
+
+def test_a_read_ahead_the_store_failed_is_read_again_and_the_failure_reported_there() -> None:
+    store = SlowStore()
+    read = reader(store)
+    store.failures += [StoreError("connection lost"), StoreError("connection refused")]
+    read.prefetch([], frozenset(), "")
+    with pytest.raises(StoreError, match="refused"):
+        read.next_batch([], frozenset())
+    assert read.next_batch([], frozenset())
+    read.close()
+
+
+def test_a_stop_requested_while_the_loop_waits_for_a_stuck_read_ends_the_wait() -> None:
+    """The loop then stops at once (a store error ends its turn, and the request its
+    loop) instead of waiting out the read; closing cancels the read."""
+    store = SlowStore()
+    shutdown = Shutdown(grace=5.0)
+    read = reader(store, shutdown)
+    assert read.next_batch([], frozenset())
+    store.blocked.set()
+    read.prefetch([], frozenset(), "1")
+    threading.Timer(0.2, shutdown.request).start()
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="stopping"):
+        read.next_batch([], frozenset())
+    assert time.monotonic() - started < PROMPTLY
+    read.close()
+    assert store.interrupted == 1
