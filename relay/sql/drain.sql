@@ -514,39 +514,42 @@ LIMIT %(limit)s
 -- Step 4, the rows past the head that may take a head row's place for their group: each
 -- group's next rows after the head in id order, an equal share of the batch each, so no
 -- group's backlog (in rows or in keys) buys it more. One walk of the grouping's index
--- per group, from the head's last id. With a header's groups, one key's rows may be in
--- several groups (an app that starts tagging them; a key that changes tenant): a row
--- goes only if no earlier row of its key past the head is in another group, whose
--- share may not reach it, so each key's rows in the pool stay a prefix of its rows
--- (key-prefix groups are the key's own, and the test folds away).
+-- per group, from the head's last id, as long as the share. With a header's groups, one
+-- key's rows may be in several groups (an app that starts tagging them; a key that
+-- changes tenant): a row of the share goes only if no earlier row of its key past the
+-- head is in another group, whose share may not reach it, so each key's rows in the
+-- pool stay a prefix of its rows (key-prefix groups are the key's own, and the test
+-- folds away). The rows it leaves out still count in the share: a key whose rows
+-- alternate groups costs a walk of one share, not of its backlog.
 SELECT p.*, 0::bigint AS walk
 FROM groups AS g
 CROSS JOIN LATERAL (
-    SELECT {{candidate}},
-           g.grp
-    FROM outbox AS o
-    WHERE {{fairness_group}} = g.grp
-      AND o.id > (SELECT last_id FROM crowded)
-      AND {{drainable}}
-      AND o.id <> ALL(%(in_flight)s::bigint[])
-      AND {{this_shard}}
-      AND (%(group_kind)s::text <> 'header'
-           OR o.key IS NULL
-           OR NOT EXISTS (
-               SELECT 1
-               FROM outbox AS earlier
-               WHERE outbox_key_hash(earlier.key) = outbox_key_hash(o.key)
-                 AND earlier.key = o.key
-                 AND earlier.id > (SELECT last_id FROM crowded)
-                 AND earlier.id < o.id
-                 AND earlier.sent_at IS NULL
-                 AND earlier.dead_lettered_at IS NULL
-                 AND (earlier.available_at IS NULL OR earlier.promoted_at IS NOT NULL)
-                 AND earlier.id <> ALL(%(in_flight)s::bigint[])
-                 AND outbox_fairness_group(earlier.key, earlier.headers, %(group_kind)s::text,
-                                           %(group_arg)s::text) <> g.grp))
-    ORDER BY o.id
-    LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM groups)
+    SELECT share.*
+    FROM (SELECT {{candidate}},
+                 g.grp
+          FROM outbox AS o
+          WHERE {{fairness_group}} = g.grp
+            AND o.id > (SELECT last_id FROM crowded)
+            AND {{drainable}}
+            AND o.id <> ALL(%(in_flight)s::bigint[])
+            AND {{this_shard}}
+          ORDER BY o.id
+          LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM groups)) AS share
+    WHERE %(group_kind)s::text <> 'header'
+       OR share.key IS NULL
+       OR NOT EXISTS (
+           SELECT 1
+           FROM outbox AS earlier
+           WHERE outbox_key_hash(earlier.key) = outbox_key_hash(share.key)
+             AND earlier.key = share.key
+             AND earlier.id > (SELECT last_id FROM crowded)
+             AND earlier.id < share.id
+             AND earlier.sent_at IS NULL
+             AND earlier.dead_lettered_at IS NULL
+             AND (earlier.available_at IS NULL OR earlier.promoted_at IS NOT NULL)
+             AND earlier.id <> ALL(%(in_flight)s::bigint[])
+             AND outbox_fairness_group(earlier.key, earlier.headers, %(group_kind)s::text,
+                                       %(group_arg)s::text) <> share.grp)
 ) AS p
 
 -- fragment: ranked
