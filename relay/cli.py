@@ -23,6 +23,7 @@ import psycopg
 from relay import __version__, db, fairness, lag, repository
 from relay.errors import MigrationError
 from relay.logging import configure
+from relay.migrate import SchemaState, schema_state
 from relay.queries import QUERIES
 from relay.rows import LeaseRow, ReplicaRow
 from relay.settings import CommonSettings, Settings, SettingsError, load_settings
@@ -209,9 +210,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         replicas = repository.replica_status(conn)
         sample = lag.measure(conn, args.count_cap)
         shard_lag = _shard_lag(conn, args.count_cap)
-        version = repository.schema_version(conn)
+        schema = schema_state(conn)
     if args.json:
-        _print_json(_status_json(version, leases, replicas, sample, shard_lag))
+        _print_json(_status_json(schema, leases, replicas, sample, shard_lag))
         return EXIT_OK
     if leases:
         print(_lease_table(leases, shard_lag))
@@ -221,7 +222,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print()
         print(_replica_table(replicas))
     print()
-    print(_outbox_table(sample, version))
+    print(_outbox_table(sample, schema))
     return EXIT_OK
 
 
@@ -229,7 +230,7 @@ ShardLags = dict[tuple[str, int], lag.ShardLag]  # by (lease group, shard)
 
 
 def _status_json(
-    version: str | None,
+    schema: SchemaState,
     leases: Sequence[LeaseRow],
     replicas: Sequence[ReplicaRow],
     sample: lag.LagSample,
@@ -241,7 +242,8 @@ def _status_json(
             {"lease_group": group, **s.as_dict()} for (group, _), s in shard_lag.items()
         ]
     return {
-        "schema_version": version,
+        "schema_version": schema.version,
+        "migrations_not_applied": schema.not_applied,
         "leases": [asdict(lease) for lease in leases],
         "replicas": [asdict(replica) for replica in replicas],
         "outbox": outbox,
@@ -298,7 +300,7 @@ def _replica_table(replicas: Sequence[ReplicaRow]) -> str:
     )
 
 
-def _outbox_table(sample: lag.LagSample, version: str | None) -> str:
+def _outbox_table(sample: lag.LagSample, schema: SchemaState) -> str:
     cap = sample.count_cap
     return _table(
         ("OUTBOX", "VALUE"),
@@ -309,7 +311,7 @@ def _outbox_table(sample: lag.LagSample, version: str | None) -> str:
             ("dead-lettered rows", _count(sample.dead_lettered, cap)),
             ("scheduled rows", _count(sample.scheduled, cap)),
             ("next scheduled in", _due_in(sample.next_due_in_seconds)),
-            ("schema version", version),
+            ("schema version", schema.describe()),
         ],
     )
 
@@ -346,10 +348,10 @@ def cmd_check(_args: argparse.Namespace) -> int:
     try:
         with db.connect(settings, purpose="check") as conn:
             try:
-                version = repository.schema_version(conn)
+                schema = schema_state(conn)
             except psycopg.errors.UndefinedTable:
-                version = None
-            if version is None:
+                schema = SchemaState(None, [])
+            if schema.version is None:
                 print(
                     "database: FAILED: no migration applied (run `relay migrate`)", file=sys.stderr
                 )
@@ -369,7 +371,7 @@ def cmd_check(_args: argparse.Namespace) -> int:
         print(f"database: FAILED: {db.describe_error(exc)}", file=sys.stderr)
         return EXIT_FAILURE
     print(
-        f"database: ok (schema version {version}; outbox, leases and replicas readable;"
+        f"database: ok (schema version {schema.describe()}; outbox, leases and replicas readable;"
         f" {_count(sample.unsent, sample.count_cap)} unsent rows)"
     )
     sink = create_sink(settings)

@@ -134,6 +134,38 @@ def missing(conn: db.Conn, directory: Path | None = None) -> list[str]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class SchemaState:
+    """Where a database's schema stands, as this release counts it."""
+
+    # The last of this release's migrations with every one before it applied (None:
+    # none applied); not the highest applied, which may be past one still waiting.
+    version: str | None
+    not_applied: list[str]  # this release's migrations the database lacks, by name
+
+    def describe(self) -> str:
+        """`0016`, or `0016; not applied: 0017_retire_key_index.sql` (one that waits
+        for a rollout, or a database an older `relay migrate` left behind)."""
+        version = self.version or "none"
+        return (
+            f"{version}; not applied: {', '.join(self.not_applied)}"
+            if self.not_applied
+            else version
+        )
+
+
+def schema_state(conn: db.Conn, directory: Path | None = None) -> SchemaState:
+    applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
+    version: str | None = None
+    not_applied: list[str] = []
+    for migration in load(directory):  # in version order
+        if migration.version not in applied:
+            not_applied.append(migration.name)
+        elif not not_applied:
+            version = migration.version
+    return SchemaState(version, not_applied)
+
+
 def _check_unchanged(migration: Migration, checksum: str) -> None:
     if checksum != migration.checksum:
         raise MigrationError(

@@ -311,8 +311,3 @@ def replica_status(conn: Conn) -> list[ReplicaRow]:
             return cur.execute(QUERIES.replica_status).fetchall()
     except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege):
         return []
-
-
-def schema_version(conn: Conn) -> str | None:
-    row = conn.execute(QUERIES.schema_version).fetchone()
-    return None if row is None else row["version"]

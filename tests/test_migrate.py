@@ -5,11 +5,14 @@ from __future__ import annotations
 import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from relay.migrate import migrations_dir
+from relay import db
+from relay.migrate import migrate, migrations_dir, schema_state
+from relay.settings import CommonSettings
 from tests.conftest import REPO, relay_command, relay_env
 from tests.harness.postgres import PostgresServer
 
@@ -52,6 +55,35 @@ def test_migrate_twice_is_a_no_op(empty_db: str) -> None:
     count = len(list(migrations_dir().glob("0*.sql")))
     assert first.startswith(f"applied {count} migration(s)")
     assert second.strip() == "applied 0 migration(s)"
+
+
+def test_the_schema_version_stops_before_a_migration_that_waits_for_a_rollout(
+    empty_db: str, tmp_path: Path
+) -> None:
+    """A migration that waits for a rollout lets later ones in (relay/migrate.py). The
+    schema's version is then the last one with every earlier one applied, and the one
+    waiting is named: the highest applied would claim the waiting one is in."""
+    files = {
+        "0001_table.sql": "CREATE TABLE t (id integer); CREATE INDEX t_old_idx ON t (id);",
+        "0002_index.sql": "CREATE INDEX t_new_idx ON t (id DESC);",
+        "0003_retire.sql": "-- after-rollout-of: 0002\nDROP INDEX t_old_idx;",
+        "0004_column.sql": "ALTER TABLE t ADD COLUMN note text;",
+    }
+    settings = CommonSettings(database_url=empty_db)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        if name == "0001_table.sql":  # the release before: its relays read t_old_idx
+            assert migrate(settings, tmp_path).applied == [name]
+    upgrade = migrate(settings, tmp_path)
+    assert upgrade.applied == ["0002_index.sql", "0004_column.sql"]
+    with db.connect(settings, purpose="test") as conn:
+        state = schema_state(conn, tmp_path)
+    assert (state.version, state.not_applied) == ("0002", ["0003_retire.sql"])
+    assert state.describe() == "0002; not applied: 0003_retire.sql"
+    migrate(settings, tmp_path)
+    with db.connect(settings, purpose="test") as conn:
+        state = schema_state(conn, tmp_path)
+    assert (state.version, state.not_applied, state.describe()) == ("0004", [], "0004")
 
 
 def test_schema_has_the_contract_columns_and_partial_index(database: str) -> None:

@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 
 from relay import db, lag, repository
 from relay.logging import get_logger
+from relay.migrate import SchemaState, schema_state, shard_index_state
 from relay.queries import QUERIES
 from relay.rows import LeaseRow, ReplicaRow
 
@@ -69,12 +70,10 @@ class Overview:
     sample: lag.LagSample
     blocked_keys: int
     shard_lag: dict[tuple[str, int], lag.ShardLag]
-    version: str | None
+    schema: SchemaState
 
 
 def overview(conn: db.Conn, cap: int) -> Overview:
-    from relay.migrate import shard_index_state
-
     shard_lag: dict[tuple[str, int], lag.ShardLag] = {}
     for group, shards in repository.lease_group_shards(conn).items():
         if shards > 1 and all(shard_index_state(conn, shards).values()):
@@ -88,7 +87,7 @@ def overview(conn: db.Conn, cap: int) -> Overview:
         sample=lag.measure(conn, cap),
         blocked_keys=int(row["blocked_keys"]) if row else 0,
         shard_lag=shard_lag,
-        version=repository.schema_version(conn),
+        schema=schema_state(conn),
     )
 
 

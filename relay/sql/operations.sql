@@ -156,10 +156,6 @@ ORDER BY lease_name, replica_id;
 -- The shard count in force for each lease group (migration 0007's table), for status.
 SELECT name, shards FROM lease_groups ORDER BY name;
 
--- name: schema_version
--- Latest applied migration, for `relay check` and `relay status`.
-SELECT max(version) AS version FROM schema_migrations;
-
 ------------------------------------------------------------------------------------
 -- Dead letters
 ------------------------------------------------------------------------------------
