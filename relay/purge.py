@@ -7,7 +7,8 @@ tried again at its next interval, and never delays a fetch. A run first empties 
 oldest generation of outbox_sent whole when it is time (`rotate_sent`: one TRUNCATE,
 however many rows), then deletes the sent rows kept in the outbox itself (an own
 table's, or those a relay of an earlier release marked) in bounded batches, each one
-index-driven statement (`purge_sent`).
+index-driven statement (`purge_sent`); a rotation that cannot happen now skips none of
+that.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import psycopg
 
 from relay import db, metrics, repository
 from relay.batch import SentRows
@@ -73,9 +76,10 @@ class Purger(threading.Thread):
         """One run; the rows deleted, or None if it stopped with more rows due."""
         deleted = 0
         ends = self._clock() + RUN_SECONDS
+        rotation_failed = None
+        if self._config.sent_rows == "move" and self._lease.token() is not None:
+            rotation_failed = self._rotate()
         try:
-            if self._config.sent_rows == "move" and self._lease.token() is not None:
-                self._rotate()
             while True:
                 if self._lease.token() is None or self._stop_event.is_set():
                     break
@@ -93,19 +97,34 @@ class Purger(threading.Thread):
         except Exception as exc:
             # Any failure: this thread only keeps the table small, and its death would
             # let the outbox grow without a word.
-            metrics.PURGE_ERRORS.inc()
-            self._outage.failure(db.describe_error(exc))
-            self._session.close()
+            self._failed(exc)
             return deleted
-        self._outage.success()
+        if rotation_failed is None:
+            self._outage.success()
         self._report(deleted)
         return deleted
 
-    def _rotate(self) -> None:
-        generation = repository.rotate_sent(self._session.get(), self._config.retention_seconds)
+    def _rotate(self) -> Exception | None:
+        """Empty the oldest generation of outbox_sent if it is time; the failure, if it
+        failed (the run's purge of rows marked sent goes on either way). A reader of
+        that generation past the lock timeout is no failure: it waits for the next run."""
+        try:
+            generation = repository.rotate_sent(self._session.get(), self._config.retention_seconds)
+        except psycopg.errors.LockNotAvailable:
+            log.info("outbox.sent_generation_busy", retry_in_s=self._config.interval_seconds)
+            return None
+        except Exception as exc:
+            self._failed(exc)
+            return exc
         if generation is not None:
             metrics.SENT_GENERATIONS_EMPTIED.inc()
             log.info("outbox.sent_generation_emptied", generation=generation)
+        return None
+
+    def _failed(self, exc: Exception) -> None:
+        metrics.PURGE_ERRORS.inc()
+        self._outage.failure(db.describe_error(exc))
+        self._session.close()  # the next statement starts on a fresh session
 
     def _report(self, deleted: int) -> None:
         if deleted:

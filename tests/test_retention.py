@@ -10,6 +10,7 @@ import threading
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
 from relay import repository
@@ -149,6 +150,42 @@ def test_the_purge_thread_rotates_and_the_cli_empties_old_generations(
     assert done.returncode == 0, done.stderr
     assert "emptied 1 generation(s) of outbox_sent older than 7200s: 2" in done.stdout.decode()
     assert kept(database) == {3: 10, 0: 10}
+
+
+def test_a_rotation_that_waits_on_a_reader_does_not_skip_the_purge_of_rows_marked_sent(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    """A reader of the generation due holds the rotation's TRUNCATE past the lock
+    timeout: the run gives the rotation up till the next one (not an error), and still
+    deletes the rows an earlier release marked sent in the outbox. Before, the run
+    stopped at the rotation, counted an error, and those rows waited."""
+    keep_in(database, 1, 10, "5 hours")
+    set_started(database, g0="30 minutes", g2="70 minutes", g3="2 hours", g1="3 hours")
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, sent_at)"
+            " SELECT 't', 'k', 'x', now() - interval '2 hours' FROM generate_series(1, 30)"
+        )
+    errors = REGISTRY.get_sample_value("relay_purge_errors_total") or 0.0
+    settings = make_settings(
+        retention_seconds=HOUR, purge_interval_seconds=0.1, database_lock_timeout_ms=200
+    )
+    with psycopg.connect(database) as reader:
+        reader.execute("SELECT count(*) FROM outbox_sent_1").fetchone()  # holds its lock
+        with running_relay(settings):
+            wait_until(
+                lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
+                timeout=10,
+                message="the rows marked sent purged while the rotation waits",
+            )
+            assert kept(database).get(1) == 10  # not emptied: its reader is still there
+            reader.rollback()
+            wait_until(
+                lambda: kept(database).get(1) is None,
+                timeout=10,
+                message="the rotation at a later run",
+            )
+    assert (REGISTRY.get_sample_value("relay_purge_errors_total") or 0.0) == errors
 
 
 def test_the_runtime_role_may_move_and_rotate_but_not_more(database: str, relay_dsn: str) -> None:
