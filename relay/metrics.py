@@ -100,6 +100,16 @@ SETTLE_SECONDS = Histogram(
     "Time of the fenced transaction that settles a batch.",
     buckets=LATENCY_BUCKETS,
 )
+FETCH_SECONDS = Histogram(
+    "relay_fetch_duration_seconds",
+    "Time to read a batch: the fetch statements, on the reader's thread.",
+    buckets=LATENCY_BUCKETS,
+)
+READ_WAIT = Counter(
+    "relay_read_wait_seconds",
+    "Seconds the drain loop waited for its reads (the read-ahead, a fresh fetch, letting "
+    "scheduled rows in): its rate is the share of the loop's time the database holds it up.",
+)
 
 
 class BatchHistogram(Collector):

@@ -140,14 +140,18 @@ class Reader:
         """What `read` returns, once it has; a StoreError if the relay is stopping
         first: a read stuck on the database does not hold the loop (and so the lease's
         release) for its statement timeout; closing cancels it."""
-        while True:
-            try:
-                return read.result(timeout=STOP_CHECK_SECONDS)
-            except TimeoutError:
-                if self._shutdown is not None and self._shutdown.requested:
-                    raise StoreError(
-                        "the relay is stopping: a read still running is left"
-                    ) from None
+        started = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return read.result(timeout=STOP_CHECK_SECONDS)
+                except TimeoutError:
+                    if self._shutdown is not None and self._shutdown.requested:
+                        raise StoreError(
+                            "the relay is stopping: a read still running is left"
+                        ) from None
+        finally:
+            metrics.READ_WAIT.inc(time.perf_counter() - started)
 
     def _submit(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         future = self._session_thread.submit(step, *args, **kwargs)
@@ -155,6 +159,13 @@ class Reader:
         return future
 
     def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
+        started = time.perf_counter()
+        try:
+            return self._rounds(in_flight, held)
+        finally:
+            metrics.FETCH_SECONDS.observe(time.perf_counter() - started)
+
+    def _rounds(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):

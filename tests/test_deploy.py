@@ -921,6 +921,8 @@ def test_scrape_parsing_covers_histograms_and_counters(scraped_metric_names: set
         "relay_messages_total",
         "relay_end_to_end_latency_seconds_bucket",
         "relay_publish_duration_seconds_count",
+        "relay_fetch_duration_seconds_count",
+        "relay_read_wait_seconds_total",
         "relay_build_info",
     ):
         assert name in scraped_metric_names

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from relay.batch import BatchLimits
 from relay.message import OutboxMessage
@@ -165,3 +166,22 @@ def test_a_stop_requested_while_the_loop_waits_for_a_stuck_read_ends_the_wait() 
     assert time.monotonic() - started < PROMPTLY
     read.close()
     assert store.interrupted == 1
+
+
+def test_the_time_the_loop_waits_for_its_reads_is_counted() -> None:
+    """relay_read_wait_seconds_total: its rate is the share of the loop's time the
+    database's reads hold it up, read ahead or not."""
+    store = SlowStore()
+    read = reader(store)
+
+    def waited() -> float:
+        return REGISTRY.get_sample_value("relay_read_wait_seconds_total") or 0.0
+
+    assert read.next_batch([], frozenset())
+    store.blocked.set()
+    read.prefetch([], frozenset(), "1")
+    before = waited()
+    threading.Timer(0.3, store.released.set).start()
+    assert read.next_batch([], frozenset())
+    assert waited() - before >= 0.25
+    read.close()
