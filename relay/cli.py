@@ -244,6 +244,7 @@ def _status_json(
     return {
         "schema_version": schema.version,
         "migrations_not_applied": schema.not_applied,
+        "migrations_of_a_newer_release": schema.newer,
         "leases": [asdict(lease) for lease in leases],
         "replicas": [asdict(replica) for replica in replicas],
         "outbox": outbox,

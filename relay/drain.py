@@ -109,8 +109,8 @@ class Drainer:
         self._shutdown = shutdown
         self._health = health
         self._clock = clock
-        reading, limits, named = store.reading(), config.limits, lease.shard.thread_name
-        self._reader = Reader(reading, limits, config.poll_max, clock, named("read"), shutdown)
+        reading, limits, lane = store.reading(), config.limits, lease.shard
+        self._reader = Reader(reading, limits, config.poll_max, clock, lane, shutdown)
         settler = Settler(
             store.settling(),
             lease,

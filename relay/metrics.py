@@ -107,8 +107,10 @@ FETCH_SECONDS = Histogram(
 )
 READ_WAIT = Counter(
     "relay_read_wait_seconds",
-    "Seconds the drain loop waited for its reads (the read-ahead, a fresh fetch, letting "
-    "scheduled rows in): its rate is the share of the loop's time the database holds it up.",
+    "Seconds the drain loop of a lease (a shard's) waited for its reads (the read-ahead, a "
+    "fresh fetch, letting scheduled rows in): its rate is the share of that loop's time "
+    "the database holds it up.",
+    ["lease"],
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -142,28 +142,32 @@ class SchemaState:
     # none applied); not the highest applied, which may be past one still waiting.
     version: str | None
     not_applied: list[str]  # this release's migrations the database lacks, by name
+    newer: list[str] = field(default_factory=list)  # applied, unknown to this release
 
     def describe(self) -> str:
         """`0016`, or `0016; not applied: 0017_retire_key_index.sql` (one that waits
-        for a rollout, or a database an older `relay migrate` left behind)."""
-        version = self.version or "none"
-        return (
-            f"{version}; not applied: {', '.join(self.not_applied)}"
-            if self.not_applied
-            else version
-        )
+        for a rollout, or a database an older `relay migrate` left behind), and the
+        versions a newer release applied, if any."""
+        parts = [self.version or "none"]
+        if self.not_applied:
+            parts.append(f"not applied: {', '.join(self.not_applied)}")
+        if self.newer:
+            parts.append(f"applied by a newer release: {', '.join(self.newer)}")
+        return "; ".join(parts)
 
 
 def schema_state(conn: db.Conn, directory: Path | None = None) -> SchemaState:
     applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
     version: str | None = None
     not_applied: list[str] = []
-    for migration in load(directory):  # in version order
+    known = load(directory)  # in version order
+    for migration in known:
         if migration.version not in applied:
             not_applied.append(migration.name)
         elif not not_applied:
             version = migration.version
-    return SchemaState(version, not_applied)
+    newer = sorted(applied - {m.version for m in known})
+    return SchemaState(version, not_applied, newer)
 
 
 def _check_unchanged(migration: Migration, checksum: str) -> None:

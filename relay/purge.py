@@ -96,8 +96,12 @@ class Purger(threading.Thread):
                     break
         except Exception as exc:
             # Any failure: this thread only keeps the table small, and its death would
-            # let the outbox grow without a word.
-            self._failed(exc)
+            # let the outbox grow without a word. One error a run, however many steps
+            # met it (a database that is down fails the rotation and the purge both).
+            if rotation_failed is None:
+                self._failed(exc)
+            else:
+                self._session.close()
             return deleted
         if rotation_failed is None:
             self._outage.success()

@@ -7,14 +7,18 @@ unsettled and which keys are held back.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints, metrics
 from relay.batch import BatchLimits, id_array
+from relay.lease import Shard
 from relay.logging import get_logger
 from relay.message import OutboxMessage
 from relay.shutdown import Shutdown
@@ -25,9 +29,13 @@ log = get_logger("relay.drain")
 P = ParamSpec("P")
 T = TypeVar("T")
 
-# How long closing waits for a read still running (after cancelling it), and how often
-# a wait for a read looks whether the relay is stopping.
+ONE_LANE = Shard("default")  # a reader's lane when none is given (tests)
+
+# How long closing waits for a read still running (cancelling it again every
+# CANCEL_AGAIN_SECONDS), and how often a wait for a read looks whether the relay is
+# stopping.
 CLOSE_SECONDS = 5.0
+CANCEL_AGAIN_SECONDS = 0.5
 STOP_CHECK_SECONDS = 0.1
 
 # While a busy key fills whole batches alone (Kafka), how often the fetch looks past the
@@ -40,6 +48,35 @@ def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessa
     if not held:
         return rows
     return [m for m in rows if m.key is None or m.key not in held]
+
+
+class SessionThread:
+    """One thread running the reader's statements, one after the other. A daemon, unlike
+    a ThreadPoolExecutor's worker: a read left running at close (its server unreachable)
+    must not hold the process's exit until a TCP timeout."""
+
+    def __init__(self, name: str) -> None:
+        self._steps: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future: Future[T] = Future()
+        self._steps.put((partial(step, *args, **kwargs), future))
+        return future
+
+    def stop(self) -> None:
+        """The thread ends after the steps handed to it."""
+        self._steps.put(None)
+
+    def _run(self) -> None:
+        while (item := self._steps.get()) is not None:
+            step, future = item
+            try:
+                future.set_result(step())
+            except BaseException as exc:  # the caller's to raise, on its own thread
+                future.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -63,7 +100,7 @@ class Reader:
         limits: BatchLimits,
         poll_max_seconds: float,
         clock: Callable[[], float] = time.monotonic,
-        thread_name: str = "relay-read",
+        shard: Shard = ONE_LANE,
         shutdown: Shutdown | None = None,
     ) -> None:
         self._store = store
@@ -71,7 +108,9 @@ class Reader:
         self._poll_max = poll_max_seconds
         self._clock = clock
         self._shutdown = shutdown  # once requested, waiting for a read is over
-        self._session_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._waited = metrics.READ_WAIT.labels(shard.name)
+        self._session_thread = SessionThread(shard.thread_name("read"))
+        self._closing = False  # set by close(): a step not started yet does not start
         self._prefetched: Prefetched | None = None  # being read or read, not published yet
         self._dropped: Future[list[OutboxMessage] | None] | None = None  # a read forgotten
         self._last: Future[Any] | None = None  # the last statement handed to the thread
@@ -151,12 +190,21 @@ class Reader:
                             "the relay is stopping: a read still running is left"
                         ) from None
         finally:
-            metrics.READ_WAIT.inc(time.perf_counter() - started)
+            self._waited.inc(time.perf_counter() - started)
 
     def _submit(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        future = self._session_thread.submit(step, *args, **kwargs)
+        if self._closing:  # the thread takes no more steps
+            closed: Future[T] = Future()
+            closed.set_exception(StoreError("the reader is closing"))
+            return closed
+        future = self._session_thread.submit(self._unless_closing, partial(step, *args, **kwargs))
         self._last = future
         return future
+
+    def _unless_closing(self, step: Callable[[], T]) -> T:
+        if self._closing:
+            raise StoreError("the reader is closing")
+        return step()
 
     def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
         started = time.perf_counter()
@@ -229,11 +277,17 @@ class Reader:
         wait is bounded: a stuck read must not hold up the lease's release (it ends, at
         the latest, at the session's statement timeout)."""
         self._prefetched = None
-        if self._last is not None and not self._last.done():
-            self._store.interrupt()
+        self._closing = True
         closed = self._session_thread.submit(self._store.close)
-        self._session_thread.shutdown(wait=False)
+        self._session_thread.stop()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        while self._last is not None and not self._last.done():
+            self._store.interrupt()  # again: a step may have started as the last ended
+            if time.monotonic() > deadline:
+                log.warning("drain.read_abandoned", waited_s=CLOSE_SECONDS)
+                return
+            wait([self._last], CANCEL_AGAIN_SECONDS)
         try:
-            closed.result(timeout=CLOSE_SECONDS)
+            closed.result(timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             log.warning("drain.read_abandoned", waited_s=CLOSE_SECONDS)

@@ -84,6 +84,10 @@ def test_the_schema_version_stops_before_a_migration_that_waits_for_a_rollout(
     with db.connect(settings, purpose="test") as conn:
         state = schema_state(conn, tmp_path)
     assert (state.version, state.not_applied, state.describe()) == ("0004", [], "0004")
+    (tmp_path / "0004_column.sql").unlink()  # an older release's view of this database
+    with db.connect(settings, purpose="test") as conn:
+        state = schema_state(conn, tmp_path)
+    assert state.describe() == "0003; applied by a newer release: 0004"
 
 
 def test_schema_has_the_contract_columns_and_partial_index(database: str) -> None:

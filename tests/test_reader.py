@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
 
 from relay.batch import BatchLimits
+from relay.lease import Shard
 from relay.message import OutboxMessage
 from relay.reader import CLOSE_SECONDS, Reader
 from relay.shutdown import Shutdown
@@ -41,6 +43,8 @@ class SlowStore:
         self.most_at_once = 0
         self.interrupted = 0
         self.closed_on: str | None = None
+        self.fetches = 0
+        self.on_daemon_threads = True
         self._lock = threading.Lock()
         self._next_id = 1
 
@@ -56,7 +60,9 @@ class SlowStore:
     ) -> Fetched:
         with self._lock:
             self.running += 1
+            self.fetches += 1
             self.most_at_once = max(self.most_at_once, self.running)
+            self.on_daemon_threads &= threading.current_thread().daemon
         try:
             if self.blocked.is_set() and not self.released.wait(30):
                 raise AssertionError("never released")
@@ -81,8 +87,15 @@ class SlowStore:
         self.closed_on = threading.current_thread().name
 
 
+def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + PROMPTLY
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {PROMPTLY} s: {what}"
+        time.sleep(0.005)
+
+
 def reader(store: SlowStore, shutdown: Shutdown | None = None) -> Reader:
-    return Reader(store, LIMITS, 0.1, thread_name="relay-read-test", shutdown=shutdown)
+    return Reader(store, LIMITS, 0.1, shard=Shard("test"), shutdown=shutdown)
 
 
 def test_closing_cancels_a_stuck_read_ahead_and_closes_the_session_on_its_thread() -> None:
@@ -93,12 +106,13 @@ def test_closing_cancels_a_stuck_read_ahead_and_closes_the_session_on_its_thread
     assert read.next_batch([], frozenset())  # the session in use
     store.blocked.set()
     read.prefetch([], frozenset(), "1")
+    until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     started = time.monotonic()
     read.close()
     took = time.monotonic() - started
     assert store.interrupted == 1
     assert took < PROMPTLY < CLOSE_SECONDS, f"close took {took:.2f} s"
-    assert store.closed_on is not None and store.closed_on.startswith("relay-read-test")
+    assert store.closed_on == "relay-read"
 
 
 def test_closing_an_idle_reader_cancels_nothing() -> None:
@@ -159,6 +173,7 @@ def test_a_stop_requested_while_the_loop_waits_for_a_stuck_read_ends_the_wait() 
     assert read.next_batch([], frozenset())
     store.blocked.set()
     read.prefetch([], frozenset(), "1")
+    until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     threading.Timer(0.2, shutdown.request).start()
     started = time.monotonic()
     with pytest.raises(StoreError, match="stopping"):
@@ -175,7 +190,7 @@ def test_the_time_the_loop_waits_for_its_reads_is_counted() -> None:
     read = reader(store)
 
     def waited() -> float:
-        return REGISTRY.get_sample_value("relay_read_wait_seconds_total") or 0.0
+        return REGISTRY.get_sample_value("relay_read_wait_seconds_total", {"lease": "test"}) or 0.0
 
     assert read.next_batch([], frozenset())
     store.blocked.set()
@@ -185,3 +200,36 @@ def test_the_time_the_loop_waits_for_its_reads_is_counted() -> None:
     assert read.next_batch([], frozenset())
     assert waited() - before >= 0.25
     read.close()
+
+
+def test_closing_starts_no_statement_queued_behind_a_stuck_read() -> None:
+    """The loop dropped a stuck read-ahead and asked for a fresh read, queued behind it;
+    then the relay stops. Closing cancels the stuck read and the queued one never starts
+    (it would have met the same lock, and held the lease's release). The reader's thread
+    is a daemon: a read abandoned at close does not hold the process's exit."""
+    store = SlowStore()
+    read = reader(store)
+    assert read.next_batch([], frozenset())
+    store.blocked.set()
+    read.prefetch([], frozenset(), "1")
+    ahead = read._last
+    until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
+    read.forget()
+    queued: list[BaseException] = []
+
+    def fresh_read() -> None:
+        try:
+            read.next_batch([], frozenset())
+        except StoreError as exc:
+            queued.append(exc)
+
+    waiter = threading.Thread(target=fresh_read)
+    waiter.start()
+    until(lambda: read._last is not ahead, "a fresh read queued behind it")
+    started = time.monotonic()
+    read.close()
+    assert time.monotonic() - started < PROMPTLY
+    waiter.join(PROMPTLY)
+    assert store.fetches == 2  # the first read and the read-ahead; not the queued one
+    assert [str(exc) for exc in queued] == ["the reader is closing"]
+    assert store.on_daemon_threads
