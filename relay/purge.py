@@ -76,7 +76,7 @@ class Purger(threading.Thread):
         """One run; the rows deleted, or None if it stopped with more rows due."""
         deleted = 0
         ends = self._clock() + RUN_SECONDS
-        rotation_failed = None
+        rotation_failed = False
         if self._config.sent_rows == "move" and self._lease.token() is not None:
             rotation_failed = self._rotate()
         try:
@@ -98,32 +98,32 @@ class Purger(threading.Thread):
             # Any failure: this thread only keeps the table small, and its death would
             # let the outbox grow without a word. One error a run, however many steps
             # met it (a database that is down fails the rotation and the purge both).
-            if rotation_failed is None:
+            if not rotation_failed:
                 self._failed(exc)
             else:
                 self._session.close()
             return deleted
-        if rotation_failed is None:
+        if not rotation_failed:
             self._outage.success()
         self._report(deleted)
         return deleted
 
-    def _rotate(self) -> Exception | None:
-        """Empty the oldest generation of outbox_sent if it is time; the failure, if it
-        failed (the run's purge of rows marked sent goes on either way). A reader of
-        that generation past the lock timeout is no failure: it waits for the next run."""
+    def _rotate(self) -> bool:
+        """Empty the oldest generation of outbox_sent if it is time; whether it failed
+        (the run's purge of rows marked sent goes on either way). A reader of that
+        generation past the lock timeout is no failure: it waits for the next run."""
         try:
             generation = repository.rotate_sent(self._session.get(), self._config.retention_seconds)
         except psycopg.errors.LockNotAvailable:
             log.info("outbox.sent_generation_busy", retry_in_s=self._config.interval_seconds)
-            return None
+            return False
         except Exception as exc:
             self._failed(exc)
-            return exc
+            return True
         if generation is not None:
             metrics.SENT_GENERATIONS_EMPTIED.inc()
             log.info("outbox.sent_generation_emptied", generation=generation)
-        return None
+        return False
 
     def _failed(self, exc: Exception) -> None:
         metrics.PURGE_ERRORS.inc()

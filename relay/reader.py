@@ -281,13 +281,11 @@ class Reader:
         closed = self._session_thread.submit(self._store.close)
         self._session_thread.stop()
         deadline = time.monotonic() + CLOSE_SECONDS
-        while self._last is not None and not self._last.done():
-            self._store.interrupt()  # again: a step may have started as the last ended
-            if time.monotonic() > deadline:
+        while not closed.done():  # the close runs after every step handed over before it
+            if self._last is not None and not self._last.done():
+                self._store.interrupt()  # again: a step may have started as one ended
+            left = deadline - time.monotonic()
+            if left <= 0:
                 log.warning("drain.read_abandoned", waited_s=CLOSE_SECONDS)
                 return
-            wait([self._last], CANCEL_AGAIN_SECONDS)
-        try:
-            closed.result(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            log.warning("drain.read_abandoned", waited_s=CLOSE_SECONDS)
+            wait([closed], min(left, CANCEL_AGAIN_SECONDS))

@@ -517,22 +517,24 @@ def test_a_read_stuck_on_the_database_does_not_hold_up_the_leases_release_at_sto
 
 
 def _waiting_on_a_lock(dsn: str, application: str) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity"
+    return bool(
+        scalar(
+            dsn,
+            "SELECT count(*) > 0 FROM pg_stat_activity"
             " WHERE application_name = %s AND wait_event_type = 'Lock'",
             (application,),
-        ).fetchone()
-    return row is not None and row[0] > 0
+        )
+    )
 
 
 def _lease_released(dsn: str, name: str) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
+    return bool(
+        scalar(
+            dsn,
             "SELECT released_at IS NOT NULL AND expires_at <= now() FROM leases WHERE name = %s",
             (name,),
-        ).fetchone()
-    return row is not None and bool(row[0])
+        )
+    )
 
 
 def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(
