@@ -29,18 +29,20 @@ TOPICS = 50
 
 def _load(dsn: str, rows: int) -> tuple[int, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
+        # Dead letters as the relay keeps them: moved out of the outbox (migration 0018).
         conn.execute(
-            "INSERT INTO outbox (topic, key, payload, headers, attempts, dead_lettered_at,"
-            " dead_letter_reason)"
-            " SELECT 'topic-' || (g %% %s), 'key-' || (g %% 1000),"
+            "INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers, created_at,"
+            " attempts, dead_lettered_at, dead_letter_reason)"
+            " SELECT nextval(pg_get_serial_sequence('outbox', 'id')), gen_random_uuid(),"
+            " 'topic-' || (g %% %s), 'key-' || (g %% 1000),"
             " convert_to('{\"order\": ' || g || ', \"lines\": [1, 2, 3]}', 'UTF8'),"
-            ' \'{"trace-id": "abc"}\', 10, now() - make_interval(secs => %s - g),'
+            ' \'{"trace-id": "abc"}\', now(), 10, now() - make_interval(secs => %s - g),'
             " CASE WHEN g %% 7 = 0 THEN 'HTTP 422: schema violation' ELSE 'HTTP 400: bad'"
             " END FROM generate_series(1, %s) AS g",
             (TOPICS, rows, rows),
         )
-        conn.execute("VACUUM ANALYZE outbox")
-        row = conn.execute("SELECT min(id), max(id) FROM outbox").fetchone()
+        conn.execute("VACUUM ANALYZE outbox_dead")
+        row = conn.execute("SELECT min(id), max(id) FROM outbox_dead").fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
 

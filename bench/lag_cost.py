@@ -49,12 +49,13 @@ def build(dsn: str, rows: int, unsent: int) -> None:
             "              GROUP BY key ORDER BY key LIMIT 100)"
         )
         conn.execute(
-            "UPDATE outbox SET dead_lettered_at = now(), dead_letter_reason = 'bench'"
-            " WHERE id IN (SELECT id FROM outbox WHERE sent_at IS NULL"
-            "              AND next_attempt_at IS NULL ORDER BY id DESC LIMIT %(dead)s)",
+            "SELECT outbox_dead_letter(array_agg(id), array_agg(0), array_agg('bench'::text))"
+            " FROM (SELECT id FROM outbox WHERE sent_at IS NULL"
+            "       AND next_attempt_at IS NULL ORDER BY id DESC LIMIT %(dead)s) AS d",
             {"dead": min(1_000, unsent // 10)},
         )
         conn.execute("VACUUM ANALYZE outbox")
+        conn.execute("VACUUM ANALYZE outbox_dead")
 
 
 def timed(conn: psycopg.Connection[Any], sql: LiteralString, params: dict[str, Any]) -> float:

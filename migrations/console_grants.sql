@@ -19,8 +19,14 @@ GRANT UPDATE (dead_lettered_at, dead_letter_reason, attempts, next_attempt_at)
     ON outbox TO relay_console;
 GRANT DELETE ON outbox TO relay_console;
 GRANT SELECT, INSERT ON console_audit TO relay_console;
+-- Dead letters moved out of the outbox (migration 0018): read, discarded (deleted), and
+-- requeued through outbox_requeue, which moves them back only.
+GRANT SELECT, DELETE ON outbox_dead TO relay_console;
+GRANT SELECT ON outbox_dead_letters TO relay_console;
+GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay_console;
 
 -- relay_console_viewer: a console run with RELAY_CONSOLE_READ_ONLY=true (people who
 -- may look but not requeue). It reads; it cannot change a row even if asked to.
-GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations, console_audit
+GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations, console_audit,
+    outbox_dead, outbox_dead_letters
     TO relay_console_viewer;

@@ -8,8 +8,9 @@
 -- The relay reads unsent rows, deletes them once sent, and writes its bookkeeping: sent
 -- marks (retention), attempts and the next attempt, the last error, dead letters and
 -- their requeue (`relay dead-letter requeue`), scheduled rows let in (promoted_at). It
--- never inserts outbox rows, and never changes what the app wrote (topic, key,
--- payload, headers, ids, times): UPDATE reaches the bookkeeping columns only.
+-- inserts no outbox row of its own (a requeue puts back, through outbox_requeue, only
+-- rows a settle moved out), and never changes what the app wrote (topic, key, payload,
+-- headers, ids, times): UPDATE reaches the bookkeeping columns only.
 -- The REVOKE takes back the table-wide UPDATE that earlier versions of this file gave
 -- (it must come first: revoking a table privilege revokes its column grants too).
 GRANT SELECT, DELETE ON outbox TO relay;
@@ -24,6 +25,15 @@ GRANT UPDATE (sent_at, attempts, next_attempt_at, last_error, dead_lettered_at,
 GRANT SELECT, INSERT ON outbox_sent TO relay;
 GRANT TRUNCATE ON outbox_sent_0, outbox_sent_1, outbox_sent_2, outbox_sent_3 TO relay;
 GRANT SELECT, UPDATE ON outbox_sent_generations TO relay;
+
+-- Dead letters (migration 0018): a settle moves the rows it gives up on into
+-- outbox_dead through outbox_dead_letter, and `relay dead-letter requeue` moves them
+-- back through outbox_requeue. Both run as the tables' owner and move rows only: the
+-- role inserts no row of its own into either table. `relay dead-letter list` and the
+-- lag gauges read outbox_dead_letters.
+GRANT SELECT ON outbox_dead, outbox_dead_letters TO relay;
+GRANT EXECUTE ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) TO relay;
+GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay;
 
 -- The lease row for RELAY_LEASE_NAME (one per shard) is created on first use, hence
 -- INSERT; so is its group's row, which every acquisition updates.

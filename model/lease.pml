@@ -379,6 +379,9 @@ inline settle(l) {
      *   sql: drain.sql move_sent sha256:b914670553429ab0
      *   sql: drain.sql mark_sent sha256:1d057c0e2de7e618
      *   sql: drain.sql dead_letter sha256:30cd1fed2a46f1fe
+     *   sql: drain.sql dead_letter_move sha256:83d426d67e951d70
+     * (the dead letter marked in place, or moved into outbox_dead: either way it
+     * leaves the drain, DEAD here.)
      * A settle that holds renews the lease (Settler._settle: Lease.renewed); one fenced
      * out drops it (Lease.fenced). */
     atomic {

@@ -17,6 +17,10 @@ from relay.fairness import FairnessGroup
 # they are (retention mode with an own table, RELAY_OUTBOX_TABLE).
 SentRows = Literal["delete", "move", "mark"]
 
+# What a settle does with the rows it gives up on: move them into outbox_dead (migration
+# 0018), or mark them dead where they are (an own table, RELAY_OUTBOX_TABLE).
+DeadRows = Literal["move", "mark"]
+
 
 @dataclass(frozen=True, slots=True)
 class BatchLimits:

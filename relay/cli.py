@@ -419,7 +419,11 @@ def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="dead-letter") as conn, conn.transaction():
         ids = repository.requeue_dead_letters(
-            conn, ids=args.id or (), key=args.key, everything=args.all
+            conn,
+            ids=args.id or (),
+            key=args.key,
+            everything=args.all,
+            dead_rows=settings.dead_rows,
         )
         overtaking = repository.dead_letters_left_behind(conn, ids)
         if args.dry_run:

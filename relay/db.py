@@ -151,9 +151,23 @@ def read_own_table(conn: Conn, settings: CommonSettings) -> None:
     if check["layout"] != OWN_TABLE_LAYOUT:
         raise SettingsError(
             "RELAY_OUTBOX_TABLE",
-            f"the view {settings.outbox_view_schema}.outbox was made by an earlier release"
-            " of relay (it lacks checks the drain relies on): run `relay migrate"
-            " --own-table` again",
+            f"the view {settings.outbox_view_schema}.outbox was made by another release of"
+            f" relay ({check['layout'] or 'no layout named'}; this one reads"
+            f" {OWN_TABLE_LAYOUT}): run `relay migrate --own-table` again with this release",
+        )
+    schema = settings.outbox_view_schema
+    if not check["dead_letter_views"]:
+        raise SettingsError(
+            "RELAY_OUTBOX_TABLE",
+            f"{schema} lacks the views outbox_dead_letters and outbox_dead, through which"
+            " this release reads the table's dead letters: run `relay migrate --own-table`"
+            " again",
+        )
+    if not check["dead_letter_views_readable"]:
+        raise SettingsError(
+            "RELAY_OUTBOX_TABLE",
+            f"the role may not read {schema}.outbox_dead_letters and {schema}.outbox_dead:"
+            " grant SELECT on them, as on the view outbox (docs/howto/own-tables.md)",
         )
     conn.execute(QUERIES.own_table_session, params)
 

@@ -187,7 +187,8 @@ OUTBOX_BLOCKED = Gauge(
     "Unsent rows that failed and wait to retry, plus the later rows of their key.",
 )
 OUTBOX_DEAD = Gauge(
-    "relay_outbox_dead_letter_rows", "Dead-lettered rows in the outbox (counted up to the cap)."
+    "relay_outbox_dead_letter_rows",
+    "Dead letters, in outbox_dead or marked in place (counted up to the cap).",
 )
 OUTBOX_SCHEDULED = Gauge(
     "relay_outbox_scheduled_rows",

@@ -74,6 +74,17 @@ def statements(
     out.append(sql.SQL(QUERIES.own_table_view).format(view=view, table=table, **layout.fields))
     layout_name = sql.Literal(OWN_TABLE_LAYOUT)
     out.append(sql.SQL(QUERIES.own_table_view_comment).format(view=view, layout=layout_name))
+    dead_view = sql.Identifier(schema, "outbox_dead_letters")
+    stand_in = sql.Identifier(schema, "outbox_dead")
+    out.append(sql.SQL(QUERIES.own_table_dead_letters_view).format(dead_view=dead_view, view=view))
+    out.append(sql.SQL(QUERIES.own_table_dead_stand_in).format(stand_in=stand_in, view=view))
+    out.append(
+        sql.SQL(QUERIES.own_table_dead_letters_readers).format(
+            view_name=sql.Literal(view.as_string(None)),
+            dead_view_name=sql.Literal(dead_view.as_string(None)),
+            stand_in_name=sql.Literal(stand_in.as_string(None)),
+        )
+    )
     if not layout.id_indexed:
         out.append(index(QUERIES.own_table_index_id, "id"))
     out.append(index(QUERIES.own_table_index_unsent, "unsent"))

@@ -13,7 +13,7 @@ from psycopg import sql
 from psycopg.rows import RowMaker, class_row, tuple_row
 
 from relay import failpoints
-from relay.batch import BatchLimits, SentRows, Settlement
+from relay.batch import BatchLimits, DeadRows, SentRows, Settlement
 from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import KEY, READY, OutboxMessage
@@ -145,7 +145,13 @@ def promote_due(conn: Conn, limit: int, *, shards: int = 1, shard: int = 0) -> P
 
 
 def settle(
-    conn: Conn, token: LeaseToken, ttl: float, settlement: Settlement, *, sent_rows: SentRows
+    conn: Conn,
+    token: LeaseToken,
+    ttl: float,
+    settlement: Settlement,
+    *,
+    sent_rows: SentRows,
+    dead_rows: DeadRows,
 ) -> datetime | None:
     """Write a batch's outcomes in ONE fenced transaction; None if we were fenced out,
     else the database time at which the fence held (for the `batch.settled` event).
@@ -188,7 +194,7 @@ def settle(
             )
         if settlement.dead_ids:
             conn.execute(
-                QUERIES.dead_letter,
+                DEAD_LETTER[dead_rows],
                 {
                     "ids": settlement.dead_ids,
                     "attempted": settlement.dead_attempted,
@@ -209,6 +215,8 @@ SETTLE_ACKNOWLEDGED = {
     "mark": QUERIES.settle_mark_sent,
 }
 SETTLE_SENT = {"delete": QUERIES.delete_sent, "move": QUERIES.move_sent, "mark": QUERIES.mark_sent}
+# The rows a settle gives up on, by where dead letters are kept.
+DEAD_LETTER = {"move": QUERIES.dead_letter_move, "mark": QUERIES.dead_letter}
 
 
 # outbox_sent's generations (migration 0013: its LIST partitions outbox_sent_0..3).
@@ -276,11 +284,19 @@ def dead_letters(
 
 
 def requeue_dead_letters(
-    conn: Conn, *, ids: Sequence[int] = (), key: str | None = None, everything: bool = False
+    conn: Conn,
+    *,
+    ids: Sequence[int] = (),
+    key: str | None = None,
+    everything: bool = False,
+    dead_rows: DeadRows,
 ) -> list[int]:
-    rows = conn.execute(
-        QUERIES.dead_letter_requeue, {"ids": list(ids), "key": key, "all": everything}
-    ).fetchall()
+    """Back into the drain, by id; `dead_rows` says where dead letters are kept (an
+    own table's are all in place)."""
+    statement = (
+        QUERIES.dead_letter_requeue if dead_rows == "move" else QUERIES.dead_letter_requeue_in_place
+    )
+    rows = conn.execute(statement, {"ids": list(ids), "key": key, "all": everything}).fetchall()
     return sorted(int(r["id"]) for r in rows)
 
 

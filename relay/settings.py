@@ -40,7 +40,7 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from relay import fairness
-from relay.batch import SentRows
+from relay.batch import DeadRows, SentRows
 from relay.errors import SettingsError
 from relay.setting_checks import read_secret, unreadable
 from relay.sinks import sink_specs
@@ -273,6 +273,11 @@ class CommonSettings(BaseSettings):
         if self.outbox_table is None:
             return None
         return "relay_" + self.outbox_table.replace(".", "_")
+
+    @property
+    def dead_rows(self) -> DeadRows:
+        """Where a settle puts the rows it gives up on (relay/batch.py, `DeadRows`)."""
+        return "move" if self.outbox_table is None else "mark"
 
     @field_validator("database_url")
     @classmethod

@@ -33,6 +33,8 @@ def run(settings: Settings) -> None:
         checks.append(fairness_index)
     if settings.sent_rows == "move":
         checks.append(sent_history)
+    if settings.dead_rows == "move":
+        checks.append(dead_letters)
     if settings.outbox_table is not None:
         checks.append(own_table_key_index)  # db.connect checks the view itself
     try:
@@ -87,6 +89,18 @@ def fairness_index(conn: db.Conn, settings: Settings) -> None:
             "RELAY_FAIRNESS_GROUP",
             f"{group.spec} needs the index {name}: run"
             f" `relay migrate --fairness-group {shlex.quote(group.spec)}{shards}` first",
+        )
+
+
+def dead_letters(conn: db.Conn, _settings: Settings) -> None:
+    """Without the grant to move dead letters out every settle that gives up on a row
+    would fail, and the drain publish that batch again and again."""
+    row = conn.execute(QUERIES.dead_letter_access).fetchone()
+    if row is not None and row["can_move"] is False:
+        raise SettingsError(
+            "RELAY_DATABASE_URL",
+            "the role may not move dead letters into outbox_dead: run"
+            " migrations/grants.sql again (EXECUTE on outbox_dead_letter)",
         )
 
 

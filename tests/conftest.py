@@ -195,6 +195,15 @@ def db_at_0014(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
     pg.drop_database(name)
 
 
+@pytest.fixture
+def db_at_0017(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
+    """A database migrated up to 0017 only, as a relay from before outbox_dead
+    (0018-0019) left it."""
+    name, dsn = _database_at(pg, tmp_path, "0017")
+    yield dsn
+    pg.drop_database(name)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The Spin checks start now, beside the suite (tests/model_runs.py), when spin and
     gcc are there (else their tests fail, saying so)."""

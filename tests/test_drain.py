@@ -111,7 +111,7 @@ def test_poison_rows_are_dead_lettered_and_the_rest_flow(
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
     with psycopg.connect(database) as conn:
         dead = conn.execute(
-            "SELECT key, dead_letter_reason FROM outbox WHERE dead_lettered_at IS NOT NULL ORDER BY id"
+            "SELECT key, dead_letter_reason FROM outbox_dead_letters ORDER BY id"
         ).fetchall()
         sent = conn.execute("SELECT count(*) FROM outbox_sent").fetchone()
     assert [k for k, _ in dead] == ["k0", "k1", "k2"]
@@ -269,7 +269,7 @@ def test_a_row_past_max_attempts_is_dead_lettered_and_its_key_moves_on(
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
     reason, attempts = psycopg.connect(database).execute(
-        "SELECT dead_letter_reason, attempts FROM outbox WHERE key = 'k0'"
+        "SELECT dead_letter_reason, attempts FROM outbox_dead_letters WHERE key = 'k0'"
     ).fetchone() or (None, None)
     assert attempts == 3
     assert reason == "gave up after 3 attempts: HTTP 503 from scripted sink"
@@ -292,8 +292,7 @@ def test_one_sick_topic_backs_off_per_row_while_the_sink_is_up(
         sent += 1
         return (
             unsent_count(database) <= 1
-            and scalar(database, "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL")
-            == 1
+            and scalar(database, "SELECT count(*) FROM outbox_dead_letters") == 1
         )
 
     with running_relay(settings):
@@ -301,7 +300,9 @@ def test_one_sick_topic_backs_off_per_row_while_the_sink_is_up(
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
     assert {k for k, _ in sink.delivered} == {"k0", "k1", "k2"}
     assert len(sink.delivered) == sent
-    reason = scalar(database, "SELECT dead_letter_reason FROM outbox WHERE key = 'sick'")
+    reason = scalar(
+        database, "SELECT dead_letter_reason FROM outbox_dead_letters WHERE key = 'sick'"
+    )
     assert reason == "gave up after 3 attempts: HTTP 503 from scripted sink"
 
 

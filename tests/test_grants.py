@@ -12,8 +12,9 @@ import pytest
 from psycopg import sql
 
 from relay import db, repository
+from relay.batch import DeadRows
 from relay.queries import QUERIES
-from relay.settings import CommonSettings
+from relay.settings import CommonSettings, SettingsError
 from tests.conftest import RELAY_ROLE
 from tests.test_own_table import DEBEZIUM_TABLE, TABLE, VIEW_SCHEMA, migrate_own_table
 
@@ -42,6 +43,7 @@ WRITES = {
     "record_failures",
     "dead_letter",
     "dead_letter_requeue",
+    "dead_letter_requeue_in_place",
     "settle_mark_sent",
     "mark_sent",
     "purge_sent",
@@ -52,6 +54,7 @@ LEASE = "grants"
 OWN_TABLE_GRANTS = f"""
 GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE};
 GRANT SELECT, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
+GRANT SELECT ON {VIEW_SCHEMA}.outbox_dead_letters, {VIEW_SCHEMA}.outbox_dead TO {RELAY_ROLE};
 GRANT UPDATE ({", ".join(BOOKKEEPING)}) ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
 """
 
@@ -96,8 +99,28 @@ def test_the_relay_role_runs_every_outbox_write(database: str, relay_dsn: str) -
     settings = CommonSettings(database_url=relay_dsn)
     with db.connect(settings, purpose="grants") as conn:
         assert repository.promote_due(conn, 10).rows == 1
-        _run_every_write(conn, ids)
+        _run_every_write(conn, ids, "move")
+        # As an earlier release leaves one: marked in place; requeued in place.
+        found = conn.execute("SELECT id FROM outbox WHERE key = 'due'").fetchone()
+        assert found is not None
+        due = int(found["id"])
+        conn.execute(QUERIES.dead_letter, {"ids": [due], "attempted": [1], "reasons": ["x"]})
+        assert repository.requeue_dead_letters(conn, ids=[due], dead_rows="move") == [due]
     _assert_written(database, "outbox", "sent_at", ids)
+
+
+def test_the_relay_role_inserts_no_row_of_its_own(database: str, relay_dsn: str) -> None:
+    """Dead letters go out and come back through functions that move rows only: the
+    role may not write either table itself (it could requeue a forged row)."""
+    with psycopg.connect(relay_dsn, autocommit=True) as conn:
+        for statement in (
+            "INSERT INTO outbox (topic) VALUES ('forged')",
+            "INSERT INTO outbox_dead (id, message_id, topic, created_at, attempts,"
+            " dead_lettered_at) VALUES (1, gen_random_uuid(), 'forged', now(), 0, now())",
+            "UPDATE outbox_dead SET payload = 'changed'",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(sql.SQL(statement))
 
 
 @pytest.fixture
@@ -122,7 +145,7 @@ def test_an_own_tables_column_grants_let_the_relay_write_its_columns_only(
     )
     settings = CommonSettings(database_url=relay_dsn, outbox_table=TABLE, lease_name=LEASE)
     with db.connect(settings, purpose="grants") as conn:
-        _run_every_write(conn, ids)
+        _run_every_write(conn, ids, "mark")
         # The view's other app columns are expressions (casts), never updatable; this
         # one is the table's relay_created_at as it is.
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -130,6 +153,26 @@ def test_an_own_tables_column_grants_let_the_relay_write_its_columns_only(
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("UPDATE inventory.outboxevent SET aggregatetype = 'elsewhere'")
     _assert_written(own_table, TABLE, "relay_sent_at", ids)
+
+
+def test_an_own_tables_dead_letter_views_unreadable_stop_the_session_naming_them(
+    database: str, relay_dsn: str
+) -> None:
+    """Granted on the view only (the grants of the previous release, made after
+    `--own-table` ran): every lag sample and dead-letter listing would fail; the
+    session refuses at once, naming the views and the grant."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(DEBEZIUM_TABLE)
+    done = migrate_own_table(database)
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(OWN_TABLE_GRANTS.split("GRANT SELECT ON", maxsplit=1)[0])
+    settings = CommonSettings(database_url=relay_dsn, outbox_table=TABLE, lease_name=LEASE)
+    with pytest.raises(SettingsError) as refused:
+        db.connect(settings, purpose="grants").close()
+    assert refused.value.name == "RELAY_OUTBOX_TABLE"
+    assert f"{VIEW_SCHEMA}.outbox_dead_letters" in str(refused.value), refused.value
+    assert "grant SELECT" in str(refused.value)
 
 
 def _insert(dsn: str, statement: str) -> list[int]:
@@ -149,7 +192,7 @@ def _insert(dsn: str, statement: str) -> list[int]:
     return ids
 
 
-def _run_every_write(conn: db.Conn, ids: list[int]) -> None:
+def _run_every_write(conn: db.Conn, ids: list[int], dead_rows: DeadRows) -> None:
     """Row a fails once, b is dead-lettered and requeued, c settles under a held lease,
     d is marked sent; then c and d are purged."""
     a, b, c, d = ids
@@ -158,8 +201,10 @@ def _run_every_write(conn: db.Conn, ids: list[int]) -> None:
             QUERIES.record_failures,
             {"ids": [a], "attempted": [1], "delays": [60.0], "errors": ["no broker"]},
         )
-        conn.execute(QUERIES.dead_letter, {"ids": [b], "attempted": [1], "reasons": ["bad"]})
-    assert repository.requeue_dead_letters(conn, ids=[b]) == [b]
+        conn.execute(
+            repository.DEAD_LETTER[dead_rows], {"ids": [b], "attempted": [1], "reasons": ["bad"]}
+        )
+    assert repository.requeue_dead_letters(conn, ids=[b], dead_rows=dead_rows) == [b]
     conn.execute(QUERIES.mark_sent, {"ids": [d]})
     settled = conn.execute(
         QUERIES.settle_mark_sent,

@@ -140,8 +140,9 @@ def test_a_503_with_retry_after_pauses_its_origin_as_a_whole_and_spends_no_attem
     again = [d for d in history if d.message_id == refused.message_id]
     assert [d.status for d in again] == [503, 200]
     assert again[1].started >= pause_ends - 0.1
-    # The other origin went on meanwhile: done before the pause was over.
-    assert max(d.ended for d in other.acked()) < pause_ends
+    # The other origin went on meanwhile: it was served while this one paused (not how
+    # much of it, which a loaded machine decides).
+    assert any(refused.ended + 0.1 < d.started < pause_ends - 0.1 for d in other.acked())
     assert scalar(database, "SELECT max(attempts) FROM outbox_sent") == 0
     assert_in_order([d for d in history if d.ok], 20, 2)
     assert_in_order(other.history(), 40, 10)

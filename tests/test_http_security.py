@@ -50,9 +50,7 @@ def elsewhere() -> Iterator[WebhookServer]:
 def dead_letters(dsn: str) -> dict[str, str]:
     """Dead-lettered rows' reasons by topic."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT topic, dead_letter_reason FROM outbox WHERE dead_lettered_at IS NOT NULL"
-        ).fetchall()
+        rows = conn.execute("SELECT topic, dead_letter_reason FROM outbox_dead_letters").fetchall()
     return {topic: reason for topic, reason in rows}
 
 

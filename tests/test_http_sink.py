@@ -346,7 +346,7 @@ def test_permanent_4xx_dead_lettered_while_other_keys_flow(
         wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
     reason = scalar(
         database,
-        "SELECT dead_letter_reason FROM outbox WHERE id = %s AND dead_lettered_at IS NOT NULL",
+        "SELECT dead_letter_reason FROM outbox_dead_letters WHERE id = %s",
         (ids[3],),  # k0:1
     )
     assert reason.startswith("HTTP 422")

@@ -172,7 +172,7 @@ def test_a_stale_holder_cannot_mark_rows(
         stale = Settlement(sent=ids[:2])
         if failures:
             stale.dead(ids[2], "zombie says so")
-        assert settle(a, old.token, 1.0, stale, sent_rows=sent_rows) is None
+        assert settle(a, old.token, 1.0, stale, sent_rows=sent_rows, dead_rows="move") is None
         unsent = "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
         assert scalar(database, unsent) == 3
         assert scalar(database, "SELECT count(*) FROM outbox_sent") == 0
@@ -181,11 +181,12 @@ def test_a_stale_holder_cannot_mark_rows(
         settled = Settlement(sent=ids[:2])
         if failures:
             settled.dead(ids[2], "the holder says so")
-        assert settle(b, token, 30.0, settled, sent_rows=sent_rows) is not None
-        # The third row: dead-lettered (it stays in the outbox), or still to send.
+        assert settle(b, token, 30.0, settled, sent_rows=sent_rows, dead_rows="move") is not None
+        # The third row: dead-lettered (moved into outbox_dead), or still to send.
         assert scalar(database, unsent) == (0 if failures else 1)
-        kept = {"delete": (1, 0), "move": (1, 2), "mark": (3, 0)}[sent_rows]
-        assert scalar(database, "SELECT count(*) FROM outbox") == kept[0]
+        assert scalar(database, "SELECT count(*) FROM outbox_dead") == (1 if failures else 0)
+        kept = {"delete": (0, 0), "move": (0, 2), "mark": (2, 0)}[sent_rows]
+        assert scalar(database, "SELECT count(*) FROM outbox") == kept[0] + (0 if failures else 1)
         assert scalar(database, "SELECT count(*) FROM outbox_sent") == kept[1]
         if sent_rows == "move":
             moved = scalar(
@@ -214,7 +215,14 @@ def test_a_settle_waiting_on_an_open_takeover_writes_nothing_once_it_commits(
             )
             settling = threading.Thread(
                 target=lambda: outcome.append(
-                    settle(a, held.token, 30.0, Settlement(sent=list(ids)), sent_rows="delete")
+                    settle(
+                        a,
+                        held.token,
+                        30.0,
+                        Settlement(sent=list(ids)),
+                        sent_rows="delete",
+                        dead_rows="move",
+                    )
                 )
             )
             settling.start()

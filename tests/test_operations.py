@@ -180,7 +180,7 @@ def test_check_fails_clearly_on_an_unmigrated_database(pg: PostgresServer) -> No
 
 
 def dead_count(dsn: str) -> int:
-    return int(scalar(dsn, "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL"))
+    return int(scalar(dsn, "SELECT count(*) FROM outbox_dead_letters"))
 
 
 def test_dead_letters_are_listed_then_requeued_and_delivered_in_key_order(
@@ -212,7 +212,7 @@ def test_dead_letters_are_listed_then_requeued_and_delivered_in_key_order(
         )
         wait_until(
             lambda: (
-                dead_count(database) == 4 and scalar(database, "SELECT count(*) FROM outbox") == 4
+                dead_count(database) == 4 and scalar(database, "SELECT count(*) FROM outbox") == 0
             ),
             timeout=20,
         )
@@ -229,6 +229,38 @@ def test_dead_letters_are_listed_then_requeued_and_delivered_in_key_order(
     records = consume(kafka.bootstrap_servers, topic, min_count=8, timeout=30)
     assert len(dedup_by_message_id(records)) == 8
     assert_per_key_order(records)
+
+
+def test_a_dead_letter_keeps_the_columns_the_app_added_and_a_requeue_restores_them(
+    database: str, relay_dsn: str
+) -> None:
+    """An app that added its own NOT NULL column to the outbox: its value survives the
+    move into outbox_dead and back (a requeue would otherwise fail on the column, or
+    put back its default); the move never reads a row whole as JSON."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox ADD COLUMN tenant text NOT NULL DEFAULT 'none'")
+        conn.execute('ALTER TABLE outbox ADD COLUMN "Weight" numeric')
+        (row_id,) = conn.execute(
+            'INSERT INTO outbox (topic, key, payload, tenant, "Weight")'
+            " VALUES ('t', 'k', 'x', 'acme', 2.5) RETURNING id"
+        ).fetchone() or (0,)
+    with psycopg.connect(relay_dsn, autocommit=True) as conn:  # the runtime role
+        conn.execute(
+            "SELECT outbox_dead_letter(ARRAY[%s]::bigint[], ARRAY[1], ARRAY['HTTP 400'])",
+            (row_id,),
+        )
+        kept = conn.execute("SELECT extra FROM outbox_dead WHERE id = %s", (row_id,))
+        assert kept.fetchone() == ({"tenant": "acme", "Weight": 2.5},)
+        back = conn.execute(
+            "SELECT * FROM outbox_requeue(ARRAY[%s]::bigint[], NULL, false)", (row_id,)
+        )
+        assert back.fetchall() == [(row_id,)]
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute(
+            'SELECT tenant, "Weight", attempts, dead_lettered_at FROM outbox WHERE id = %s',
+            (row_id,),
+        ).fetchone()
+    assert row is not None and row[0] == "acme" and float(row[1]) == 2.5 and row[2:] == (0, None)
 
 
 def test_purge_deletes_only_sent_rows_past_the_cutoff(database: str, relay_dsn: str) -> None:

@@ -277,7 +277,7 @@ def test_a_huge_row_is_dead_lettered_without_the_replica_ever_holding_it(
     unsettled = "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NULL"
     wait_until(lambda: scalar(database, unsettled) == 0, 60, message="the outbox settled")
     assert relay_process.poll() is None, relay_process.stderr
-    reason = scalar(database, "SELECT dead_letter_reason FROM outbox")
+    reason = scalar(database, "SELECT dead_letter_reason FROM outbox_dead_letters")
     assert (
         f"holds {HUGE + len(topic) + 1} bytes" in reason
         and "RELAY_MESSAGE_MAX_BYTES (1000000)" in reason
@@ -361,13 +361,15 @@ class Layout:
     def __init__(self, name: str, database: str) -> None:
         self.name, self.database = name, database
         own = name == "own"
-        # Retention mode: the relay's sent rows are in outbox_sent, the others in outbox.
+        # Retention mode: the relay's sent rows are in outbox_sent, its dead letters in
+        # outbox_dead, the others in outbox.
         self.table = (
             "app.events"
             if own
             else "(SELECT id, message_id, topic, sent_at, dead_lettered_at, dead_letter_reason"
             " FROM outbox UNION ALL SELECT id, message_id, topic, sent_at, NULL, NULL"
-            " FROM outbox_sent) AS every_row"
+            " FROM outbox_sent UNION ALL SELECT id, message_id, topic, NULL,"
+            " dead_lettered_at, dead_letter_reason FROM outbox_dead) AS every_row"
         )
         self.ident = "msg_id" if own else "message_id::text"
         self.topic = "kind" if own else "topic"

@@ -58,7 +58,7 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         rabbitmq_server.restart()  # SIGKILL, then the same node, port and data again
         writer.join(timeout=60)
         wait_until(lambda: unsent_count(database) == 0, timeout=90, interval=0.2)
-    assert scalar(database, "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL") == 0
+    assert scalar(database, "SELECT count(*) FROM outbox_dead_letters") == 0
     assert_all_in_key_order(rabbitmq_server.read_queue(queue), total=300)
 
 
@@ -75,7 +75,9 @@ def test_a_routing_key_no_queue_could_have_is_dead_lettered_and_its_key_goes_on(
     insert_rows(database, queue, [("k0", b"k0:1")])
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, timeout=30, interval=0.1)
-    reason = scalar(database, "SELECT dead_letter_reason FROM outbox WHERE topic = 'bad topic!'")
+    reason = scalar(
+        database, "SELECT dead_letter_reason FROM outbox_dead_letters WHERE topic = 'bad topic!'"
+    )
     assert reason is not None and "unroutable" in reason, reason
     assert [m.body for m in rabbitmq_server.read_queue(queue)] == [b"k0:1"]
 

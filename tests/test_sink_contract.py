@@ -186,7 +186,9 @@ def test_the_relay_dead_letters_a_refused_row_and_delivers_the_rest(
     insert_rows(database, target.topic, [("a", b"a:2"), ("b", b"b:0")])
     with running_relay(make_settings(**target.settings())):
         wait_until(lambda: unsent_count(database) == 0, timeout=30)
-    reason = scalar(database, "SELECT dead_letter_reason FROM outbox WHERE payload = 'a:1'")
+    reason = scalar(
+        database, "SELECT dead_letter_reason FROM outbox_dead_letters WHERE payload = 'a:1'"
+    )
     assert reason, "the refused row carries its reason"
     got = by_key(target.received(at_least=3))
     assert got["a"] == [b"a:0", b"a:2"] and got["b"] == [b"b:0"]

@@ -1,9 +1,10 @@
 """Upgrades: the index set a fresh outbox carries, and the rolling upgrades that retire
-a previous release's indexes (migrations 0010 and 0017) with a relay of that release
-running beside this one, nothing lost."""
+a previous release's indexes (migrations 0010 and 0017) or move its dead letters out of
+the outbox (0019) with a relay of that release running beside this one, nothing lost."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import tarfile
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -26,6 +28,7 @@ from tests.support import (
     unsent_count,
     wait_until,
 )
+from tests.test_operations import run_cli
 
 # The relay before scheduled delivery (migrations 0008-0009), which reads
 # outbox_unsent_idx and outbox_key_idx: "the previous release" of that upgrade.
@@ -34,6 +37,8 @@ LEGACY = ("outbox_unsent_idx", "outbox_key_idx")
 # The relay before the key hash index (migrations 0015-0017), which walks keys through
 # outbox_due_key_idx.
 BEFORE_0015 = "e0577bc"
+# The relay before outbox_dead (migrations 0018-0019), which marks dead letters in place.
+BEFORE_0018 = "1aa5bfd"
 
 # What a fresh outbox carries, and which of them an app's INSERT writes (a partial
 # index whose predicate a new row fails costs the insert nothing).
@@ -70,10 +75,11 @@ def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: st
 
 
 def release(commit: str, tmp_path: Path) -> Path:
-    """The relay as it was at `commit`, from the repository's history."""
+    """The relay as it was at `commit`, from the repository's history (with its
+    migrations: a release that checks the schema at start-up reads them)."""
     try:
         archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", commit, "relay"],
+            ["git", "-C", str(REPO), "archive", "--format=tar", commit, "relay", "migrations"],
             check=True,
             capture_output=True,
         ).stdout
@@ -91,7 +97,9 @@ def previous_release(tmp_path: Path) -> Path:
     return release(BEFORE_0009, tmp_path)
 
 
-def start(code: Path, dsn: str, kafka: TansuBroker, replica: str) -> subprocess.Popen[str]:
+def start(
+    code: Path, dsn: str, kafka: TansuBroker, replica: str, **extra: str
+) -> subprocess.Popen[str]:
     env = relay_env(
         dsn,
         kafka.bootstrap_servers,
@@ -100,6 +108,7 @@ def start(code: Path, dsn: str, kafka: TansuBroker, replica: str) -> subprocess.
         RELAY_LEASE_TTL_SECONDS="3",
         RELAY_STANDBY_POLL_SECONDS="0.2",
         RELAY_BATCH_SIZE="50",
+        **extra,
     )
     return subprocess.Popen(
         relay_command("run"),
@@ -209,7 +218,8 @@ def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
     # ... and 0017 waits behind the 0015 this run applied, as 0010 did behind 0009.
     assert migrated.waiting is not None and "0017" in migrated.waiting
     migrated = migrate(CommonSettings(database_url=db_at_0007))
-    assert migrated.applied == ["0017_retire_key_index.sql"] and migrated.waiting is None
+    assert migrated.applied == ["0017_retire_key_index.sql", "0019_move_dead_letters.sql"]
+    assert migrated.waiting is None
     assert set(outbox_indexes(db_at_0007)) == set(INDEXES)
 
 
@@ -276,7 +286,9 @@ def test_a_relay_deployed_before_its_migrations_refuses_to_start_and_says_what_t
     assert "Traceback" not in err, err[-2000:]
 
 
-@pytest.mark.parametrize(("commit", "last"), [(BEFORE_0009, "0007"), (BEFORE_0015, "0014")])
+@pytest.mark.parametrize(
+    ("commit", "last"), [(BEFORE_0009, "0007"), (BEFORE_0015, "0014"), (BEFORE_0018, "0017")]
+)
 def test_the_previous_release_is_in_the_history(commit: str, last: str) -> None:
     """A guard for the upgrade tests: each previous release names a commit whose
     migrations stop where its test's database does (so its relay is one that reads
@@ -289,3 +301,76 @@ def test_the_previous_release_is_in_the_history(commit: str, last: str) -> None:
         env={**os.environ, "GIT_PAGER": "cat"},
     ).stdout.split()
     assert max(Path(p).name for p in listed if Path(p).name[0].isdigit())[:4] == last
+
+
+def dead_letters(dsn: str) -> dict[str, int]:
+    """How many dead letters each place holds: moved out, and marked in place."""
+    with psycopg.connect(dsn) as conn:
+        in_place = conn.execute("SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL")
+        exists = conn.execute("SELECT to_regclass('outbox_dead') IS NOT NULL").fetchone()
+        moved = conn.execute("SELECT count(*) FROM outbox_dead") if exists == (True,) else None
+        return {
+            "moved": 0 if moved is None else int(scalar_of(moved)),
+            "in place": int(scalar_of(in_place)),
+        }
+
+
+def scalar_of(cursor: psycopg.Cursor[tuple[Any, ...]]) -> Any:
+    row = cursor.fetchone()
+    assert row is not None
+    return row[0]
+
+
+def test_a_rolling_upgrade_moves_dead_letters_out_of_the_outbox_and_loses_none(
+    db_at_0017: str, kafka: TansuBroker, topic: str, tmp_path: Path
+) -> None:
+    """The previous release dead-letters one topic's rows (mapped to a name no broker
+    takes) by marking them in place; this release's `relay migrate` adds 0018 and holds
+    0019 back; a relay of this release joins and takes over, moving the dead letters it
+    makes into outbox_dead, while `relay dead-letter list` shows both kinds; a second
+    `relay migrate` moves the old ones out. Then, the mapping fixed, a requeue of every
+    dead letter delivers them: every row arrives, each key in order."""
+    refused = f"{topic}-refused"
+    kafka.create_topic(refused, partitions=3)
+    bad_map = {"RELAY_KAFKA_TOPIC_MAP": json.dumps({refused: "not a topic!"})}
+    good = [(f"k{n % 5}", f"k{n % 5}:{n}".encode()) for n in range(300)]
+    bad = [(f"b{n % 3}", f"b{n % 3}:{n}".encode()) for n in range(60)]
+    old = start(release(BEFORE_0018, tmp_path), db_at_0017, kafka, "old", **bad_map)
+    new: subprocess.Popen[str] | None = None
+    try:
+        wait_until(lambda: holder(db_at_0017) == "old", timeout=20, message="old relay leads")
+        insert_rows(db_at_0017, topic, good[:100])
+        insert_rows(db_at_0017, refused, bad[:30])
+        wait_until(lambda: dead_letters(db_at_0017)["in place"] == 30, timeout=30)
+        output = relay_migrate(db_at_0017)
+        assert "0018" in output and "0019_move_dead_letters.sql waits" in output, output
+        insert_rows(db_at_0017, topic, good[100:200])  # the old relay drains on
+        new = start(REPO, db_at_0017, kafka, "new", **bad_map)
+        old_err = stop(old)
+        assert "Traceback" not in old_err, old_err[-2000:]
+        wait_until(lambda: holder(db_at_0017) == "new", timeout=20, message="new takes over")
+        insert_rows(db_at_0017, refused, bad[30:])
+        wait_until(lambda: dead_letters(db_at_0017) == {"moved": 30, "in place": 30}, timeout=30)
+        env = relay_env(db_at_0017)
+        listed = json.loads(run_cli(env, "dead-letter", "list", "--json").stdout)
+        assert len(listed) == 60 and [r["id"] for r in listed] == sorted(r["id"] for r in listed)
+        output = relay_migrate(db_at_0017)
+        assert output.split(": ", 1)[1].startswith("0019_move_dead_letters.sql"), output
+        assert dead_letters(db_at_0017) == {"moved": 60, "in place": 0}
+        moved = json.loads(run_cli(env, "dead-letter", "list", "--json").stdout)
+        assert moved == listed  # the same rows, times, reasons and attempts
+        new_err = stop(new)
+        assert "Traceback" not in new_err, new_err[-2000:]
+        new = start(REPO, db_at_0017, kafka, "fixed")
+        insert_rows(db_at_0017, topic, good[200:])
+        done = run_cli(env, "dead-letter", "requeue", "--all")
+        assert done.stdout.startswith(b"requeued 60 row(s)"), done.stdout
+        wait_until(lambda: unsent_count(db_at_0017) == 0, timeout=60, message="all sent")
+        assert dead_letters(db_at_0017) == {"moved": 0, "in place": 0}
+    finally:
+        stop(old)
+        if new is not None:
+            new_err = stop(new)
+            assert "Traceback" not in new_err, new_err[-2000:]
+    every_row_arrived_in_order(kafka, topic, good)
+    every_row_arrived_in_order(kafka, refused, bad)

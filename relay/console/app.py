@@ -324,7 +324,14 @@ class Console:
         try:
             done: data.Done = await self.db(
                 lambda conn: data.change(
-                    conn, identity.user, action, target, confirmed, cap, digest
+                    conn,
+                    identity.user,
+                    action,
+                    target,
+                    confirmed,
+                    cap,
+                    digest,
+                    dead_rows=self.common.dead_rows,
                 )
             )
         except (data.Changed, data.TooMany) as exc:

@@ -1,8 +1,9 @@
 -- What the operators' console (`relay console`, relay/console/) reads and writes, beside
 -- the statements it shares with the CLI (operations.sql: lease_status, replica_status,
--- lag_sample, dead_letter_requeue, dead_letters_left_behind). The console is a process
--- of its own under its own role (migrations/console_grants.sql); nothing here runs in
--- the drain. Parameters are named, %(name)s; nothing is built by string concatenation.
+-- lag_sample, dead_letter_requeue, dead_letters_left_behind). Dead letters are read
+-- through outbox_dead_letters (migration 0018; an own table's view schema has its own).
+-- The console is a process of its own under its own role (migrations/console_grants.sql);
+-- nothing here runs in the drain. Parameters are named, %(name)s; nothing is built by string concatenation.
 
 ------------------------------------------------------------------------------------
 -- Dead letters
@@ -18,65 +19,109 @@ AND (%(reason)s::text IS NULL
 AND (%(since)s::timestamptz IS NULL OR dead_lettered_at >= %(since)s::timestamptz)
 AND (%(until)s::timestamptz IS NULL OR dead_lettered_at < %(until)s::timestamptz)
 
+-- fragment: dead_letter_line
+-- A dead letter as a page lists it.
+id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason,
+octet_length(payload) AS payload_bytes
+
 -- name: console_dead_letter_page_after
 -- One page of dead letters after a keyset cursor (id), oldest first: a walk of
--- outbox_dead_letter_idx from the cursor that stops at the page size, so a deep page
--- costs what the first does, however many dead letters there are.
-SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason,
-       octet_length(payload) AS payload_bytes
-FROM outbox
-WHERE dead_lettered_at IS NOT NULL
-  AND id > %(after)s::bigint
-  AND {{dead_letter_filter}}
-ORDER BY id
+-- outbox_dead's key from the cursor, and one of outbox_dead_letter_idx for the rows an
+-- earlier release marked in place (until migration 0019), each stopping at the page
+-- size, merged; so a deep page costs what the first does, however many dead letters
+-- there are. Not through outbox_dead_letters: the planner plans a UNION ALL branch with
+-- a WHERE of its own whole, so it would read every row marked in place and sort them.
+-- (An own table's outbox_dead is an empty stand-in: its dead letters are all marked.)
+SELECT page.*
+FROM ((SELECT {{dead_letter_line}}
+       FROM outbox_dead
+       WHERE id > %(after)s::bigint
+         AND {{dead_letter_filter}}
+       ORDER BY id
+       LIMIT %(limit)s)
+      UNION ALL
+      (SELECT {{dead_letter_line}}
+       FROM outbox
+       WHERE dead_lettered_at IS NOT NULL
+         AND id > %(after)s::bigint
+         AND {{dead_letter_filter}}
+       ORDER BY id
+       LIMIT %(limit)s)) AS page
+ORDER BY page.id
 LIMIT %(limit)s;
 
 -- name: console_dead_letter_page_before
--- The page before a cursor (the same index, walked backwards); the caller reverses it.
-SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason,
-       octet_length(payload) AS payload_bytes
-FROM outbox
-WHERE dead_lettered_at IS NOT NULL
-  AND id < %(before)s::bigint
-  AND {{dead_letter_filter}}
-ORDER BY id DESC
+-- The page before a cursor (the same walks, backwards); the caller reverses it.
+SELECT page.*
+FROM ((SELECT {{dead_letter_line}}
+       FROM outbox_dead
+       WHERE id < %(before)s::bigint
+         AND {{dead_letter_filter}}
+       ORDER BY id DESC
+       LIMIT %(limit)s)
+      UNION ALL
+      (SELECT {{dead_letter_line}}
+       FROM outbox
+       WHERE dead_lettered_at IS NOT NULL
+         AND id < %(before)s::bigint
+         AND {{dead_letter_filter}}
+       ORDER BY id DESC
+       LIMIT %(limit)s)) AS page
+ORDER BY page.id DESC
 LIMIT %(limit)s;
 
 -- name: console_dead_letter_count
 -- How many dead letters match, counted up to a cap (the list shows "at least").
 SELECT count(*) AS matching
 FROM (SELECT 1
-        FROM outbox
-       WHERE dead_lettered_at IS NOT NULL
-         AND {{dead_letter_filter}}
+        FROM outbox_dead_letters
+       WHERE {{dead_letter_filter}}
        LIMIT %(cap)s) AS matched;
 
 -- name: console_dead_letter_ids
 -- Every dead letter a filter matches, in id order: what a requeue or discard by filter
 -- is about to change (its confirmation states how many), up to a cap.
 SELECT id
-FROM outbox
-WHERE dead_lettered_at IS NOT NULL
-  AND {{dead_letter_filter}}
+FROM outbox_dead_letters
+WHERE {{dead_letter_filter}}
 ORDER BY id
 LIMIT %(cap)s;
 
 -- name: console_dead_letters_of
 -- Which of the given rows are dead-lettered (a selection, checked before confirming).
 SELECT id
-FROM outbox
-WHERE dead_lettered_at IS NOT NULL
-  AND id = ANY(%(ids)s::bigint[])
+FROM outbox_dead_letters
+WHERE id = ANY(%(ids)s::bigint[])
 ORDER BY id;
 
--- name: console_discard
--- A discard: delete dead-lettered rows, never any other (a row requeued or sent since
--- the confirmation stays). The rows are gone for good; the audit keeps every id deleted
--- (console_audit.row_ids, migration 0014), beside the ids chosen or the search.
+-- fragment: discard_in_place
+-- A discard of dead letters marked in place (an own table's, or an earlier release's).
 DELETE FROM outbox
 WHERE dead_lettered_at IS NOT NULL
   AND id = ANY(%(ids)s::bigint[])
-RETURNING id;
+RETURNING id
+
+-- name: console_discard
+-- A discard: delete dead letters, never any other row (a row requeued or sent since
+-- the confirmation stays): those moved into outbox_dead (migration 0018) and those
+-- marked in place. The rows are gone for good; the audit keeps every id deleted
+-- (console_audit.row_ids, migration 0014), beside the ids chosen or the search.
+WITH moved AS (
+    DELETE FROM outbox_dead
+    WHERE id = ANY(%(ids)s::bigint[])
+    RETURNING id
+),
+in_place AS (
+    {{discard_in_place}}
+)
+SELECT id FROM moved
+UNION ALL
+SELECT id FROM in_place;
+
+-- name: console_discard_in_place
+-- console_discard for an own table (RELAY_OUTBOX_TABLE): its dead letters are all in
+-- place.
+{{discard_in_place}};
 
 ------------------------------------------------------------------------------------
 -- Rows and keys
@@ -84,14 +129,24 @@ RETURNING id;
 
 -- name: console_row
 -- One outbox row for its page, with at most %(preview)s bytes of its payload (and the
--- payload's whole size), so a huge payload is never read whole into the console.
+-- payload's whole size), so a huge payload is never read whole into the console: a row
+-- still in the outbox, or a dead letter moved out of it (migration 0018).
 SELECT id, message_id, topic, key, headers,
        substring(payload FROM 1 FOR %(preview)s) AS payload,
        octet_length(payload) AS payload_bytes,
        created_at, available_at, promoted_at, sent_at, attempts, next_attempt_at,
        last_error, dead_lettered_at, dead_letter_reason
 FROM outbox
-WHERE id = %(id)s::bigint;
+WHERE id = %(id)s::bigint
+UNION ALL
+SELECT id, message_id, topic, key, headers,
+       substring(payload FROM 1 FOR %(preview)s),
+       octet_length(payload),
+       created_at, available_at, promoted_at, NULL, attempts, NULL,
+       last_error, dead_lettered_at, dead_letter_reason
+FROM outbox_dead_letters
+WHERE id = %(id)s::bigint
+  AND NOT EXISTS (SELECT 1 FROM outbox WHERE id = %(id)s::bigint);
 
 -- name: console_blocked_keys
 -- Keys in backoff: each failing row (the head of its key, waiting out next_attempt_at,

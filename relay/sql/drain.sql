@@ -813,8 +813,16 @@ FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(delays)s::float8[], %(err
      AS f (id, attempted, delay, error)
 WHERE o.id = f.id;
 
+-- name: dead_letter_move
+-- Permanent failures and rows out of attempts: out of the drain, moved into outbox_dead
+-- with the reason, under their ids, in the settle's transaction (the function
+-- outbox_dead_letter, migration 0018, which runs as its owner: the runtime role inserts
+-- no row anywhere but through it).
+SELECT outbox_dead_letter(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]);
+
 -- name: dead_letter
--- Permanent failures and rows out of attempts: out of the drain, kept with the reason.
+-- dead_letter_move for an own table (RELAY_OUTBOX_TABLE): its dead letters stay in it,
+-- marked with the reason, out of the drain.
 UPDATE outbox AS o
 SET attempts           = o.attempts + f.attempted,
     dead_lettered_at   = now(),

@@ -72,8 +72,7 @@ SELECT
                        AND f.next_attempt_at IS NOT NULL))
         AS blocked,
     (SELECT count(*)
-       FROM (SELECT 1 FROM outbox
-              WHERE dead_lettered_at IS NOT NULL
+       FROM (SELECT 1 FROM outbox_dead_letters  -- moved out, and marked in place
               LIMIT %(cap)s) AS dead_rows)
         AS dead_lettered,
     (SELECT count(*)
@@ -160,19 +159,28 @@ SELECT name, shards FROM lease_groups ORDER BY name;
 -- Dead letters
 ------------------------------------------------------------------------------------
 
+-- name: dead_letter_access
+-- The runtime role's grant to move the rows a settle gives up on into outbox_dead
+-- (migration 0018, grants.sql): without it every settle with a dead letter in it fails,
+-- and the drain would publish that batch again and again. NULL: the function is missing.
+SELECT has_function_privilege(
+           to_regprocedure('outbox_dead_letter(bigint[], integer[], text[])'), 'EXECUTE')
+       AS can_move;
+
 -- name: dead_letter_list
--- Dead-lettered rows, oldest first, optionally for one topic or key.
+-- Dead-lettered rows, oldest first, optionally for one topic or key: those moved out of
+-- the outbox (migration 0018) and those marked in place (an own table's, or an earlier
+-- release's), as outbox_dead_letters reads them.
 SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason
-FROM outbox
-WHERE dead_lettered_at IS NOT NULL
-  AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+FROM outbox_dead_letters
+WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
   AND (%(key)s::text IS NULL OR key = %(key)s::text)
 ORDER BY id
 LIMIT %(limit)s;
 
--- name: dead_letter_requeue
--- Put dead letters back in the drain with fresh attempts. They keep their id, so they
--- are sent in their original order relative to each other.
+-- fragment: requeue_in_place
+-- A requeue of dead letters marked in place (an own table's, or an earlier release's):
+-- back in the drain with fresh attempts, under the same id.
 UPDATE outbox
 SET dead_lettered_at   = NULL,
     dead_letter_reason = NULL,
@@ -180,7 +188,28 @@ SET dead_lettered_at   = NULL,
     next_attempt_at    = NULL
 WHERE dead_lettered_at IS NOT NULL
   AND (%(all)s OR id = ANY(%(ids)s::bigint[]) OR key = %(key)s::text)
-RETURNING id;
+RETURNING id
+
+-- name: dead_letter_requeue
+-- Put dead letters back in the drain with fresh attempts: those moved into outbox_dead
+-- (migration 0018) through outbox_requeue, which moves them back under their ids, and
+-- those marked in place. They keep their id, so they are sent in their original order
+-- relative to each other.
+WITH moved AS (
+    SELECT requeued AS id
+    FROM outbox_requeue(%(ids)s::bigint[], %(key)s::text, %(all)s) AS requeued
+),
+in_place AS (
+    {{requeue_in_place}}
+)
+SELECT id FROM moved
+UNION ALL
+SELECT id FROM in_place;
+
+-- name: dead_letter_requeue_in_place
+-- dead_letter_requeue for an own table (RELAY_OUTBOX_TABLE): its dead letters are all
+-- in place.
+{{requeue_in_place}};
 
 -- name: dead_letters_left_behind
 -- Keys of just-requeued rows that still have an earlier dead letter: the requeued rows
@@ -191,10 +220,9 @@ WHERE r.id = ANY(%(ids)s::bigint[])
   AND r.key IS NOT NULL
   AND EXISTS (
       SELECT 1
-      FROM outbox AS d
+      FROM outbox_dead_letters AS d
       WHERE d.key = r.key
         AND d.id < r.id
-        AND d.dead_lettered_at IS NOT NULL
   )
 ORDER BY r.key;
 

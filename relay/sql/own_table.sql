@@ -120,6 +120,47 @@ SELECT {id} AS id,
        t.relay_promoted_at AS promoted_at
 FROM {table} AS t
 
+-- name: own_table_dead_letters_view
+-- The table's dead letters, all marked in place, as the console, `relay dead-letter` and
+-- the lag gauges read them: the view schema's counterpart of the relay's own
+-- outbox_dead_letters (migration 0018), which the session's search_path finds first.
+CREATE OR REPLACE VIEW {dead_view} AS
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
+FROM {view}
+WHERE dead_lettered_at IS NOT NULL
+
+-- name: own_table_dead_stand_in
+-- An empty outbox_dead for the table, whose dead letters stay in it, marked: where a
+-- statement reads the relay's own outbox_dead and the rows marked in place apart (the
+-- console's pages), the session's search_path finds this first, never the dead letters
+-- of the relay's own outbox.
+CREATE OR REPLACE VIEW {stand_in} AS
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
+FROM {view}
+WHERE false
+
+-- name: own_table_dead_letters_readers
+-- Whoever may read the table's view when this runs may read the two above: the roles
+-- an earlier release's grants name need no new grant (grantee 0 is PUBLIC). Grants made
+-- on the view later must name them too (docs/howto/own-tables.md).
+DO $readers$
+DECLARE
+    reader oid;
+BEGIN
+    FOR reader IN
+        SELECT DISTINCT a.grantee
+        FROM pg_class AS c, aclexplode(c.relacl) AS a
+        WHERE c.oid = to_regclass({view_name}) AND a.privilege_type = 'SELECT'
+    LOOP
+        EXECUTE 'GRANT SELECT ON ' || to_regclass({dead_view_name})::text || ', '
+                || to_regclass({stand_in_name})::text || ' TO '
+                || CASE WHEN reader = 0 THEN 'PUBLIC' ELSE reader::regrole::text END;
+    END LOOP;
+END
+$readers$
+
 ------------------------------------------------------------------------------------
 -- Indexes: the drain indexes of migrations 0001-0008, on the table's own columns
 ------------------------------------------------------------------------------------

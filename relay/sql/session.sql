@@ -45,4 +45,14 @@ SELECT to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exi
                                      AND c.relname = split_part(%(table)s, '.', 2)))
            AS view_reads_table,
        obj_description(to_regclass(quote_ident(%(schema)s) || '.outbox'), 'pg_class')
-           AS layout;
+           AS layout,
+       -- Where this release reads the table's dead letters (own_table.sql).
+       to_regclass(quote_ident(%(schema)s) || '.outbox_dead_letters') IS NOT NULL
+       AND to_regclass(quote_ident(%(schema)s) || '.outbox_dead') IS NOT NULL
+           AS dead_letter_views,
+       coalesce(has_table_privilege(
+                    to_regclass(quote_ident(%(schema)s) || '.outbox_dead_letters'), 'SELECT')
+                AND has_table_privilege(
+                    to_regclass(quote_ident(%(schema)s) || '.outbox_dead'), 'SELECT'),
+                false)
+           AS dead_letter_views_readable;

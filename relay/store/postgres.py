@@ -12,7 +12,7 @@ import psycopg
 from psycopg import IsolationLevel
 
 from relay import db, repository
-from relay.batch import BatchLimits, SentRows, Settlement
+from relay.batch import BatchLimits, DeadRows, SentRows, Settlement
 from relay.lease import Attempt, LeaseToken, Shard
 from relay.queries import QUERIES
 from relay.settings import Settings
@@ -97,17 +97,23 @@ class PostgresReadStore:
 
 
 class PostgresSettleStore:
-    """Owned by the settler's thread alone."""
+    """Owned by the settler's thread alone. `dead_rows`: where the rows given up on go."""
 
-    def __init__(self, connect: Callable[[], db.Conn]) -> None:
+    def __init__(self, connect: Callable[[], db.Conn], dead_rows: DeadRows) -> None:
         self._session = db.Session(connect)
+        self._dead_rows = dead_rows
 
     def settle(
         self, token: LeaseToken, settlement: Settlement, *, ttl: float, sent_rows: SentRows
     ) -> datetime | None:
         with _failing_as_store_error(self._session):
             return repository.settle(
-                self._session.get(), token, ttl, settlement, sent_rows=sent_rows
+                self._session.get(),
+                token,
+                ttl,
+                settlement,
+                sent_rows=sent_rows,
+                dead_rows=self._dead_rows,
             )
 
     def reset(self) -> None:
@@ -169,4 +175,6 @@ class PostgresStore:
         return PostgresReadStore(lambda: db.connect(self._settings, purpose="drain"), self._shard)
 
     def settling(self) -> PostgresSettleStore:
-        return PostgresSettleStore(lambda: db.connect(self._settings, purpose="settle"))
+        return PostgresSettleStore(
+            lambda: db.connect(self._settings, purpose="settle"), self._settings.dead_rows
+        )

@@ -234,8 +234,7 @@ def _collect(cluster: Cluster, recorder: Recorder, producer: Producer, history: 
         history.dead_letters = {
             r[0]: r[1]
             for r in conn.execute(
-                "SELECT message_id::text, dead_letter_reason FROM outbox"
-                " WHERE dead_lettered_at IS NOT NULL"
+                "SELECT message_id::text, dead_letter_reason FROM outbox_dead_letters"
             )
         }
     history.attempted_ids = set(producer.stats.attempted)

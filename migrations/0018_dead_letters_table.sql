@@ -1,0 +1,200 @@
+-- Dead letters leave the outbox: the settle that gives up on a row moves it into
+-- outbox_dead (outbox_dead_letter, below), in its fenced transaction, as the retention
+-- mode moves sent rows into outbox_sent (0013). The outbox then holds only rows still to
+-- send, so a walk of it in id order meets no row it must step over for good, however
+-- many dead letters pile up.
+--
+-- A dead letter keeps its id: `relay dead-letter requeue` and the console's requeue move
+-- it back into the outbox under that id (outbox_requeue, below), so requeued rows are
+-- sent in their original order relative to each other. It keeps every column: the
+-- outbox's own as columns here, and any the app added to the outbox in `extra` (as
+-- JSON, built from those columns alone), from which a requeue restores them.
+--
+-- Rows marked dead in place (by an earlier release, or by one still running during a
+-- rolling upgrade) stay where they are until migration 0019 moves them: every listing,
+-- count, requeue and discard reads or handles both places (outbox_dead_letters shows
+-- both). An own table (RELAY_OUTBOX_TABLE) keeps marking its dead letters in place.
+--
+-- outbox_dead's ids are the outbox's: never restart the outbox's identity while dead
+-- letters are kept (a new row could then take a dead letter's id, and its move here
+-- would fail on the primary key).
+--
+-- Nothing here touches the outbox's rows or takes a lock the app's inserts wait for.
+CREATE TABLE outbox_dead (
+    id                  bigint      PRIMARY KEY,
+    message_id          uuid        NOT NULL,
+    topic               text        NOT NULL,
+    key                 text,
+    payload             bytea,
+    headers             jsonb,
+    created_at          timestamptz NOT NULL,
+    available_at        timestamptz,
+    promoted_at         timestamptz,
+    attempts            integer     NOT NULL,
+    last_error          text,
+    dead_lettered_at    timestamptz NOT NULL,
+    dead_letter_reason  text,
+    extra               jsonb  -- columns the app added to the outbox; NULL: none
+);
+
+COMMENT ON TABLE outbox_dead IS
+    'Outbox rows the relay gave up on, with the reason; requeued back into the outbox by id.';
+
+-- A requeue by key, and its check for an earlier dead letter of a requeued row's key.
+CREATE INDEX outbox_dead_key_idx ON outbox_dead (key, id);
+
+-- Every dead letter, wherever it is kept: moved out, and marked in place.
+CREATE VIEW outbox_dead_letters AS
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
+FROM outbox_dead
+UNION ALL
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL;
+
+COMMENT ON VIEW outbox_dead_letters IS
+    'Every dead letter: moved to outbox_dead, or marked in the outbox by an earlier release.';
+
+-- The two ways in and out of outbox_dead are functions that run as their owner, so the
+-- roles that use them need neither INSERT on outbox_dead nor INSERT on the outbox: a
+-- role can move into outbox_dead only rows of the outbox, and back only what was there.
+--
+-- The columns the app added to the outbox, if any: those a dead letter keeps in
+-- `extra`. Read from the catalog at each move, so a column added later is kept too.
+-- Never the whole row as JSON: a payload of hundreds of MB would not fit one jsonb.
+CREATE FUNCTION outbox_added_columns()
+RETURNS text[]
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT coalesce(array_agg(a.attname::text ORDER BY a.attnum), '{}')
+    FROM pg_attribute AS a
+    WHERE a.attrelid = 'outbox'::regclass
+      AND a.attnum > 0
+      AND NOT a.attisdropped
+      AND a.attname <> ALL (ARRAY['id', 'message_id', 'topic', 'key', 'payload', 'headers',
+                                  'created_at', 'sent_at', 'attempts', 'next_attempt_at',
+                                  'last_error', 'dead_lettered_at', 'dead_letter_reason',
+                                  'available_at', 'promoted_at'])
+$$;
+
+-- outbox_dead_letter: the settle's dead path (relay/sql/drain.sql, dead_letter_move), in
+-- its fenced transaction: the rows given up on, out of the outbox into outbox_dead with
+-- the attempts they spent and the reason. A row marked in place already (an earlier
+-- release's: migration 0019) keeps its time and reason. Returns how many moved.
+CREATE FUNCTION outbox_dead_letter(ids bigint[], attempted integer[], reasons text[])
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    added text[] := outbox_added_columns();
+    extra text := 'NULL::jsonb';
+    moved bigint;
+BEGIN
+    IF cardinality(added) > 0 THEN
+        SELECT 'jsonb_build_object('
+               || string_agg(quote_literal(c) || ', gone.' || quote_ident(c), ', ') || ')'
+        INTO extra
+        FROM unnest(added) AS c;
+    END IF;
+    EXECUTE format($move$
+        WITH gone AS (
+            DELETE FROM outbox AS o
+            USING unnest($1, $2, $3) AS f (id, attempted, reason)
+            WHERE o.id = f.id
+            RETURNING o.*, f.attempted, f.reason
+        ),
+        moved AS (
+            INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers,
+                                     created_at, available_at, promoted_at, attempts,
+                                     last_error, dead_lettered_at, dead_letter_reason,
+                                     extra)
+            SELECT gone.id, gone.message_id, gone.topic, gone.key, gone.payload,
+                   gone.headers, gone.created_at, gone.available_at, gone.promoted_at,
+                   gone.attempts + gone.attempted,
+                   CASE WHEN gone.dead_lettered_at IS NULL THEN gone.reason
+                        ELSE gone.last_error END,
+                   coalesce(gone.dead_lettered_at, now()),
+                   CASE WHEN gone.dead_lettered_at IS NULL THEN gone.reason
+                        ELSE gone.dead_letter_reason END,
+                   %s
+            FROM gone
+            RETURNING 1
+        )
+        SELECT count(*) FROM moved
+    $move$, extra)
+    INTO moved
+    USING ids, attempted, reasons;
+    RETURN moved;
+END
+$$;
+
+-- outbox_requeue: the dead letters named (by id, by key, or all) back into the outbox
+-- under their ids, with fresh attempts and the columns the app added restored (one
+-- added since comes back NULL) (`relay dead-letter requeue`, the console). Rows marked
+-- in place are requeued by an UPDATE, as before (relay/sql/operations.sql,
+-- dead_letter_requeue). Returns their ids. Planned for the arguments given (EXECUTE):
+-- a requeue of a few ids or of one key reads those by outbox_dead's indexes.
+CREATE FUNCTION outbox_requeue(ids bigint[], by_key text, everything boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    added text[] := outbox_added_columns();
+    columns text := '';
+    restored text := '';
+BEGIN
+    IF cardinality(added) > 0 THEN
+        SELECT ', ' || string_agg(quote_ident(c), ', '),
+               ', ' || string_agg('(jsonb_populate_record(NULL::outbox,'
+                                  || ' coalesce(back.extra, ''{}''::jsonb))).'
+                                  || quote_ident(c), ', ')
+        INTO columns, restored
+        FROM unnest(added) AS c;
+    END IF;
+    RETURN QUERY EXECUTE format($back$
+        WITH back AS (
+            DELETE FROM outbox_dead AS d
+            WHERE $3 OR d.id = ANY($1) OR d.key = $2
+            RETURNING d.*
+        ),
+        moved AS (
+            INSERT INTO outbox (id, message_id, topic, key, payload, headers, created_at,
+                                available_at, promoted_at, attempts, last_error%s)
+            OVERRIDING SYSTEM VALUE
+            SELECT back.id, back.message_id, back.topic, back.key, back.payload,
+                   back.headers, back.created_at, back.available_at, back.promoted_at, 0,
+                   back.last_error%s
+            FROM back
+            RETURNING outbox.id
+        )
+        SELECT moved.id FROM moved
+    $back$, columns, restored)
+    USING ids, by_key, everything;
+END
+$$;
+
+-- As their owner, they resolve names in this schema only (then pg_temp, last), whatever
+-- the caller's search_path; and only the roles granted them may run them (grants.sql,
+-- console_grants.sql), not PUBLIC as a function's default.
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION outbox_added_columns()'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_dead_letter(bigint[], integer[], text[])'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_requeue(bigint[], text, boolean)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) FROM PUBLIC;
+
+COMMENT ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) IS
+    'Move outbox rows the relay gave up on into outbox_dead, with attempts spent and reason.';
+COMMENT ON FUNCTION outbox_requeue(bigint[], text, boolean) IS
+    'Move dead letters (by id, by key, or all) from outbox_dead back into the outbox, by id.';
