@@ -2,7 +2,7 @@
 -- outbox_dead (outbox_dead_letter, below), in its fenced transaction, as the retention
 -- mode moves sent rows into outbox_sent (0013). The outbox then holds only rows still to
 -- send, so a walk of it in id order meets no row it must step over for good, however
--- many dead letters pile up.
+-- many dead letters pile up (but for rows over 16 MiB, below).
 --
 -- A dead letter keeps its id: `relay dead-letter requeue` and the console's requeue move
 -- it back into the outbox under that id (outbox_requeue, below), so requeued rows are
@@ -83,7 +83,10 @@ $$;
 -- outbox_dead_letter: the settle's dead path (relay/sql/drain.sql, dead_letter_move), in
 -- its fenced transaction: the rows given up on, out of the outbox into outbox_dead with
 -- the attempts they spent and the reason. A row marked in place already (an earlier
--- release's: migration 0019) keeps its time and reason. Returns how many moved.
+-- release's: migration 0019) keeps its time and reason. A row over 16 MiB of payload
+-- and headers is marked in place instead (or left so): copying hundreds of MB could
+-- outlast the settle's statement timeout, and the settle would fail again and again.
+-- Returns how many it dead-lettered.
 CREATE FUNCTION outbox_dead_letter(ids bigint[], attempted integer[], reasons text[])
 RETURNS bigint
 LANGUAGE plpgsql
@@ -105,7 +108,23 @@ BEGIN
             DELETE FROM outbox AS o
             USING unnest($1, $2, $3) AS f (id, attempted, reason)
             WHERE o.id = f.id
+              AND coalesce(octet_length(o.payload), 0)
+                  + coalesce(pg_column_size(o.headers), 0) <= 16777216
             RETURNING o.*, f.attempted, f.reason
+        ),
+        marked AS (
+            UPDATE outbox AS o
+            SET attempts           = o.attempts + f.attempted,
+                dead_lettered_at   = now(),
+                dead_letter_reason = f.reason,
+                last_error         = f.reason,
+                next_attempt_at    = NULL
+            FROM unnest($1, $2, $3) AS f (id, attempted, reason)
+            WHERE o.id = f.id
+              AND o.dead_lettered_at IS NULL
+              AND coalesce(octet_length(o.payload), 0)
+                  + coalesce(pg_column_size(o.headers), 0) > 16777216
+            RETURNING 1
         ),
         moved AS (
             INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers,
@@ -124,7 +143,7 @@ BEGIN
             FROM gone
             RETURNING 1
         )
-        SELECT count(*) FROM moved
+        SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM marked)
     $move$, extra)
     INTO moved
     USING ids, attempted, reasons;

@@ -175,7 +175,8 @@ LIMIT %(limit)s;
 -- name: console_settled_counters
 -- What the console samples to show a settled rate. Rows deleted once sent (retention
 -- 0) leave only PostgreSQL's count of the outbox's deletions (pg_stat_user_tables,
--- which counts purges and discards too; NULL for an own table's view); rows kept
+-- which counts purges, discards and dead letters moved out too; NULL for an own
+-- table's view); rows kept
 -- (RELAY_RETENTION_SECONDS > 0) are counted by sent_at in the window, through
 -- outbox_sent_idx, up to a cap.
 SELECT (SELECT n_tup_del FROM pg_stat_user_tables
