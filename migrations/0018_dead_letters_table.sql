@@ -84,9 +84,9 @@ $$;
 -- its fenced transaction: the rows given up on, out of the outbox into outbox_dead with
 -- the attempts they spent and the reason. A row marked in place already (an earlier
 -- release's: migration 0019) keeps its time and reason. A row over 16 MiB of payload
--- and headers is marked in place instead (or left so): copying hundreds of MB could
--- outlast the settle's statement timeout, and the settle would fail again and again.
--- Returns how many it dead-lettered.
+-- and headers stays where it is (the settle then marks it in place, with drain.sql's
+-- dead_letter): copying hundreds of MB could outlast the settle's statement timeout,
+-- and the settle would fail again and again. Returns how many it moved.
 CREATE FUNCTION outbox_dead_letter(ids bigint[], attempted integer[], reasons text[])
 RETURNS bigint
 LANGUAGE plpgsql
@@ -112,20 +112,6 @@ BEGIN
                   + coalesce(pg_column_size(o.headers), 0) <= 16777216
             RETURNING o.*, f.attempted, f.reason
         ),
-        marked AS (
-            UPDATE outbox AS o
-            SET attempts           = o.attempts + f.attempted,
-                dead_lettered_at   = now(),
-                dead_letter_reason = f.reason,
-                last_error         = f.reason,
-                next_attempt_at    = NULL
-            FROM unnest($1, $2, $3) AS f (id, attempted, reason)
-            WHERE o.id = f.id
-              AND o.dead_lettered_at IS NULL
-              AND coalesce(octet_length(o.payload), 0)
-                  + coalesce(pg_column_size(o.headers), 0) > 16777216
-            RETURNING 1
-        ),
         moved AS (
             INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers,
                                      created_at, available_at, promoted_at, attempts,
@@ -143,7 +129,7 @@ BEGIN
             FROM gone
             RETURNING 1
         )
-        SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM marked)
+        SELECT count(*) FROM moved
     $move$, extra)
     INTO moved
     USING ids, attempted, reasons;

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from relay import __version__, db, fairness, lag, repository
+from relay import __version__, db, dead_letters, fairness, lag, repository
 from relay.errors import MigrationError
 from relay.logging import configure
 from relay.migrate import SchemaState, schema_state
@@ -389,7 +389,7 @@ def cmd_check(_args: argparse.Namespace) -> int:
 def cmd_dead_letter_list(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="dead-letter") as conn:
-        rows = repository.dead_letters(conn, topic=args.topic, key=args.key, limit=args.limit)
+        rows = dead_letters.dead_letters(conn, topic=args.topic, key=args.key, limit=args.limit)
     if args.json:
         _print_json([asdict(row) for row in rows])
         return EXIT_OK
@@ -418,14 +418,14 @@ def cmd_dead_letter_list(args: argparse.Namespace) -> int:
 def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="dead-letter") as conn, conn.transaction():
-        ids = repository.requeue_dead_letters(
+        ids = dead_letters.requeue_dead_letters(
             conn,
             ids=args.id or (),
             key=args.key,
             everything=args.all,
             dead_rows=settings.dead_rows,
         )
-        overtaking = repository.dead_letters_left_behind(conn, ids)
+        overtaking = dead_letters.dead_letters_left_behind(conn, ids)
         if args.dry_run:
             raise_rollback()
     verb = "would requeue" if args.dry_run else "requeued"

@@ -18,7 +18,7 @@ from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import KEY, READY, OutboxMessage
 from relay.queries import QUERIES
-from relay.rows import DeadLetterRow, LeaseRow, ReplicaRow
+from relay.rows import LeaseRow, ReplicaRow
 from relay.store.port import Fetched, Promoted
 
 
@@ -193,14 +193,13 @@ def settle(
                 },
             )
         if settlement.dead_ids:
-            conn.execute(
-                DEAD_LETTER[dead_rows],
-                {
-                    "ids": settlement.dead_ids,
-                    "attempted": settlement.dead_attempted,
-                    "reasons": settlement.dead_reasons,
-                },
-            )
+            dead = {
+                "ids": settlement.dead_ids,
+                "attempted": settlement.dead_attempted,
+                "reasons": settlement.dead_reasons,
+            }
+            for statement in DEAD_LETTER[dead_rows]:
+                conn.execute(statement, dead)
         failpoints.hit("in_settle")
         fenced_at: datetime = fenced["at"]
         return fenced_at
@@ -215,8 +214,12 @@ SETTLE_ACKNOWLEDGED = {
     "mark": QUERIES.settle_mark_sent,
 }
 SETTLE_SENT = {"delete": QUERIES.delete_sent, "move": QUERIES.move_sent, "mark": QUERIES.mark_sent}
-# The rows a settle gives up on, by where dead letters are kept.
-DEAD_LETTER = {"move": QUERIES.dead_letter_move, "mark": QUERIES.dead_letter}
+# The rows a settle gives up on, by where dead letters are kept: moved out, then those
+# too large to copy marked where they are; or all marked (an own table).
+DEAD_LETTER = {
+    "move": (QUERIES.dead_letter_move, QUERIES.dead_letter),
+    "mark": (QUERIES.dead_letter,),
+}
 
 
 # outbox_sent's generations (migration 0013: its LIST partitions outbox_sent_0..3).
@@ -272,37 +275,6 @@ def empty_sent_generations(conn: Conn, older_than_seconds: float) -> list[int]:
 def purge_sent(conn: Conn, older_than_seconds: float, limit: int) -> int:
     cur = conn.execute(QUERIES.purge_sent, {"older_than": older_than_seconds, "limit": limit})
     return cur.rowcount
-
-
-def dead_letters(
-    conn: Conn, *, topic: str | None, key: str | None, limit: int
-) -> list[DeadLetterRow]:
-    with conn.cursor(row_factory=class_row(DeadLetterRow)) as cur:
-        return cur.execute(
-            QUERIES.dead_letter_list, {"topic": topic, "key": key, "limit": limit}
-        ).fetchall()
-
-
-def requeue_dead_letters(
-    conn: Conn,
-    *,
-    ids: Sequence[int] = (),
-    key: str | None = None,
-    everything: bool = False,
-    dead_rows: DeadRows,
-) -> list[int]:
-    """Back into the drain, by id; `dead_rows` says where dead letters are kept (an
-    own table's are all in place)."""
-    statement = (
-        QUERIES.dead_letter_requeue if dead_rows == "move" else QUERIES.dead_letter_requeue_in_place
-    )
-    rows = conn.execute(statement, {"ids": list(ids), "key": key, "all": everything}).fetchall()
-    return sorted(int(r["id"]) for r in rows)
-
-
-def dead_letters_left_behind(conn: Conn, ids: Sequence[int]) -> list[str]:
-    rows = conn.execute(QUERIES.dead_letters_left_behind, {"ids": list(ids)}).fetchall()
-    return [str(r["key"]) for r in rows]
 
 
 def lease_status(conn: Conn) -> list[LeaseRow]:

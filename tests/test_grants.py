@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay import db, repository
+from relay import db, dead_letters, repository
 from relay.batch import DeadRows
 from relay.queries import QUERIES
 from relay.settings import CommonSettings, SettingsError
@@ -105,7 +105,7 @@ def test_the_relay_role_runs_every_outbox_write(database: str, relay_dsn: str) -
         assert found is not None
         due = int(found["id"])
         conn.execute(QUERIES.dead_letter, {"ids": [due], "attempted": [1], "reasons": ["x"]})
-        assert repository.requeue_dead_letters(conn, ids=[due], dead_rows="move") == [due]
+        assert dead_letters.requeue_dead_letters(conn, ids=[due], dead_rows="move") == [due]
     _assert_written(database, "outbox", "sent_at", ids)
 
 
@@ -201,10 +201,9 @@ def _run_every_write(conn: db.Conn, ids: list[int], dead_rows: DeadRows) -> None
             QUERIES.record_failures,
             {"ids": [a], "attempted": [1], "delays": [60.0], "errors": ["no broker"]},
         )
-        conn.execute(
-            repository.DEAD_LETTER[dead_rows], {"ids": [b], "attempted": [1], "reasons": ["bad"]}
-        )
-    assert repository.requeue_dead_letters(conn, ids=[b], dead_rows=dead_rows) == [b]
+        for statement in repository.DEAD_LETTER[dead_rows]:
+            conn.execute(statement, {"ids": [b], "attempted": [1], "reasons": ["bad"]})
+    assert dead_letters.requeue_dead_letters(conn, ids=[b], dead_rows=dead_rows) == [b]
     conn.execute(QUERIES.mark_sent, {"ids": [d]})
     settled = conn.execute(
         QUERIES.settle_mark_sent,

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from psycopg.types.json import Jsonb
 
-from relay import db, lag, repository
+from relay import db, dead_letters, lag, repository
 from relay.batch import DeadRows
 from relay.logging import get_logger
 from relay.migrate import SchemaState, schema_state, shard_index_state
@@ -231,7 +231,7 @@ def change(
     """Requeue or discard exactly the rows confirmed (their count, and their `digest`
     when given), and record it, in one transaction.
 
-    A requeue is `relay dead-letter requeue`'s: repository.requeue_dead_letters on the
+    A requeue is `relay dead-letter requeue`'s: dead_letters.requeue_dead_letters on the
     ids in id order (they keep their ids, so per-key order holds among them), with its
     warning when earlier dead letters of the same key stay behind. `dead_rows`: where
     dead letters are kept (an own table's are all in place).
@@ -248,7 +248,7 @@ def change(
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start : start + CHUNK]
             if action == "requeue":
-                done += repository.requeue_dead_letters(conn, ids=chunk, dead_rows=dead_rows)
+                done += dead_letters.requeue_dead_letters(conn, ids=chunk, dead_rows=dead_rows)
             else:
                 rows = conn.execute(discard, {"ids": chunk}).fetchall()
                 done += [int(r["id"]) for r in rows]
@@ -256,7 +256,7 @@ def change(
         if len(done) != confirmed:
             raise Changed(confirmed, len(done))
         if action == "requeue":
-            behind = repository.dead_letters_left_behind(conn, done)
+            behind = dead_letters.dead_letters_left_behind(conn, done)
             if behind:
                 note = (
                     "earlier dead letters of key(s) "

@@ -3,7 +3,8 @@
 -- lag_sample, dead_letter_requeue, dead_letters_left_behind). Dead letters are read
 -- through outbox_dead_letters (migration 0018; an own table's view schema has its own).
 -- The console is a process of its own under its own role (migrations/console_grants.sql);
--- nothing here runs in the drain. Parameters are named, %(name)s; nothing is built by string concatenation.
+-- nothing here runs in the drain. Parameters are named, %(name)s; nothing is built by
+-- string concatenation.
 
 ------------------------------------------------------------------------------------
 -- Dead letters

@@ -817,12 +817,13 @@ WHERE o.id = f.id;
 -- Permanent failures and rows out of attempts: out of the drain, moved into outbox_dead
 -- with the reason, under their ids, in the settle's transaction (the function
 -- outbox_dead_letter, migration 0018, which runs as its owner: the runtime role inserts
--- no row anywhere but through it).
+-- no row anywhere but through it). A row over 16 MiB it leaves where it is; the settle
+-- then marks it there (dead_letter).
 SELECT outbox_dead_letter(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]);
 
 -- name: dead_letter
--- dead_letter_move for an own table (RELAY_OUTBOX_TABLE): its dead letters stay in it,
--- marked with the reason, out of the drain.
+-- Dead letters marked where they are, with the reason, out of the drain: an own table's
+-- (RELAY_OUTBOX_TABLE), and, after dead_letter_move, the rows it left in the outbox.
 UPDATE outbox AS o
 SET attempts           = o.attempts + f.attempted,
     dead_lettered_at   = now(),
