@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiormq.exceptions import ChannelNotFoundEntity
 from confluent_kafka import KafkaError
 
 from relay.backoff import Backoff
@@ -15,6 +16,7 @@ from relay.progress import Progress
 from relay.queries import QUERIES, load, parse
 from relay.sinks.base import Outcome
 from relay.sinks.kafka import classify
+from relay.sinks.rabbitmq import queue_is_absent
 
 pytestmark = pytest.mark.unit
 
@@ -151,6 +153,32 @@ def test_backoff_grows_is_jittered_and_capped() -> None:
 )
 def test_kafka_error_classification(code: int, outcome: Outcome) -> None:
     assert classify(KafkaError(code)).outcome is outcome
+
+
+@pytest.mark.parametrize(
+    ("text", "absent"),
+    [
+        ("NOT_FOUND - no queue 'orders' in vhost '/'", True),
+        ("NOT_FOUND - queue 'orders' in vhost '/' process is stopped by supervisor", False),
+        ("NOT_FOUND - queue 'orders' in vhost '/' has crashed and failed to restart", False),
+        (
+            "NOT_FOUND - home node 'rabbit@a' of durable queue 'orders' in vhost '/' is down "
+            "or inaccessible",
+            False,
+        ),
+        (
+            "NOT_FOUND - failed to perform operation on queue 'orders' in vhost '/' due to timeout",
+            False,
+        ),
+    ],
+)
+def test_only_a_queue_that_does_not_exist_makes_a_returned_message_dead(
+    text: str, absent: bool
+) -> None:
+    """The texts RabbitMQ answers a passive declare with (rabbit_amqqueue, rabbit_misc):
+    a queue that exists but is not running, as while a crashed node recovers it, is no
+    reason to dead-letter a message."""
+    assert queue_is_absent(ChannelNotFoundEntity(text)) is absent
 
 
 def test_health_names_the_loop_that_stopped_beating() -> None:

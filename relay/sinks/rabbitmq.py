@@ -109,6 +109,15 @@ def _timestamp(created_at: str) -> datetime | None:
     return None
 
 
+def queue_is_absent(exc: BaseException) -> bool:
+    """A NOT_FOUND answer to a passive declare says either that no such queue exists
+    ("no queue 'q' in vhost '/'") or that it exists and is not running: its process
+    "is stopped by supervisor", "has crashed", its home node "is down or inaccessible",
+    or the check timed out. A node just restarted after a crash answers the second way
+    for a while, recovering its queues; only the first is the message's fault."""
+    return str(exc).startswith("NOT_FOUND - no queue ")
+
+
 def classify(exc: BaseException, exchange: str) -> Result:
     """A publish that got no confirm."""
     if isinstance(exc, aiormq.exceptions.PublishError):  # Basic.Return
@@ -249,10 +258,11 @@ class RabbitmqSink(KeyedSink):
     async def _returned(self, exc: Exception, routing_key: str) -> Result:
         """A mandatory publish came back. Through the default exchange that means no
         queue of that name (the message's fault: dead-letter it), or a queue that exists
-        but is not running: a node still recovering its queues after a restart returns
-        messages for them too (seen under load: a whole backlog dead-lettered). Ask the
-        broker which, with a passive declare on a channel of its own. A named exchange's
-        bindings cannot be asked about over AMQP: a return there is dead-lettered."""
+        but is not running: a node recovering its queues after a crash returns messages
+        for them, and answers a declare with NOT_FOUND too, in other words (seen under
+        load: a whole backlog dead-lettered). Ask the broker which, with a passive
+        declare on a channel of its own. A named exchange's bindings cannot be asked
+        about over AMQP: a return there is dead-lettered."""
         if self._exchange_name or self._connection is None:
             return classify(exc, self._exchange_name)
         try:
@@ -262,9 +272,16 @@ class RabbitmqSink(KeyedSink):
             return Result(Outcome.UNAVAILABLE, f"returned, and no channel to ask: {probe!r}")
         try:
             await asyncio.wait_for(channel.declare_queue(routing_key, passive=True), self._timeout)
-        except (aiormq.exceptions.ChannelNotFoundEntity, ValueError):
-            # The broker says no such queue, or the client refuses the name as a queue
-            # name at all (pamqp: "Invalid value for queue"): no queue can take it.
+        except aiormq.exceptions.ChannelNotFoundEntity as probe:
+            if queue_is_absent(probe):
+                return classify(exc, self._exchange_name)
+            PUBLISH_ERRORS.labels("unavailable").inc()
+            return Result(
+                Outcome.UNAVAILABLE, f"queue {routing_key!r} is not running: {probe}", reached=True
+            )
+        except ValueError:
+            # The client refuses the name as a queue name at all (pamqp: "Invalid value
+            # for queue"): no queue can take it.
             return classify(exc, self._exchange_name)
         except Exception as probe:
             PUBLISH_ERRORS.labels("unavailable").inc()
