@@ -16,7 +16,7 @@ from relay.progress import Progress
 from relay.queries import QUERIES, load, parse
 from relay.sinks.base import Outcome
 from relay.sinks.kafka import classify
-from relay.sinks.rabbitmq import queue_is_absent
+from relay.sinks.rabbitmq_outcomes import queue_is_absent
 
 pytestmark = pytest.mark.unit
 
