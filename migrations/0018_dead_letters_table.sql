@@ -63,7 +63,8 @@ COMMENT ON VIEW outbox_dead_letters IS
 --
 -- The columns the app added to the outbox, if any: those a dead letter keeps in
 -- `extra`. Read from the catalog at each move, so a column added later is kept too.
--- Never the whole row as JSON: a payload of hundreds of MB would not fit one jsonb.
+-- Never the whole row as JSON: a payload of hundreds of MB would not fit one jsonb. A
+-- generated column is left out: it is computed again when the row comes back.
 CREATE FUNCTION outbox_added_columns()
 RETURNS text[]
 LANGUAGE sql
@@ -74,10 +75,52 @@ AS $$
     WHERE a.attrelid = 'outbox'::regclass
       AND a.attnum > 0
       AND NOT a.attisdropped
+      AND a.attgenerated = ''
       AND a.attname <> ALL (ARRAY['id', 'message_id', 'topic', 'key', 'payload', 'headers',
                                   'created_at', 'sent_at', 'attempts', 'next_attempt_at',
                                   'last_error', 'dead_lettered_at', 'dead_letter_reason',
                                   'available_at', 'promoted_at'])
+$$;
+
+-- outbox_extra_of: the SQL expression of the added columns of the outbox row `source`
+-- (an alias in the statement it goes into) as one jsonb object, built 50 columns at a
+-- time (jsonb_build_object takes at most 100 arguments); 'NULL::jsonb' with none.
+CREATE FUNCTION outbox_extra_of(source text)
+RETURNS text
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT coalesce(string_agg(piece.sql, ' || ' ORDER BY piece.part), 'NULL::jsonb')
+    FROM (SELECT (added.n - 1) / 50 AS part,
+                 'jsonb_build_object('
+                 || string_agg(quote_literal(added.c) || ', ' || source || '.'
+                               || quote_ident(added.c), ', ' ORDER BY added.n)
+                 || ')' AS sql
+          FROM unnest(outbox_added_columns()) WITH ORDINALITY AS added (c, n)
+          GROUP BY 1) AS piece
+$$;
+
+-- outbox_restored_of: for an INSERT into the outbox of a row `source` that kept the added
+-- columns in `extra`: their names (', a, b') and the SQL of their values (', ..., ...'),
+-- each the value kept, or for a column added since the row left (no key in `extra`) the
+-- column's default (NULL without one), as an INSERT that leaves the column out writes.
+CREATE FUNCTION outbox_restored_of(source text, OUT columns text, OUT restored text)
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT coalesce(', ' || string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum), ''),
+           coalesce(', ' || string_agg(
+               format('CASE WHEN %1$s.extra ? %2$L'
+                      ' THEN (jsonb_populate_record(NULL::outbox, %1$s.extra)).%3$I'
+                      ' ELSE (%4$s)::%5$s END',
+                      source, a.attname, a.attname,
+                      coalesce(pg_get_expr(d.adbin, d.adrelid), 'NULL'),
+                      format_type(a.atttypid, a.atttypmod)),
+               ', ' ORDER BY a.attnum), '')
+    FROM pg_attribute AS a
+    LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    WHERE a.attrelid = 'outbox'::regclass
+      AND a.attname = ANY (outbox_added_columns())
 $$;
 
 -- outbox_dead_letter: the settle's dead path (relay/sql/drain.sql, dead_letter_move), in
@@ -93,16 +136,8 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 AS $$
 DECLARE
-    added text[] := outbox_added_columns();
-    extra text := 'NULL::jsonb';
     moved bigint;
 BEGIN
-    IF cardinality(added) > 0 THEN
-        SELECT 'jsonb_build_object('
-               || string_agg(quote_literal(c) || ', gone.' || quote_ident(c), ', ') || ')'
-        INTO extra
-        FROM unnest(added) AS c;
-    END IF;
     EXECUTE format($move$
         WITH gone AS (
             DELETE FROM outbox AS o
@@ -130,7 +165,7 @@ BEGIN
             RETURNING 1
         )
         SELECT count(*) FROM moved
-    $move$, extra)
+    $move$, outbox_extra_of('gone'))
     INTO moved
     USING ids, attempted, reasons;
     RETURN moved;
@@ -138,34 +173,27 @@ END
 $$;
 
 -- outbox_requeue: the dead letters named (by id, by key, or all) back into the outbox
--- under their ids, with fresh attempts and the columns the app added restored (one
--- added since comes back NULL) (`relay dead-letter requeue`, the console). Rows marked
--- in place are requeued by an UPDATE, as before (relay/sql/operations.sql,
--- dead_letter_requeue). Returns their ids. Planned for the arguments given (EXECUTE):
--- a requeue of a few ids or of one key reads those by outbox_dead's indexes.
+-- under their ids, with fresh attempts and the columns the app added restored
+-- (`relay dead-letter requeue`, the console). Rows marked in place are requeued by an
+-- UPDATE, as before (relay/sql/operations.sql, dead_letter_requeue). Returns their ids.
+-- A row leaves outbox_dead only once the outbox took it: one an app's BEFORE INSERT
+-- trigger drops stays a dead letter. Locked first, so a concurrent requeue of the same
+-- rows waits, then finds them gone. Planned for the arguments given (EXECUTE): a
+-- requeue of a few ids or of one key reads those by outbox_dead's indexes.
 CREATE FUNCTION outbox_requeue(ids bigint[], by_key text, everything boolean)
 RETURNS SETOF bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
 AS $$
 DECLARE
-    added text[] := outbox_added_columns();
-    columns text := '';
-    restored text := '';
+    added record := outbox_restored_of('back');
 BEGIN
-    IF cardinality(added) > 0 THEN
-        SELECT ', ' || string_agg(quote_ident(c), ', '),
-               ', ' || string_agg('(jsonb_populate_record(NULL::outbox,'
-                                  || ' coalesce(back.extra, ''{}''::jsonb))).'
-                                  || quote_ident(c), ', ')
-        INTO columns, restored
-        FROM unnest(added) AS c;
-    END IF;
     RETURN QUERY EXECUTE format($back$
         WITH back AS (
-            DELETE FROM outbox_dead AS d
+            SELECT d.*
+            FROM outbox_dead AS d
             WHERE $3 OR d.id = ANY($1) OR d.key = $2
-            RETURNING d.*
+            FOR UPDATE
         ),
         moved AS (
             INSERT INTO outbox (id, message_id, topic, key, payload, headers, created_at,
@@ -176,9 +204,15 @@ BEGIN
                    back.last_error%s
             FROM back
             RETURNING outbox.id
+        ),
+        gone AS (
+            DELETE FROM outbox_dead AS d
+            USING moved
+            WHERE d.id = moved.id
+            RETURNING d.id
         )
-        SELECT moved.id FROM moved
-    $back$, columns, restored)
+        SELECT gone.id FROM gone
+    $back$, added.columns, added.restored)
     USING ids, by_key, everything;
 END
 $$;
@@ -189,6 +223,10 @@ $$;
 DO $$
 BEGIN
     EXECUTE format('ALTER FUNCTION outbox_added_columns()'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_extra_of(text)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_restored_of(text)'
                    ' SET search_path = %I, pg_temp', current_schema());
     EXECUTE format('ALTER FUNCTION outbox_dead_letter(bigint[], integer[], text[])'
                    ' SET search_path = %I, pg_temp', current_schema());

@@ -263,6 +263,54 @@ def test_a_dead_letter_keeps_the_columns_the_app_added_and_a_requeue_restores_th
     assert row is not None and row[0] == "acme" and float(row[1]) == 2.5 and row[2:] == (0, None)
 
 
+def test_a_requeue_restores_what_the_outbox_would_have_and_loses_nothing_it_refuses(
+    database: str, relay_dsn: str
+) -> None:
+    """Found in review, each a way a requeue failed or lost a row: a generated column
+    (written explicitly, it fails the INSERT); a column added while the row was dead
+    (restored as NULL, not its default, so NOT NULL failed); 60 added columns
+    (jsonb_build_object takes 100 arguments); a BEFORE INSERT trigger that drops the
+    row (deleted from outbox_dead, inserted nowhere). The dropped row stays a dead
+    letter."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "ALTER TABLE outbox ADD COLUMN size_kb int GENERATED ALWAYS AS"
+            " (octet_length(payload) / 1024) STORED"
+        )
+        for n in range(60):
+            conn.execute(f"ALTER TABLE outbox ADD COLUMN c{n} int DEFAULT {n}")
+        ids = [
+            row[0]
+            for row in conn.execute(
+                "INSERT INTO outbox (topic, key, payload, c59) VALUES"
+                " ('t', 'k', 'kept', 590), ('t', 'drop', 'dropped', 1) RETURNING id"
+            ).fetchall()
+        ]
+    with psycopg.connect(relay_dsn, autocommit=True) as conn:  # the runtime role
+        conn.execute(
+            "SELECT outbox_dead_letter(%s::bigint[], ARRAY[1, 1], ARRAY['x', 'x'])", (ids,)
+        )
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox ADD COLUMN tenant text NOT NULL DEFAULT 'none'")
+        conn.execute(
+            "CREATE FUNCTION drop_it() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN IF NEW.key = 'drop' THEN RETURN NULL; END IF; RETURN NEW; END $$"
+        )
+        conn.execute(
+            "CREATE TRIGGER drop_it BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION drop_it()"
+        )
+    with psycopg.connect(relay_dsn, autocommit=True) as conn:
+        back = conn.execute("SELECT * FROM outbox_requeue(%s::bigint[], NULL, false)", (ids,))
+        assert back.fetchall() == [(ids[0],)]
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT c0, c59, tenant, size_kb FROM outbox WHERE id = %s", (ids[0],)
+        ).fetchone()
+        assert row == (0, 590, "none", 0)
+        left = conn.execute("SELECT id FROM outbox_dead").fetchall()
+        assert left == [(ids[1],)]
+
+
 def test_purge_deletes_only_sent_rows_past_the_cutoff(database: str, relay_dsn: str) -> None:
     ids = insert_rows(database, "t", keyed_rows(keys=1, per_key=7))
     with psycopg.connect(database, autocommit=True) as conn:
