@@ -24,9 +24,11 @@ GRANT SELECT, INSERT ON console_audit TO relay_console;
 GRANT SELECT, DELETE ON outbox_dead TO relay_console;
 GRANT SELECT ON outbox_dead_letters TO relay_console;
 GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay_console;
+-- Rows scheduled for later, moved out until due (migration 0020): counted, and shown.
+GRANT SELECT ON outbox_scheduled TO relay_console;
 
 -- relay_console_viewer: a console run with RELAY_CONSOLE_READ_ONLY=true (people who
 -- may look but not requeue). It reads; it cannot change a row even if asked to.
 GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations, console_audit,
-    outbox_dead, outbox_dead_letters
+    outbox_dead, outbox_dead_letters, outbox_scheduled
     TO relay_console_viewer;

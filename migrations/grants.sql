@@ -35,6 +35,13 @@ GRANT SELECT ON outbox_dead, outbox_dead_letters TO relay;
 GRANT EXECUTE ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay;
 
+-- Scheduled rows (migration 0020): rows scheduled for later wait in outbox_scheduled,
+-- moved out and let back in through functions that move rows only; the fetch and the
+-- lag gauges read it.
+GRANT SELECT ON outbox_scheduled TO relay;
+GRANT EXECUTE ON FUNCTION outbox_park_scheduled(integer) TO relay;
+GRANT EXECUTE ON FUNCTION outbox_let_in(integer, integer, integer) TO relay;
+
 -- The lease row for RELAY_LEASE_NAME (one per shard) is created on first use, hence
 -- INSERT; so is its group's row, which every acquisition updates.
 GRANT SELECT, INSERT, UPDATE ON leases TO relay;

@@ -17,9 +17,11 @@ from relay.fairness import FairnessGroup
 # they are (retention mode with an own table, RELAY_OUTBOX_TABLE).
 SentRows = Literal["delete", "move", "mark"]
 
-# What a settle does with the rows it gives up on: move them into outbox_dead (migration
-# 0018), or mark them dead where they are (an own table, RELAY_OUTBOX_TABLE).
-DeadRows = Literal["move", "mark"]
+# Where the drain keeps the rows it sets aside, dead letters and rows scheduled for
+# later: moved into tables of the relay's own beside the outbox ("move": outbox_dead and
+# outbox_scheduled, migrations 0018 and 0020), or left in the outbox, marked ("mark": an
+# own table, RELAY_OUTBOX_TABLE).
+SetAside = Literal["move", "mark"]
 
 
 @dataclass(frozen=True, slots=True)

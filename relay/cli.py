@@ -423,7 +423,7 @@ def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
             ids=args.id or (),
             key=args.key,
             everything=args.all,
-            dead_rows=settings.dead_rows,
+            set_aside=settings.set_aside,
         )
         overtaking = dead_letters.dead_letters_left_behind(conn, ids)
         if args.dry_run:

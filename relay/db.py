@@ -159,15 +159,16 @@ def read_own_table(conn: Conn, settings: CommonSettings) -> None:
     if not check["dead_letter_views"]:
         raise SettingsError(
             "RELAY_OUTBOX_TABLE",
-            f"{schema} lacks the views outbox_dead_letters and outbox_dead, through which"
-            " this release reads the table's dead letters: run `relay migrate --own-table`"
-            " again",
+            f"{schema} lacks the views outbox_dead_letters, outbox_dead and"
+            " outbox_scheduled, through which this release reads the table's dead letters"
+            " and scheduled rows: run `relay migrate --own-table` again",
         )
     if not check["dead_letter_views_readable"]:
         raise SettingsError(
             "RELAY_OUTBOX_TABLE",
-            f"the role may not read {schema}.outbox_dead_letters and {schema}.outbox_dead:"
-            " grant SELECT on them, as on the view outbox (docs/howto/own-tables.md)",
+            f"the role may not read {schema}.outbox_dead_letters, {schema}.outbox_dead and"
+            f" {schema}.outbox_scheduled: grant SELECT on them, as on the view outbox"
+            " (docs/howto/own-tables.md)",
         )
     conn.execute(QUERIES.own_table_session, params)
 

@@ -1,6 +1,6 @@
 """Dead letters for operators (`relay dead-letter`, the console): list them, requeue
 them, and name the keys whose earlier dead letters a requeue leaves behind. Where they
-are kept (`DeadRows`) picks the requeue's statement: an own table's are all in place."""
+are kept (`SetAside`) picks the requeue's statement: an own table's are all in place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from psycopg.rows import class_row
 
-from relay.batch import DeadRows
+from relay.batch import SetAside
 from relay.db import Conn
 from relay.queries import QUERIES
 from relay.rows import DeadLetterRow
@@ -29,12 +29,12 @@ def requeue_dead_letters(
     ids: Sequence[int] = (),
     key: str | None = None,
     everything: bool = False,
-    dead_rows: DeadRows,
+    set_aside: SetAside,
 ) -> list[int]:
-    """Back into the drain, by id; `dead_rows` says where dead letters are kept (an
+    """Back into the drain, by id; `set_aside` says where dead letters are kept (an
     own table's are all in place)."""
     statement = (
-        QUERIES.dead_letter_requeue if dead_rows == "move" else QUERIES.dead_letter_requeue_in_place
+        QUERIES.dead_letter_requeue if set_aside == "move" else QUERIES.dead_letter_requeue_in_place
     )
     rows = conn.execute(statement, {"ids": list(ids), "key": key, "all": everything}).fetchall()
     return sorted(int(r["id"]) for r in rows)

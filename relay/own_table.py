@@ -78,11 +78,14 @@ def statements(
     stand_in = sql.Identifier(schema, "outbox_dead")
     out.append(sql.SQL(QUERIES.own_table_dead_letters_view).format(dead_view=dead_view, view=view))
     out.append(sql.SQL(QUERIES.own_table_dead_stand_in).format(stand_in=stand_in, view=view))
+    scheduled = sql.Identifier(schema, "outbox_scheduled")
+    out.append(sql.SQL(QUERIES.own_table_scheduled_stand_in).format(stand_in=scheduled, view=view))
     out.append(
         sql.SQL(QUERIES.own_table_dead_letters_readers).format(
             view_name=sql.Literal(view.as_string(None)),
             dead_view_name=sql.Literal(dead_view.as_string(None)),
             stand_in_name=sql.Literal(stand_in.as_string(None)),
+            scheduled_name=sql.Literal(scheduled.as_string(None)),
         )
     )
     if not layout.id_indexed:

@@ -229,3 +229,35 @@ async def enqueue_async(
     async with conn.cursor(row_factory=tuple_row) as cur:
         await cur.execute(statement, params)
         return _enqueued(await cur.fetchone())
+
+
+def cancel(conn: psycopg.Connection[Any], row_id: int) -> bool:
+    """Take back a row scheduled for later (`enqueue(available_at=...)` or `delay`), in
+    `conn`'s current transaction, if the relay has not let it into the drain yet: True
+    if it did, and then the row is never published once that transaction commits. A row
+    already due and let in may be on its way to the sink: it is left, and this says
+    False. A DELETE on `outbox` alone can miss a scheduled row: the relay moves those
+    due later out into `outbox_scheduled` (README "Scheduled delivery")."""
+    ids = {"ids": [_row_id(row_id)]}
+    with conn.cursor(row_factory=tuple_row) as cur:
+        for _ in range(2):  # again: a row moved between the tables while we waited
+            if cur.execute(QUERIES.cancel, ids).fetchall():
+                return True
+    return False
+
+
+async def cancel_async(conn: psycopg.AsyncConnection[Any], row_id: int) -> bool:
+    """`cancel` for an asyncio app's `psycopg.AsyncConnection`."""
+    ids = {"ids": [_row_id(row_id)]}
+    async with conn.cursor(row_factory=tuple_row) as cur:
+        for _ in range(2):
+            await cur.execute(QUERIES.cancel, ids)
+            if await cur.fetchall():
+                return True
+    return False
+
+
+def _row_id(row_id: int) -> int:
+    if isinstance(row_id, bool) or not isinstance(row_id, int):
+        raise TypeError(f"row_id must be the row's id (Enqueued.id), not {type(row_id).__name__}")
+    return row_id

@@ -13,7 +13,7 @@ from psycopg import sql
 from psycopg.rows import RowMaker, class_row, tuple_row
 
 from relay import failpoints
-from relay.batch import BatchLimits, DeadRows, SentRows, Settlement
+from relay.batch import BatchLimits, SentRows, SetAside, Settlement
 from relay.db import Conn
 from relay.lease import LeaseToken
 from relay.message import KEY, READY, OutboxMessage
@@ -134,14 +134,26 @@ def _within_bytes(head: list[OutboxMessage]) -> list[OutboxMessage]:
     return batch
 
 
-def promote_due(conn: Conn, limit: int, *, shards: int = 1, shard: int = 0) -> Promoted:
-    """Let scheduled rows that are due into the drain (migration 0008)."""
-    row = conn.execute(
-        QUERIES.promote_due, {"limit": limit, "shards": shards, "shard": shard}
-    ).fetchone()
+def promote_due(
+    conn: Conn, limit: int, *, shards: int = 1, shard: int = 0, set_aside: SetAside
+) -> Promoted:
+    """Let scheduled rows that are due into the drain (migration 0008). With
+    `set_aside` "move" (the relay's own outbox), those moved out into
+    outbox_scheduled first, then the rows scheduled for later moved out (0020-0021)."""
+    params = {"limit": limit, "shards": shards, "shard": shard}
+    let_in = 0
+    more_to_move = False
+    if set_aside == "move":
+        moves = conn.execute(QUERIES.schedule_moves, params).fetchone()
+        assert moves is not None  # a SELECT of two function calls: always one row
+        let_in = int(moves["let_in"])
+        more_to_move = bool(moves["more"]) or int(moves["parked"]) >= limit
+    row = conn.execute(QUERIES.promote_due, params).fetchone()
     assert row is not None  # a SELECT of two scalar subqueries: always one row
     next_due = row["next_due_in_seconds"]
-    return Promoted(int(row["promoted"]), None if next_due is None else float(next_due))
+    if more_to_move:
+        next_due = 0.0  # more rows to let in or set aside: look again at once
+    return Promoted(let_in + int(row["promoted"]), None if next_due is None else float(next_due))
 
 
 def settle(
@@ -151,7 +163,7 @@ def settle(
     settlement: Settlement,
     *,
     sent_rows: SentRows,
-    dead_rows: DeadRows,
+    set_aside: SetAside,
 ) -> datetime | None:
     """Write a batch's outcomes in ONE fenced transaction; None if we were fenced out,
     else the database time at which the fence held (for the `batch.settled` event).
@@ -198,7 +210,7 @@ def settle(
                 "attempted": settlement.dead_attempted,
                 "reasons": settlement.dead_reasons,
             }
-            for statement in DEAD_LETTER[dead_rows]:
+            for statement in DEAD_LETTER[set_aside]:
                 conn.execute(statement, dead)
         failpoints.hit("in_settle")
         fenced_at: datetime = fenced["at"]

@@ -40,7 +40,7 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from relay import fairness
-from relay.batch import DeadRows, SentRows
+from relay.batch import SentRows, SetAside
 from relay.errors import SettingsError
 from relay.setting_checks import read_secret, unreadable
 from relay.sinks import sink_specs
@@ -275,8 +275,9 @@ class CommonSettings(BaseSettings):
         return "relay_" + self.outbox_table.replace(".", "_")
 
     @property
-    def dead_rows(self) -> DeadRows:
-        """Where a settle puts the rows it gives up on (relay/batch.py, `DeadRows`)."""
+    def set_aside(self) -> SetAside:
+        """Where the drain keeps dead letters and rows scheduled for later
+        (relay/batch.py, `SetAside`)."""
         return "move" if self.outbox_table is None else "mark"
 
     @field_validator("database_url")

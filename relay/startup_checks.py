@@ -33,7 +33,7 @@ def run(settings: Settings) -> None:
         checks.append(fairness_index)
     if settings.sent_rows == "move":
         checks.append(sent_history)
-    if settings.dead_rows == "move":
+    if settings.set_aside == "move":
         checks.append(dead_letters)
     if settings.outbox_table is not None:
         checks.append(own_table_key_index)  # db.connect checks the view itself
@@ -99,8 +99,9 @@ def dead_letters(conn: db.Conn, _settings: Settings) -> None:
     if row is not None and row["can_move"] is False:
         raise SettingsError(
             "RELAY_DATABASE_URL",
-            "the role may not move dead letters into outbox_dead: run"
-            " migrations/grants.sql again (EXECUTE on outbox_dead_letter)",
+            "the role may not move dead letters and scheduled rows out of the outbox: run"
+            " migrations/grants.sql again (EXECUTE on outbox_dead_letter,"
+            " outbox_park_scheduled and outbox_let_in, SELECT on outbox_scheduled)",
         )
 
 

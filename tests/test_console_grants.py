@@ -83,11 +83,11 @@ def test_the_console_role_runs_every_console_statement(pg: PostgresServer, datab
     with db.connect(settings, purpose="console") as conn:
         ran = _read_everything(conn)
         done = data.change(
-            conn, "token", "requeue", data.Target(ids=(requeued,)), 1, 100, dead_rows="move"
+            conn, "token", "requeue", data.Target(ids=(requeued,)), 1, 100, set_aside="move"
         )
         assert done.ids == [requeued]
         done = data.change(
-            conn, "token", "discard", data.Target(ids=(discarded,)), 1, 100, dead_rows="move"
+            conn, "token", "discard", data.Target(ids=(discarded,)), 1, 100, set_aside="move"
         )
         assert done.ids == [discarded]
         in_place: list[tuple[data.Action, int]] = [
@@ -96,7 +96,7 @@ def test_the_console_role_runs_every_console_statement(pg: PostgresServer, datab
         ]
         for action, row_id in in_place:
             target = data.Target(ids=(row_id,))
-            done = data.change(conn, "token", action, target, 1, 100, dead_rows="mark")
+            done = data.change(conn, "token", action, target, 1, 100, set_aside="mark")
             assert done.ids == [row_id]
     assert ran | {"console_discard", "console_discard_in_place", "console_audit_record"} == (
         CONSOLE_STATEMENTS
@@ -154,7 +154,7 @@ def test_the_viewer_role_reads_every_page_and_changes_nothing(
         for action in ("requeue", "discard"):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 data.change(
-                    conn, "viewer", action, data.Target(ids=(row_id,)), 1, 100, dead_rows="move"
+                    conn, "viewer", action, data.Target(ids=(row_id,)), 1, 100, set_aside="move"
                 )
     with psycopg.connect(database, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM console_audit").fetchone() == (0,)

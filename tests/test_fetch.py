@@ -338,7 +338,10 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
 
     def walk(node: dict[str, Any]) -> int:
         own = 0
-        if "Scan" in node["Node Type"] and node.get("Relation Name") == "outbox":
+        if "Scan" in node["Node Type"] and node.get("Relation Name") in (
+            "outbox",
+            "outbox_scheduled",
+        ):
             # Both are averages per loop in EXPLAIN's output.
             per_loop = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
             own = int(per_loop * int(node["Actual Loops"]))

@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from relay import db, dead_letters, repository
-from relay.batch import DeadRows
+from relay.batch import SetAside
 from relay.queries import QUERIES
 from relay.settings import CommonSettings, SettingsError
 from tests.conftest import RELAY_ROLE
@@ -54,7 +54,8 @@ LEASE = "grants"
 OWN_TABLE_GRANTS = f"""
 GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE};
 GRANT SELECT, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
-GRANT SELECT ON {VIEW_SCHEMA}.outbox_dead_letters, {VIEW_SCHEMA}.outbox_dead TO {RELAY_ROLE};
+GRANT SELECT ON {VIEW_SCHEMA}.outbox_dead_letters, {VIEW_SCHEMA}.outbox_dead,
+    {VIEW_SCHEMA}.outbox_scheduled TO {RELAY_ROLE};
 GRANT UPDATE ({", ".join(BOOKKEEPING)}) ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
 """
 
@@ -98,14 +99,14 @@ def test_the_relay_role_runs_every_outbox_write(database: str, relay_dsn: str) -
     )
     settings = CommonSettings(database_url=relay_dsn)
     with db.connect(settings, purpose="grants") as conn:
-        assert repository.promote_due(conn, 10).rows == 1
+        assert repository.promote_due(conn, 10, set_aside="move").rows == 1
         _run_every_write(conn, ids, "move")
         # As an earlier release leaves one: marked in place; requeued in place.
         found = conn.execute("SELECT id FROM outbox WHERE key = 'due'").fetchone()
         assert found is not None
         due = int(found["id"])
         conn.execute(QUERIES.dead_letter, {"ids": [due], "attempted": [1], "reasons": ["x"]})
-        assert dead_letters.requeue_dead_letters(conn, ids=[due], dead_rows="move") == [due]
+        assert dead_letters.requeue_dead_letters(conn, ids=[due], set_aside="move") == [due]
     _assert_written(database, "outbox", "sent_at", ids)
 
 
@@ -192,7 +193,7 @@ def _insert(dsn: str, statement: str) -> list[int]:
     return ids
 
 
-def _run_every_write(conn: db.Conn, ids: list[int], dead_rows: DeadRows) -> None:
+def _run_every_write(conn: db.Conn, ids: list[int], set_aside: SetAside) -> None:
     """Row a fails once, b is dead-lettered and requeued, c settles under a held lease,
     d is marked sent; then c and d are purged."""
     a, b, c, d = ids
@@ -201,9 +202,9 @@ def _run_every_write(conn: db.Conn, ids: list[int], dead_rows: DeadRows) -> None
             QUERIES.record_failures,
             {"ids": [a], "attempted": [1], "delays": [60.0], "errors": ["no broker"]},
         )
-        for statement in repository.DEAD_LETTER[dead_rows]:
+        for statement in repository.DEAD_LETTER[set_aside]:
             conn.execute(statement, {"ids": [b], "attempted": [1], "reasons": ["bad"]})
-    assert dead_letters.requeue_dead_letters(conn, ids=[b], dead_rows=dead_rows) == [b]
+    assert dead_letters.requeue_dead_letters(conn, ids=[b], set_aside=set_aside) == [b]
     conn.execute(QUERIES.mark_sent, {"ids": [d]})
     settled = conn.execute(
         QUERIES.settle_mark_sent,

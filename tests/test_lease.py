@@ -172,7 +172,7 @@ def test_a_stale_holder_cannot_mark_rows(
         stale = Settlement(sent=ids[:2])
         if failures:
             stale.dead(ids[2], "zombie says so")
-        assert settle(a, old.token, 1.0, stale, sent_rows=sent_rows, dead_rows="move") is None
+        assert settle(a, old.token, 1.0, stale, sent_rows=sent_rows, set_aside="move") is None
         unsent = "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
         assert scalar(database, unsent) == 3
         assert scalar(database, "SELECT count(*) FROM outbox_sent") == 0
@@ -181,7 +181,7 @@ def test_a_stale_holder_cannot_mark_rows(
         settled = Settlement(sent=ids[:2])
         if failures:
             settled.dead(ids[2], "the holder says so")
-        assert settle(b, token, 30.0, settled, sent_rows=sent_rows, dead_rows="move") is not None
+        assert settle(b, token, 30.0, settled, sent_rows=sent_rows, set_aside="move") is not None
         # The third row: dead-lettered (moved into outbox_dead), or still to send.
         assert scalar(database, unsent) == (0 if failures else 1)
         assert scalar(database, "SELECT count(*) FROM outbox_dead") == (1 if failures else 0)
@@ -221,7 +221,7 @@ def test_a_settle_waiting_on_an_open_takeover_writes_nothing_once_it_commits(
                         30.0,
                         Settlement(sent=list(ids)),
                         sent_rows="delete",
-                        dead_rows="move",
+                        set_aside="move",
                     )
                 )
             )

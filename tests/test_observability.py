@@ -219,7 +219,8 @@ def test_lag_sample_counts_blocked_and_dead_rows_and_stops_at_the_cap(database: 
 
 def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> None:
     """The cost claim in the README holds only while the planner walks the partial
-    indexes: with 50,000 sent rows kept (retention mode), no step may scan the table."""
+    indexes: with 50,000 sent rows kept (retention mode) and 20,000 scheduled for later
+    (moved out, migration 0020), no step may scan either table."""
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO outbox (topic, key, payload, sent_at)"
@@ -230,18 +231,33 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
             "UPDATE outbox SET attempts = 1, next_attempt_at = now()"
             " WHERE id = (SELECT max(id) FROM outbox)"
         )
+        # 20,000 rows scheduled for tomorrow, moved out of the outbox as the relay does.
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " SELECT 't', 's' || g, 'x', now() + interval '1 day'"
+            " FROM generate_series(1, 20000) AS g"
+        )
+        conn.execute("SELECT outbox_park_scheduled(20000)")
         conn.execute("ANALYZE outbox")
+        conn.execute("ANALYZE outbox_scheduled")
         row = conn.execute(
             "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100_000, "age_window": 1000}
         ).fetchone()
     assert row is not None
     plan = json.dumps(row[0])
-    # outbox_dead holds dead letters only: its count, up to the cap, may read it in order.
+    # outbox_dead holds dead letters only, outbox_scheduled rows scheduled for later
+    # only: a count of them, up to the cap, may read them in order.
     scans = {(n["Node Type"], n.get("Relation Name")) for n in plan_nodes(row[0][0]["Plan"])}
     assert {s for s in scans if s[0] in ("Seq Scan", "Bitmap Heap Scan")} <= {
-        ("Seq Scan", "outbox_dead")
+        ("Seq Scan", "outbox_dead"),
+        ("Seq Scan", "outbox_scheduled"),
     }, plan
-    for index in ("outbox_due_idx", "outbox_failing_rows_idx", "outbox_dead_letter_idx"):
+    for index in (
+        "outbox_due_idx",
+        "outbox_failing_rows_idx",
+        "outbox_dead_letter_idx",
+        "outbox_scheduled_due_idx",
+    ):
         assert index in plan
 
 

@@ -70,7 +70,8 @@ def grant_view(database: str, schema: str = VIEW_SCHEMA) -> None:
         conn.execute(f"GRANT USAGE ON SCHEMA {schema} TO {RELAY_ROLE}")
         conn.execute(f"GRANT SELECT, UPDATE, DELETE ON {schema}.outbox TO {RELAY_ROLE}")
         conn.execute(
-            f"GRANT SELECT ON {schema}.outbox_dead_letters, {schema}.outbox_dead TO {RELAY_ROLE}"
+            f"GRANT SELECT ON {schema}.outbox_dead_letters, {schema}.outbox_dead,"
+            f" {schema}.outbox_scheduled TO {RELAY_ROLE}"
         )
 
 

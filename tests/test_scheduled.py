@@ -4,6 +4,7 @@ its key meanwhile, is not lag until due, and a large schedule costs the fetch no
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -98,6 +99,54 @@ def test_a_large_schedule_costs_the_fetch_nothing(database: str) -> None:
     assert len(rows) == 50 and {r.payload for r in rows} == {b"a"}
     cost = _fetch_cost(database)
     assert cost < 1_000, cost
+    # Moved out of the outbox (migration 0020), as the relay does: the same.
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        promoted = repository.promote_due(conn, 50_000, set_aside="move")
+        assert promoted.rows == 0
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 30_000
+        conn.execute("ANALYZE outbox_scheduled")
+    assert len(fetch(database)) == 50
+    cost = _fetch_cost(database)
+    assert cost < 1_000, cost
+
+
+def test_rows_scheduled_for_later_wait_outside_the_outbox_and_come_back_under_their_ids(
+    database: str,
+) -> None:
+    """Migration 0020: a pass moves the rows scheduled for later into outbox_scheduled,
+    where they still hold back the later rows of their key and count as scheduled; once
+    due, a pass lets them back in under their ids, in their id's place."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        ids = [
+            row["id"]
+            for row in conn.execute(
+                "INSERT INTO outbox (topic, key, payload, available_at) VALUES"
+                " ('t', 'k', 'soon', now() + interval '2 seconds'),"
+                " ('t', 'k', 'behind', NULL),"
+                " ('t', 'j', 'free', NULL),"
+                " ('t', 'j', 'later', now() + interval '1 hour') RETURNING id"
+            ).fetchall()
+        ]
+        first = repository.promote_due(conn, 10, set_aside="move")
+        assert first.rows == 0 and first.next_due_in is not None and first.next_due_in <= 2
+        parked = conn.execute("SELECT id FROM outbox_scheduled ORDER BY id").fetchall()
+        assert [r["id"] for r in parked] == [ids[0], ids[3]]
+        assert [m.payload for m in fetch(database)] == [b"free"]  # 'behind' waits for k
+        sample = lag.measure(conn, 100)
+        assert (sample.unsent, sample.scheduled) == (2, 2)
+        wait_until(
+            lambda: repository.promote_due(conn, 10, set_aside="move").rows == 1,
+            timeout=10,
+            message="the row, once due, let back in",
+        )
+        back = conn.execute(
+            "SELECT id, promoted_at IS NOT NULL AS let_in FROM outbox WHERE payload = 'soon'"
+        ).fetchone()
+        assert back == {"id": ids[0], "let_in": True}
+        assert [m.payload for m in fetch(database)] == [b"soon", b"behind", b"free"]
+        sample = lag.measure(conn, 100)
+        assert (sample.unsent, sample.scheduled) == (3, 1)
+        assert sample.next_due_in_seconds is not None and sample.next_due_in_seconds > 3500
 
 
 def test_promotion_lets_due_rows_in_soonest_first_and_says_when_next(database: str) -> None:
@@ -111,7 +160,7 @@ def test_promotion_lets_due_rows_in_soonest_first_and_says_when_next(database: s
         )
         assert fetch(database) == []  # nothing let in yet
 
-        first = repository.promote_due(conn, 2)
+        first = repository.promote_due(conn, 2, set_aside="move")
         assert first.rows == 2
         assert first.next_due_in is not None and 3500 < first.next_due_in <= 3600
         promoted = conn.execute(
@@ -121,7 +170,7 @@ def test_promotion_lets_due_rows_in_soonest_first_and_says_when_next(database: s
         # 'late' (id 1) is due but not in yet: the later rows of key k wait for it.
         assert [m.payload for m in fetch(database)] == [b"mid"]
 
-        assert repository.promote_due(conn, 2).rows == 1
+        assert repository.promote_due(conn, 2, set_aside="move").rows == 1
         assert [m.payload for m in fetch(database)] == [b"late", b"early", b"mid"]
         # The rows keep the app's available_at; the latency counts from it.
         rows = fetch(database)
@@ -274,3 +323,231 @@ def test_each_shards_lag_counts_its_rows_due_and_not_let_in(database: str) -> No
         shards = lag.measure_shards(conn, 2, 100)
     assert sum(s.unsent for s in shards) == 1
     assert 30 <= max(s.oldest_unsent_age_seconds for s in shards) < 60
+
+
+def test_a_pass_with_nothing_to_move_fires_no_statement_trigger(database: str) -> None:
+    """Found in review: the NOTIFY trigger is statement-level, so an INSERT of no rows
+    fires it; a pass that let in nothing woke every relay listening, whose wake-up ran
+    another pass: an idle relay looped. A pass moves nothing unless a row is due."""
+    relay_migrate(database, "--notify-trigger", "wake")
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("LISTEN wake")
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " VALUES ('t', 'k', 'later', now() + interval '1 hour')"
+        )
+        assert len(list(conn.notifies(timeout=1.0, stop_after=1))) == 1  # the app's own
+        with psycopg.connect(database, autocommit=True, row_factory=dict_row) as relay:
+            for _ in range(3):  # the first moves the row out; the others find nothing
+                repository.promote_due(relay, 10, set_aside="move")
+        assert list(conn.notifies(timeout=1.0, stop_after=1)) == []
+
+
+def test_a_row_the_outbox_refuses_to_take_back_is_dead_lettered_and_the_rest_go_in(
+    database: str,
+) -> None:
+    """Found in review: an app's constraint the parked row no longer meets failed every
+    pass, and the pass runs before the fetch: the lane stopped for every key. Now that
+    row becomes a dead letter with the reason; the columns the app added go and come
+    back with the others."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("ALTER TABLE outbox ADD COLUMN tenant text NOT NULL DEFAULT 'none'")
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, tenant, available_at) VALUES"
+            " ('t', 'a', 'fine', 'acme', now() + interval '2 seconds'),"
+            " ('t', 'b', 'refused', 'acme', now() + interval '2 seconds')"
+        )
+        assert repository.promote_due(conn, 10, set_aside="move").rows == 0
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 2
+        conn.execute("ALTER TABLE outbox ADD CONSTRAINT no_refused CHECK (payload <> 'refused')")
+        wait_until(
+            lambda: repository.promote_due(conn, 10, set_aside="move").rows == 1,
+            timeout=10,
+            message="the due rows, one let in",
+        )
+        back = conn.execute("SELECT payload, tenant FROM outbox").fetchall()
+        assert back == [{"payload": b"fine", "tenant": "acme"}]
+        dead = conn.execute("SELECT key, dead_letter_reason FROM outbox_dead").fetchall()
+        assert [d["key"] for d in dead] == ["b"]
+        assert "no_refused" in dead[0]["dead_letter_reason"]
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 0
+
+
+def park_due_soon(conn: psycopg.Connection[dict[str, object]], dsn: str, values: str) -> None:
+    """Rows due in 2 s, moved out by a pass; then waits until they are due."""
+    conn.execute(f"INSERT INTO outbox (topic, key, payload{values}")
+    assert repository.promote_due(conn, 100, set_aside="move").rows == 0
+    assert scalar(dsn, "SELECT count(*) FROM outbox") == 0
+    wait_until(
+        lambda: scalar(dsn, "SELECT bool_and(available_at <= now()) FROM outbox_scheduled"),
+        timeout=10,
+        message="the parked rows due",
+    )
+
+
+def test_a_row_an_insert_trigger_drops_on_the_way_back_is_dead_lettered_not_lost(
+    database: str,
+) -> None:
+    """Found in review: the move back deleted from outbox_scheduled whatever it read,
+    and a BEFORE INSERT trigger returning NULL made the row vanish. A row leaves only once
+    the outbox took it; a column the app added while it was parked gets its default."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        park_due_soon(
+            conn,
+            database,
+            ", available_at) VALUES ('t', 'a', 'kept', now() + interval '2 seconds'),"
+            " ('t', 'b', 'dropped', now() + interval '2 seconds')",
+        )
+        conn.execute("ALTER TABLE outbox ADD COLUMN tenant text NOT NULL DEFAULT 'none'")
+        conn.execute(
+            "CREATE FUNCTION drop_b() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN IF NEW.key = 'b' THEN RETURN NULL; END IF; RETURN NEW; END $$"
+        )
+        conn.execute(
+            "CREATE TRIGGER drop_b BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION drop_b()"
+        )
+        assert repository.promote_due(conn, 100, set_aside="move").rows == 1
+        back = conn.execute("SELECT key, tenant FROM outbox").fetchall()
+        assert back == [{"key": "a", "tenant": "none"}]
+        dead = conn.execute("SELECT key, dead_letter_reason FROM outbox_dead").fetchall()
+        assert [d["key"] for d in dead] == ["b"]
+        assert "trigger" in dead[0]["dead_letter_reason"]
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 0
+
+
+def test_a_lock_timeout_on_the_way_back_fails_the_pass_and_dead_letters_nothing(
+    database: str,
+) -> None:
+    """Found in review: any error moving a row back made it a dead letter, a lock wait
+    too. An error that may pass fails the pass, and the next one lets the row in."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("CREATE TABLE customer (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO customer VALUES (1)")
+        conn.execute("ALTER TABLE outbox ADD COLUMN customer_id int REFERENCES customer")
+        park_due_soon(
+            conn,
+            database,
+            ", customer_id, available_at) VALUES ('t', 'a', 'x', 1, now() + interval '2 seconds')",
+        )
+        with psycopg.connect(database) as app:
+            app.execute("SELECT * FROM customer WHERE id = 1 FOR UPDATE")  # held
+            conn.execute("SET lock_timeout = '200ms'")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                repository.promote_due(conn, 100, set_aside="move")
+            assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 1
+            assert scalar(database, "SELECT count(*) FROM outbox_dead") == 0
+        assert repository.promote_due(conn, 100, set_aside="move").rows == 1
+        assert scalar(database, "SELECT count(*) FROM outbox_dead") == 0
+
+
+def test_a_let_in_that_stops_at_its_bytes_says_to_look_again_at_once(database: str) -> None:
+    """Found in review: the move back stops at 16 MiB, and the rows past it waited a
+    whole idle poll (the next-due probe looks at rows due later only)."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " SELECT 't', 'k' || g, convert_to(repeat('x', 1000000), 'UTF8'),"
+            "        now() + interval '2 seconds'"
+            " FROM generate_series(1, 20) AS g"
+        )
+        while scalar(database, "SELECT count(*) FROM outbox") > 0:
+            repository.promote_due(conn, 100, set_aside="move")
+        wait_until(
+            lambda: scalar(
+                database, "SELECT bool_and(available_at <= now()) FROM outbox_scheduled"
+            ),
+            timeout=10,
+            message="the parked rows due",
+        )
+        first = repository.promote_due(conn, 100, set_aside="move")
+        assert 0 < first.rows < 20 and first.next_due_in == 0.0
+        rest = repository.promote_due(conn, 100, set_aside="move")
+        assert first.rows + rest.rows == 20 and rest.next_due_in is None
+
+
+def test_unpark_all_puts_every_parked_row_back_as_an_earlier_release_wrote_it(
+    database: str,
+) -> None:
+    """The rollback past migration 0020 (docs/howto/scheduled-delivery.md): parking off,
+    every parked row back in the outbox under its id, not let in, its added columns
+    restored; a later pass parks nothing."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("ALTER TABLE outbox ADD COLUMN tenant text")
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, tenant, available_at)"
+            " VALUES ('t', 'k', 'later', 'acme', now() + interval '1 hour')"
+        )
+        repository.promote_due(conn, 100, set_aside="move")
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 1
+        assert conn.execute("SELECT outbox_unpark_all() AS n").fetchone() == {"n": 1}
+        row = conn.execute("SELECT tenant, promoted_at FROM outbox").fetchone()
+        assert row == {"tenant": "acme", "promoted_at": None}
+        repository.promote_due(conn, 100, set_aside="move")
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 0
+
+
+def test_cancel_takes_back_a_row_scheduled_for_later_wherever_it_waits(database: str) -> None:
+    """relay.cancel: a row scheduled for later is taken back, moved out into
+    outbox_scheduled or still in the outbox; a row never scheduled, or let in once due,
+    may be on its way to the sink and is left alone."""
+    with psycopg.connect(database, row_factory=dict_row) as app:
+        parked = relay.enqueue(app, "t", "parked", key="k", delay=3600)
+        due = relay.enqueue(app, "t", "due", key="d", available_at=datetime.now(UTC))
+        now = relay.enqueue(app, "t", "now", key="n")
+        app.commit()
+        with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+            assert repository.promote_due(conn, 10, set_aside="move").rows == 1  # 'due'
+        waiting = relay.enqueue(app, "t", "waiting", key="w", delay=3600)
+        app.commit()
+        assert scalar(database, "SELECT array_agg(id) FROM outbox_scheduled") == [parked.id]
+
+        assert relay.cancel(app, parked.id) is True
+        assert relay.cancel(app, waiting.id) is True
+        assert relay.cancel(app, due.id) is False
+        assert relay.cancel(app, now.id) is False
+        assert relay.cancel(app, parked.id) is False  # already taken back
+        app.commit()
+    assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 0
+    assert [m.payload for m in fetch(database)] == [b"due", b"now"]
+
+
+def test_cancel_finds_a_row_the_relay_moves_out_while_it_waits_for_the_row(
+    database: str,
+) -> None:
+    """The race the cancel statement cannot see alone: the relay's pass locks the row to
+    move it into outbox_scheduled; the app's DELETE waits, then finds the row gone from
+    the outbox (its snapshot predates the move). The helper's second statement finds it
+    where it went."""
+    row_id = scalar(
+        database,
+        "INSERT INTO outbox (topic, key, payload, available_at)"
+        " VALUES ('t', 'k', 'later', now() + interval '1 hour') RETURNING id",
+    )
+    with psycopg.connect(database) as mover:
+        assert mover.execute("SELECT outbox_park_scheduled(10)").fetchone() == (1,)
+        outcome: list[bool] = []
+
+        def app_cancels() -> None:
+            with psycopg.connect(database) as app:
+                outcome.append(relay.cancel(app, row_id))
+                app.commit()
+
+        thread = threading.Thread(target=app_cancels)
+        thread.start()
+        with psycopg.connect(database, autocommit=True) as conn:
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND query LIKE '%%outbox_scheduled%%'"
+                    ).fetchone()
+                    == (1,)
+                ),
+                timeout=10,
+                message="the app's cancel waiting for the row the pass holds",
+            )
+        mover.commit()
+        thread.join(timeout=10)
+    assert outcome == [True]
+    assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 0
+    assert scalar(database, "SELECT count(*) FROM outbox") == 0

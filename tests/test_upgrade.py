@@ -39,6 +39,8 @@ LEGACY = ("outbox_unsent_idx", "outbox_key_idx")
 BEFORE_0015 = "e0577bc"
 # The relay before outbox_dead (migrations 0018-0019), which marks dead letters in place.
 BEFORE_0018 = "1aa5bfd"
+# The relay before outbox_scheduled (migrations 0020-0021), which knows no rows moved out.
+BEFORE_0020 = "b04e16b"
 
 # What a fresh outbox carries, and which of them an app's INSERT writes (a partial
 # index whose predicate a new row fails costs the insert nothing).
@@ -218,7 +220,11 @@ def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
     # ... and 0017 waits behind the 0015 this run applied, as 0010 did behind 0009.
     assert migrated.waiting is not None and "0017" in migrated.waiting
     migrated = migrate(CommonSettings(database_url=db_at_0007))
-    assert migrated.applied == ["0017_retire_key_index.sql", "0019_move_dead_letters.sql"]
+    assert migrated.applied == [
+        "0017_retire_key_index.sql",
+        "0019_move_dead_letters.sql",
+        "0021_park_scheduled_rows.sql",
+    ]
     assert migrated.waiting is None
     assert set(outbox_indexes(db_at_0007)) == set(INDEXES)
 
@@ -287,7 +293,8 @@ def test_a_relay_deployed_before_its_migrations_refuses_to_start_and_says_what_t
 
 
 @pytest.mark.parametrize(
-    ("commit", "last"), [(BEFORE_0009, "0007"), (BEFORE_0015, "0014"), (BEFORE_0018, "0017")]
+    ("commit", "last"),
+    [(BEFORE_0009, "0007"), (BEFORE_0015, "0014"), (BEFORE_0018, "0017"), (BEFORE_0020, "0019")],
 )
 def test_the_previous_release_is_in_the_history(commit: str, last: str) -> None:
     """A guard for the upgrade tests: each previous release names a commit whose
@@ -374,3 +381,65 @@ def test_a_rolling_upgrade_moves_dead_letters_out_of_the_outbox_and_loses_none(
             assert "Traceback" not in new_err, new_err[-2000:]
     every_row_arrived_in_order(kafka, topic, good)
     every_row_arrived_in_order(kafka, refused, bad)
+
+
+def schedule(dsn: str, topic: str, key: str, payload: bytes, seconds: float) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " VALUES (%s, %s, %s, now() + make_interval(secs => %s))",
+            (topic, key, payload, seconds),
+        )
+
+
+def parked(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return int(scalar_of(conn.execute("SELECT count(*) FROM outbox_scheduled")))
+
+
+def test_a_rolling_upgrade_moves_scheduled_rows_out_only_once_the_old_relays_are_gone(
+    db_at_0019: str, kafka: TansuBroker, topic: str, tmp_path: Path
+) -> None:
+    """The previous release drains; this release's `relay migrate` adds 0020 and holds
+    0021 back; a row of k0 is scheduled a few seconds ahead, with later rows of k0
+    behind it; a relay of this release joins and takes over, and moves no row out while
+    0021 waits (an old relay would not see it there, and let k0's later rows overtake
+    it); a second `relay migrate` adds 0021, and the new relay moves the next row
+    scheduled for later out, and lets it back in when due. Every row arrives, each key
+    in order."""
+    now = [(f"k{n % 4}", f"k{n % 4}:{n}".encode()) for n in range(200)]
+    first = ("k0", b"k0:scheduled")
+    second = ("k1", b"k1:scheduled")
+    rows = [*now[:100], first, ("k0", b"k0:behind"), *now[100:150], second, *now[150:]]
+    old = start(release(BEFORE_0020, tmp_path), db_at_0019, kafka, "old")
+    new: subprocess.Popen[str] | None = None
+    try:
+        wait_until(lambda: holder(db_at_0019) == "old", timeout=20, message="old relay leads")
+        insert_rows(db_at_0019, topic, now[:100])
+        output = relay_migrate(db_at_0019)
+        assert "0020" in output and "0021_park_scheduled_rows.sql waits" in output, output
+        schedule(db_at_0019, topic, *first, seconds=4)
+        insert_rows(db_at_0019, topic, [("k0", b"k0:behind")])
+        new = start(REPO, db_at_0019, kafka, "new")
+        old_err = stop(old)
+        assert "Traceback" not in old_err, old_err[-2000:]
+        wait_until(lambda: holder(db_at_0019) == "new", timeout=20, message="new takes over")
+        insert_rows(db_at_0019, topic, now[100:150])
+        wait_until(lambda: unsent_count(db_at_0019) == 0, timeout=30, message="k0 let in")
+        assert parked(db_at_0019) == 0  # nothing moved out while 0021 waited
+        output = relay_migrate(db_at_0019)
+        assert output.split(": ", 1)[1].startswith("0021_park_scheduled_rows.sql"), output
+        schedule(db_at_0019, topic, *second, seconds=4)
+        insert_rows(db_at_0019, topic, now[150:])
+        wait_until(lambda: parked(db_at_0019) == 1, timeout=20, message="moved out")
+        wait_until(
+            lambda: parked(db_at_0019) == 0 and unsent_count(db_at_0019) == 0,
+            timeout=30,
+            message="let back in, and sent",
+        )
+    finally:
+        stop(old)
+        if new is not None:
+            new_err = stop(new)
+            assert "Traceback" not in new_err, new_err[-2000:]
+    every_row_arrived_in_order(kafka, topic, rows)

@@ -331,7 +331,7 @@ class Console:
                     confirmed,
                     cap,
                     digest,
-                    dead_rows=self.common.dead_rows,
+                    set_aside=self.common.set_aside,
                 )
             )
         except (data.Changed, data.TooMany) as exc:

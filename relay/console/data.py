@@ -14,7 +14,7 @@ from typing import Any, Literal
 from psycopg.types.json import Jsonb
 
 from relay import db, dead_letters, lag, repository
-from relay.batch import DeadRows
+from relay.batch import SetAside
 from relay.logging import get_logger
 from relay.migrate import SchemaState, schema_state, shard_index_state
 from relay.queries import QUERIES
@@ -226,17 +226,17 @@ def change(
     cap: int,
     confirmed_digest: str | None = None,
     *,
-    dead_rows: DeadRows,
+    set_aside: SetAside,
 ) -> Done:
     """Requeue or discard exactly the rows confirmed (their count, and their `digest`
     when given), and record it, in one transaction.
 
     A requeue is `relay dead-letter requeue`'s: dead_letters.requeue_dead_letters on the
     ids in id order (they keep their ids, so per-key order holds among them), with its
-    warning when earlier dead letters of the same key stay behind. `dead_rows`: where
+    warning when earlier dead letters of the same key stay behind. `set_aside`: where
     dead letters are kept (an own table's are all in place).
     """
-    discard = QUERIES.console_discard if dead_rows == "move" else QUERIES.console_discard_in_place
+    discard = QUERIES.console_discard if set_aside == "move" else QUERIES.console_discard_in_place
     with conn.transaction():
         ids = matching_ids(conn, target, cap)
         if len(ids) != confirmed or (
@@ -248,7 +248,7 @@ def change(
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start : start + CHUNK]
             if action == "requeue":
-                done += dead_letters.requeue_dead_letters(conn, ids=chunk, dead_rows=dead_rows)
+                done += dead_letters.requeue_dead_letters(conn, ids=chunk, set_aside=set_aside)
             else:
                 rows = conn.execute(discard, {"ids": chunk}).fetchall()
                 done += [int(r["id"]) for r in rows]

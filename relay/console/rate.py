@@ -87,6 +87,5 @@ class RateSampler:
         return Rate(
             max(0, deleted - first_deleted) / (at - first_at),
             at - first_at,
-            "rows deleted once sent (PostgreSQL statistics; purges, discards and dead"
-            " letters moved out count too)",
+            "rows deleted once sent (PostgreSQL statistics; purges and discards count too)",
         )

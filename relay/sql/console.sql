@@ -131,7 +131,8 @@ SELECT id FROM in_place;
 -- name: console_row
 -- One outbox row for its page, with at most %(preview)s bytes of its payload (and the
 -- payload's whole size), so a huge payload is never read whole into the console: a row
--- still in the outbox, or a dead letter moved out of it (migration 0018).
+-- still in the outbox, a dead letter moved out of it (migration 0018), or a row
+-- scheduled for later, moved out until due (0020).
 SELECT id, message_id, topic, key, headers,
        substring(payload FROM 1 FOR %(preview)s) AS payload,
        octet_length(payload) AS payload_bytes,
@@ -147,7 +148,15 @@ SELECT id, message_id, topic, key, headers,
        last_error, dead_lettered_at, dead_letter_reason
 FROM outbox_dead_letters
 WHERE id = %(id)s::bigint
-  AND NOT EXISTS (SELECT 1 FROM outbox WHERE id = %(id)s::bigint);
+  AND NOT EXISTS (SELECT 1 FROM outbox WHERE id = %(id)s::bigint)
+UNION ALL
+SELECT id, message_id, topic, key, headers,
+       substring(payload FROM 1 FOR %(preview)s),
+       octet_length(payload),
+       created_at, available_at, NULL, NULL, attempts, NULL,
+       last_error, NULL, NULL
+FROM outbox_scheduled
+WHERE id = %(id)s::bigint;
 
 -- name: console_blocked_keys
 -- Keys in backoff: each failing row (the head of its key, waiting out next_attempt_at,
@@ -176,12 +185,16 @@ LIMIT %(limit)s;
 -- name: console_settled_counters
 -- What the console samples to show a settled rate. Rows deleted once sent (retention
 -- 0) leave only PostgreSQL's count of the outbox's deletions (pg_stat_user_tables,
--- which counts purges, discards and dead letters moved out too; NULL for an own
--- table's view); rows kept
+-- which counts purges and discards too; NULL for an own table's view), less the rows
+-- moved out of it: into outbox_dead (dead letters) and outbox_scheduled (rows scheduled
+-- for later), each of which counts one insertion there; rows kept
 -- (RELAY_RETENTION_SECONDS > 0) are counted by sent_at in the window, through
 -- outbox_sent_idx, up to a cap.
-SELECT (SELECT n_tup_del FROM pg_stat_user_tables
-         WHERE relid = to_regclass('outbox')) AS deleted,
+SELECT (SELECT o.n_tup_del - coalesce(d.n_tup_ins, 0) - coalesce(s.n_tup_ins, 0)
+          FROM pg_stat_user_tables AS o
+          LEFT JOIN pg_stat_user_tables AS d ON d.relid = to_regclass('outbox_dead')
+          LEFT JOIN pg_stat_user_tables AS s ON s.relid = to_regclass('outbox_scheduled')
+         WHERE o.relid = to_regclass('outbox')) AS deleted,
        (SELECT count(*)
           FROM (SELECT 1 FROM outbox
                  WHERE sent_at IS NOT NULL

@@ -86,10 +86,12 @@ coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 -- Whether a row may be sent now: it is not waiting out a retry backoff, its key is not
 -- in %(held)s (the relay holds a key back while an earlier row of it is in flight, say
 -- in a sick partition), and no earlier row of its key is waiting: neither in a backoff
--- (one probe of the tiny outbox_backoff_idx) nor scheduled and not yet promoted (one
--- probe of the tiny outbox_scheduled_key_idx). Each per-row probe is asked only if the
--- statement's one look into that index (an InitPlan, run once) found any row at all:
--- with nothing failing and nothing scheduled, as usual, a batch costs no probe per row.
+-- (one probe of the tiny outbox_backoff_idx) nor scheduled and not yet let in, whether
+-- still in the outbox (one probe of the tiny outbox_scheduled_key_idx) or moved out
+-- into outbox_scheduled (migration 0020: one probe of its key). Each per-row probe is
+-- asked only if the statement's one look there (an InitPlan, run once) found any row at
+-- all: with nothing failing and nothing scheduled, as usual, a batch costs no probe per
+-- row. (An own table's outbox_scheduled is an empty stand-in.)
 (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
 AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
 AND (NOT EXISTS (SELECT 1
@@ -122,6 +124,17 @@ AND (NOT EXISTS (SELECT 1
            AND scheduled.dead_lettered_at IS NULL
            AND scheduled.available_at IS NOT NULL
            AND scheduled.promoted_at IS NULL
+     ))
+-- (Its look is max() by outbox_scheduled's index on available_at, never a scan of the
+-- table: after a large let-in the table is dead rows until a vacuum, and so is the low
+-- end of the index, which min() would walk; the rows let in were the soonest due.)
+AND ((SELECT max(anything_parked.available_at) FROM outbox_scheduled AS anything_parked)
+         IS NULL
+     OR NOT EXISTS (
+         SELECT 1
+         FROM outbox_scheduled AS parked
+         WHERE parked.key = o.key
+           AND parked.id < o.id
      ))
 
 -- fragment: unsendable
@@ -656,18 +669,30 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                           (SELECT g.grp FROM groups AS g ORDER BY g.walk DESC LIMIT 1))
        END
 
+-- name: schedule_moves
+-- Scheduled delivery's moves (migration 0020), before promote_due, for the relay's own
+-- outbox: up to %(limit)s due rows of outbox_scheduled let back into the outbox, of this
+-- shard, then up to %(limit)s rows scheduled for later moved out into it (none before
+-- migration 0021, which waits for the rollout). Each a function that runs as the tables'
+-- owner; neither needs a fence: a row let in or set aside is right whoever moves it.
+-- `more`: the let-in stopped at its bounds with due rows left.
+SELECT back.let_in, back.more, outbox_park_scheduled(%(limit)s) AS parked
+FROM outbox_let_in(%(limit)s, %(shards)s, %(shard)s) AS back;
+
 -- name: promote_due
--- Scheduled delivery (migration 0008): let up to %(limit)s scheduled rows whose
--- available_at has passed (database clock) into the drain, soonest due first, by
--- setting promoted_at: from then on they are ordinary unsent rows, in their id's place.
+-- Scheduled delivery (migration 0008): let up to %(limit)s scheduled rows still in the
+-- outbox whose available_at has passed (database clock) into the drain, soonest due
+-- first, by setting promoted_at: from then on they are ordinary unsent rows, in their
+-- id's place (schedule_moves lets in those moved out).
 -- One descent of outbox_scheduled_idx finds them, or that there are none. Rows another
 -- session has locked wait for the next pass. Needs no fence: letting a due row in is
 -- right whoever does it, and a deposed leader's promotion only saves the next one the
 -- work. With shards, this shard's rows only. Also returns in how many seconds the next
 -- scheduled row is due (NULL: none), so the loop knows when to look again: of any shard,
 -- one probe (filtering on this shard would walk every other shard's schedule, a cost
--- that grows with it); at worst a cheap pass that finds nothing. The wait is a
--- difference of epochs: a row scheduled at 'infinity' is never due, and fails nothing.
+-- that grows with it), in the outbox and in outbox_scheduled; at worst a cheap pass that
+-- finds nothing. The wait is a difference of epochs: a row scheduled at 'infinity' is
+-- never due, and fails nothing.
 WITH due AS (
     SELECT o.id
     FROM outbox AS o
@@ -689,15 +714,20 @@ promoted AS (
     RETURNING o.id
 )
 SELECT (SELECT count(*) FROM promoted) AS promoted,
-       (SELECT (extract(epoch FROM o.available_at) - extract(epoch FROM now()))::float8
-          FROM outbox AS o
-         WHERE o.sent_at IS NULL
-           AND o.dead_lettered_at IS NULL
-           AND o.available_at IS NOT NULL
-           AND o.promoted_at IS NULL
-           AND o.available_at > now()
-         ORDER BY o.available_at
-         LIMIT 1) AS next_due_in_seconds;
+       least((SELECT (extract(epoch FROM o.available_at) - extract(epoch FROM now()))::float8
+                FROM outbox AS o
+               WHERE o.sent_at IS NULL
+                 AND o.dead_lettered_at IS NULL
+                 AND o.available_at IS NOT NULL
+                 AND o.promoted_at IS NULL
+                 AND o.available_at > now()
+               ORDER BY o.available_at
+               LIMIT 1),
+             (SELECT (extract(epoch FROM s.available_at) - extract(epoch FROM now()))::float8
+                FROM outbox_scheduled AS s
+               WHERE s.available_at > now()
+               ORDER BY s.available_at
+               LIMIT 1)) AS next_due_in_seconds;
 
 ------------------------------------------------------------------------------------
 -- Settling

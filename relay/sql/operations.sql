@@ -23,20 +23,28 @@
 -- the longest wait among the first %(age_window)s rows (a few heap reads, not a walk of
 -- the backlog); a longer wait hidden behind more promoted rows than that is missed.
 -- Ages are differences of epochs, not of timestamps: a row the app stamped 'infinity'
--- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample.
+-- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample. Rows
+-- moved out into outbox_scheduled (migration 0020) count alike, through its index on
+-- available_at (an own table's outbox_scheduled is an empty stand-in).
 SELECT
     least(%(cap)s,
           (SELECT count(*)
              FROM (SELECT 1 FROM outbox
                     WHERE sent_at IS NULL AND dead_lettered_at IS NULL
                       AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                    ORDER BY id  -- a walk of the primary key that stops at the cap
                     LIMIT %(cap)s) AS unsent_rows)
           + (SELECT count(*)  -- due, not let in yet (no leader, or between its passes)
                FROM (SELECT 1 FROM outbox
                       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
                         AND available_at IS NOT NULL AND promoted_at IS NULL
                         AND available_at <= now()
-                      LIMIT %(cap)s) AS overdue_rows))
+                      LIMIT %(cap)s) AS overdue_rows)
+          + (SELECT count(*)  -- due, still moved out
+               FROM (SELECT 1 FROM outbox_scheduled
+                      WHERE available_at <= now()
+                      ORDER BY available_at  -- by its index, also with stale statistics
+                      LIMIT %(cap)s) AS overdue_parked_rows))
         AS unsent,
     greatest(0,
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(greatest(head.created_at, head.available_at)))
@@ -49,7 +57,9 @@ SELECT
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
                 FROM outbox
                WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                 AND available_at IS NOT NULL AND promoted_at IS NULL))::float8
+                 AND available_at IS NOT NULL AND promoted_at IS NULL),
+             (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
+                FROM outbox_scheduled))::float8
         AS oldest_unsent_age_seconds,
     (SELECT count(*)
        FROM (SELECT o.id, o.key, o.next_attempt_at
@@ -75,18 +85,26 @@ SELECT
        FROM (SELECT 1 FROM outbox_dead_letters  -- moved out, and marked in place
               LIMIT %(cap)s) AS dead_rows)
         AS dead_lettered,
-    (SELECT count(*)
-       FROM (SELECT 1 FROM outbox
-              WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                AND available_at IS NOT NULL AND promoted_at IS NULL
-                AND available_at > now()
-              LIMIT %(cap)s) AS scheduled_rows)
+    least(%(cap)s,
+          (SELECT count(*)
+             FROM (SELECT 1 FROM outbox
+                    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+                      AND available_at IS NOT NULL AND promoted_at IS NULL
+                      AND available_at > now()
+                    LIMIT %(cap)s) AS scheduled_rows)
+          + (SELECT count(*)
+               FROM (SELECT 1 FROM outbox_scheduled
+                      WHERE available_at > now()
+                      LIMIT %(cap)s) AS parked_rows))
         AS scheduled,
-    (SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
-       FROM outbox
-      WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-        AND available_at IS NOT NULL AND promoted_at IS NULL
-        AND available_at > now())
+    least((SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
+             FROM outbox
+            WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+              AND available_at IS NOT NULL AND promoted_at IS NULL
+              AND available_at > now()),
+          (SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
+             FROM outbox_scheduled
+            WHERE available_at > now()))
         AS next_due_in_seconds;
 
 -- name: lag_sample_shards
@@ -108,7 +126,12 @@ SELECT s.shard,
                         AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
                         AND o.available_at <= now()
                         AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
-                      LIMIT %(cap)s) AS overdue_rows))
+                      LIMIT %(cap)s) AS overdue_rows)
+          + (SELECT count(*)  -- due, still moved out
+               FROM (SELECT 1 FROM outbox_scheduled AS p
+                      WHERE p.available_at <= now()
+                        AND outbox_shard(p.key, p.id, %(shards)s::integer) = s.shard
+                      LIMIT %(cap)s) AS overdue_parked_rows))
         AS unsent,
     coalesce(
         greatest(0,
@@ -126,6 +149,12 @@ SELECT s.shard,
                      AND o.available_at <= now()
                      AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
                    ORDER BY o.available_at
+                   LIMIT 1),
+                 (SELECT extract(epoch FROM now()) - extract(epoch FROM p.available_at)
+                    FROM outbox_scheduled AS p
+                   WHERE p.available_at <= now()
+                     AND outbox_shard(p.key, p.id, %(shards)s::integer) = s.shard
+                   ORDER BY p.available_at
                    LIMIT 1))::float8,
         0) AS oldest_unsent_age_seconds
 FROM generate_series(0, %(shards)s::integer - 1) AS s(shard)
@@ -160,11 +189,18 @@ SELECT name, shards FROM lease_groups ORDER BY name;
 ------------------------------------------------------------------------------------
 
 -- name: dead_letter_access
--- The runtime role's grant to move the rows a settle gives up on into outbox_dead
--- (migration 0018, grants.sql): without it every settle with a dead letter in it fails,
--- and the drain would publish that batch again and again. NULL: the function is missing.
+-- The runtime role's grants to move rows out of the outbox and back (grants.sql): the
+-- rows a settle gives up on into outbox_dead (migration 0018), without which every
+-- settle with a dead letter in it fails and the drain publishes that batch again and
+-- again; rows scheduled for later into outbox_scheduled and back when due (0020),
+-- without which every pass of the schedule fails. NULL: a function is missing.
 SELECT has_function_privilege(
            to_regprocedure('outbox_dead_letter(bigint[], integer[], text[])'), 'EXECUTE')
+       AND has_function_privilege(
+           to_regprocedure('outbox_park_scheduled(integer)'), 'EXECUTE')
+       AND has_function_privilege(
+           to_regprocedure('outbox_let_in(integer, integer, integer)'), 'EXECUTE')
+       AND has_table_privilege(to_regclass('outbox_scheduled'), 'SELECT')
        AS can_move;
 
 -- name: dead_letter_list

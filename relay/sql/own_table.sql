@@ -141,6 +141,16 @@ SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
 FROM {view}
 WHERE false
 
+-- name: own_table_scheduled_stand_in
+-- An empty outbox_scheduled for the table, whose scheduled rows stay in it until due:
+-- the fetch's probe "an earlier row of my key is moved out" and the lag gauges read it
+-- (migration 0020) and find nothing here, never the relay's own outbox's rows.
+CREATE OR REPLACE VIEW {stand_in} AS
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       attempts, last_error
+FROM {view}
+WHERE false
+
 -- name: own_table_dead_letters_readers
 -- Whoever may read the table's view when this runs may read the two above: the roles
 -- an earlier release's grants name need no new grant (grantee 0 is PUBLIC). Grants made
@@ -155,7 +165,8 @@ BEGIN
         WHERE c.oid = to_regclass({view_name}) AND a.privilege_type = 'SELECT'
     LOOP
         EXECUTE 'GRANT SELECT ON ' || to_regclass({dead_view_name})::text || ', '
-                || to_regclass({stand_in_name})::text || ' TO '
+                || to_regclass({stand_in_name})::text || ', '
+                || to_regclass({scheduled_name})::text || ' TO '
                 || CASE WHEN reader = 0 THEN 'PUBLIC' ELSE reader::regrole::text END;
     END LOOP;
 END

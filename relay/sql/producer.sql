@@ -38,3 +38,29 @@ WITH added AS (
 SELECT added.id, added.message_id,
        CASE WHEN %(channel)s::text IS NOT NULL THEN pg_notify(%(channel)s::text, '') END
 FROM added;
+
+-- name: cancel
+-- relay.cancel: take back a row scheduled for later that the drain has not let in yet,
+-- wherever it waits: moved out into outbox_scheduled (migration 0021), or still in the
+-- outbox (available_at set, promoted_at NULL: no fetch reads it). Such a row is never
+-- published once this commits. A row let in, or never scheduled, may be on its way to
+-- the sink already: it is left alone. The ids taken back.
+-- A row the relay moved from one table to the other while this waited for its lock is
+-- missed (this statement's snapshot predates the move): the helper runs it once more.
+WITH parked AS (
+    DELETE FROM outbox_scheduled AS s
+    WHERE s.id = ANY(%(ids)s::bigint[])
+    RETURNING s.id
+),
+waiting AS (
+    DELETE FROM outbox AS o
+    WHERE o.id = ANY(%(ids)s::bigint[])
+      AND o.available_at IS NOT NULL
+      AND o.promoted_at IS NULL
+      AND o.sent_at IS NULL
+      AND o.dead_lettered_at IS NULL
+    RETURNING o.id
+)
+SELECT parked.id FROM parked
+UNION ALL
+SELECT waiting.id FROM waiting;

@@ -12,7 +12,7 @@ import psycopg
 from psycopg import IsolationLevel
 
 from relay import db, repository
-from relay.batch import BatchLimits, DeadRows, SentRows, Settlement
+from relay.batch import BatchLimits, SentRows, SetAside, Settlement
 from relay.lease import Attempt, LeaseToken, Shard
 from relay.queries import QUERIES
 from relay.settings import Settings
@@ -43,11 +43,13 @@ def _failing_as_store_error(session: db.Session) -> Iterator[None]:
 
 
 class PostgresReadStore:
-    """Used on the reader's thread alone (relay/reader.py), but for `interrupt`."""
+    """Used on the reader's thread alone (relay/reader.py), but for `interrupt`.
+    `set_aside`: whether rows scheduled for later move out of the outbox."""
 
-    def __init__(self, connect: Callable[[], db.Conn], shard: Shard) -> None:
+    def __init__(self, connect: Callable[[], db.Conn], shard: Shard, set_aside: SetAside) -> None:
         self._connect = connect
         self._shard = shard
+        self._set_aside = set_aside
         self._session = db.Session(self._open)
 
     def _open(self) -> db.Conn:
@@ -86,7 +88,11 @@ class PostgresReadStore:
     def promote_due(self, limit: int) -> Promoted:
         with _failing_as_store_error(self._session):
             return repository.promote_due(
-                self._session.get(), limit, shards=self._shard.shards, shard=self._shard.shard
+                self._session.get(),
+                limit,
+                shards=self._shard.shards,
+                shard=self._shard.shard,
+                set_aside=self._set_aside,
             )
 
     def interrupt(self) -> None:
@@ -97,11 +103,11 @@ class PostgresReadStore:
 
 
 class PostgresSettleStore:
-    """Owned by the settler's thread alone. `dead_rows`: where the rows given up on go."""
+    """Owned by the settler's thread alone. `set_aside`: where the rows given up on go."""
 
-    def __init__(self, connect: Callable[[], db.Conn], dead_rows: DeadRows) -> None:
+    def __init__(self, connect: Callable[[], db.Conn], set_aside: SetAside) -> None:
         self._session = db.Session(connect)
-        self._dead_rows = dead_rows
+        self._set_aside = set_aside
 
     def settle(
         self, token: LeaseToken, settlement: Settlement, *, ttl: float, sent_rows: SentRows
@@ -113,7 +119,7 @@ class PostgresSettleStore:
                 ttl,
                 settlement,
                 sent_rows=sent_rows,
-                dead_rows=self._dead_rows,
+                set_aside=self._set_aside,
             )
 
     def reset(self) -> None:
@@ -172,9 +178,13 @@ class PostgresStore:
         self._shard = shard
 
     def reading(self) -> PostgresReadStore:
-        return PostgresReadStore(lambda: db.connect(self._settings, purpose="drain"), self._shard)
+        return PostgresReadStore(
+            lambda: db.connect(self._settings, purpose="drain"),
+            self._shard,
+            self._settings.set_aside,
+        )
 
     def settling(self) -> PostgresSettleStore:
         return PostgresSettleStore(
-            lambda: db.connect(self._settings, purpose="settle"), self._settings.dead_rows
+            lambda: db.connect(self._settings, purpose="settle"), self._settings.set_aside
         )

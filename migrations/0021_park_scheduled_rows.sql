@@ -1,0 +1,13 @@
+-- after-rollout-of: 0020
+--
+-- Start moving rows scheduled for later out of the outbox into outbox_scheduled (0020):
+-- parking on. Only once every replica runs a release that reads outbox_scheduled: a
+-- relay of an earlier release would let later rows of a key overtake a row of that key
+-- parked there, and never let it in.
+--
+-- The header line above makes `relay migrate` apply this file only in a run that found
+-- 0020 applied by an earlier run: the first run after an upgrade stops before this file
+-- (and says so); run `relay migrate` again once every replica runs this release (a
+-- pipeline that migrates before each deploy does it at the next one). Until then,
+-- scheduled rows wait in the outbox and are let in where they are, as before.
+UPDATE outbox_parking SET enabled = true;
