@@ -101,23 +101,45 @@ AS $$
 $$;
 
 -- outbox_restored_of: for an INSERT into the outbox of a row `source` that kept the added
--- columns in `extra`: their names (', a, b') and the SQL of their values (', ..., ...'),
--- each the value kept, or for a column added since the row left (no key in `extra`) the
--- column's default (NULL without one), as an INSERT that leaves the column out writes.
-CREATE FUNCTION outbox_restored_of(source text, OUT columns text, OUT restored text)
+-- columns in `extra`: their names (', a, b'), the SQL of their values (', ..., ...'),
+-- and the join that reads them (`kept`: one jsonb_to_record a row, the columns typed by
+-- their base types, so a domain is checked once, on the INSERT). Each value is the one
+-- kept, or for a column added since the row left (no key in `extra`) what an INSERT that
+-- leaves the column out writes: the column's default, its domain's, or its identity's
+-- next value (NULL without any).
+CREATE FUNCTION outbox_restored_of(source text, OUT columns text, OUT restored text,
+                                   OUT kept text)
 LANGUAGE sql
 STABLE
 AS $$
     SELECT coalesce(', ' || string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum), ''),
            coalesce(', ' || string_agg(
-               format('CASE WHEN %1$s.extra ? %2$L'
-                      ' THEN (jsonb_populate_record(NULL::outbox, %1$s.extra)).%3$I'
-                      ' ELSE (%4$s)::%5$s END',
-                      source, a.attname, a.attname,
-                      coalesce(pg_get_expr(d.adbin, d.adrelid), 'NULL'),
-                      format_type(a.atttypid, a.atttypmod)),
-               ', ' ORDER BY a.attnum), '')
+               format('CASE WHEN %1$s.extra ? %2$L THEN kept.%3$I::%4$s ELSE (%5$s)::%4$s END',
+                      source, a.attname, a.attname, format_type(a.atttypid, a.atttypmod),
+                      CASE WHEN a.attidentity <> '' THEN
+                               format('nextval(%L)',
+                                      pg_get_serial_sequence(format('%I.outbox',
+                                                                    current_schema()),
+                                                             a.attname))
+                           ELSE coalesce(pg_get_expr(d.adbin, d.adrelid), t.typdefault,
+                                         'NULL')
+                      END),
+               ', ' ORDER BY a.attnum), ''),
+           CASE WHEN count(*) = 0 THEN ''
+                ELSE format(' CROSS JOIN LATERAL jsonb_to_record(coalesce(%s.extra, %L))'
+                            ' AS kept (%s)',
+                            source, '{}',
+                            string_agg(quote_ident(a.attname) || ' '
+                                       || format_type(CASE WHEN t.typtype = 'd'
+                                                           THEN t.typbasetype
+                                                           ELSE a.atttypid END,
+                                                      CASE WHEN t.typtype = 'd'
+                                                           THEN t.typtypmod
+                                                           ELSE a.atttypmod END),
+                                       ', ' ORDER BY a.attnum))
+           END
     FROM pg_attribute AS a
+    JOIN pg_type AS t ON t.oid = a.atttypid
     LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
     WHERE a.attrelid = 'outbox'::regclass
       AND a.attname = ANY (outbox_added_columns())
@@ -202,7 +224,7 @@ BEGIN
             SELECT back.id, back.message_id, back.topic, back.key, back.payload,
                    back.headers, back.created_at, back.available_at, back.promoted_at, 0,
                    back.last_error%s
-            FROM back
+            FROM back%s
             RETURNING outbox.id
         ),
         gone AS (
@@ -212,7 +234,7 @@ BEGIN
             RETURNING d.id
         )
         SELECT gone.id FROM gone
-    $back$, added.columns, added.restored)
+    $back$, added.columns, added.restored, added.kept)
     USING ids, by_key, everything;
 END
 $$;

@@ -64,8 +64,9 @@ COMMENT ON TABLE outbox_parking IS
 -- than stepping over it). Nothing to move, or parking off: no DELETE at all (a
 -- statement trigger of the app's on the outbox would fire for none). The columns the app
 -- added go along in `extra`, as a dead letter's do (0018). If the outbox refuses to let
--- them go (an app's DELETE trigger raising, say), they stay where they are, with a
--- WARNING: they are then let in where they are when due, as before 0021. How many moved.
+-- any of them go (an app's DELETE trigger raising, a foreign key to a row, say), the
+-- pass moves none, with a WARNING: they are then let in where they are when due, as
+-- before 0021. How many moved.
 CREATE FUNCTION outbox_park_scheduled(max_rows integer)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -75,9 +76,15 @@ DECLARE
     ids bigint[];
     parked bigint;
 BEGIN
-    IF NOT (SELECT p.enabled FROM outbox_parking AS p) THEN
+    -- FOR SHARE: a rollback's outbox_unpark_all switching parking off waits for a pass
+    -- under way, and a pass that starts meanwhile waits for it, then sees it off; else
+    -- a pass could park rows that the rollback's snapshot no longer sees.
+    IF NOT (SELECT p.enabled FROM outbox_parking AS p FOR SHARE) THEN
         RETURN 0;
     END IF;
+    -- A deferred constraint of the app's is checked here, not at commit: its error is
+    -- the move's, dealt with below, never one that fails every pass.
+    SET CONSTRAINTS ALL IMMEDIATE;
     SELECT array_agg(chosen.id)
     INTO ids
     FROM (SELECT later.id,
@@ -175,6 +182,7 @@ BEGIN
                 ORDER BY s.available_at, s.id
                 LIMIT max_rows
                 FOR UPDATE SKIP LOCKED) AS s) AS chosen;
+    SET CONSTRAINTS ALL IMMEDIATE;  -- as in outbox_park_scheduled
     let_in := 0;
     more := ids IS NOT NULL AND (chosen_count >= max_rows OR cardinality(ids) < chosen_count);
     IF ids IS NULL THEN
@@ -191,7 +199,7 @@ BEGIN
             SELECT back.id, back.message_id, back.topic, back.key, back.payload,
                    back.headers, back.created_at, back.available_at, now(),
                    back.attempts, back.last_error%s
-            FROM back
+            FROM back%s
             RETURNING outbox.id
         ),
         gone AS (
@@ -199,7 +207,7 @@ BEGIN
             RETURNING s.id
         )
         SELECT coalesce(array_agg(gone.id), '{}') FROM gone
-    $back$, added.columns, added.restored);
+    $back$, added.columns, added.restored, added.kept);
     bury := $bury$
         WITH gone AS (
             DELETE FROM outbox_scheduled AS s WHERE s.id = ANY($1) RETURNING s.*
@@ -274,7 +282,7 @@ BEGIN
             SELECT back.id, back.message_id, back.topic, back.key, back.payload,
                    back.headers, back.created_at, back.available_at, back.attempts,
                    back.last_error%s
-            FROM back
+            FROM back%s
             RETURNING outbox.id
         ),
         gone AS (
@@ -282,7 +290,7 @@ BEGIN
             RETURNING 1
         )
         SELECT count(*) FROM gone
-    $back$, added.columns, added.restored)
+    $back$, added.columns, added.restored, added.kept)
     INTO moved;
     RETURN moved;
 END

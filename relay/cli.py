@@ -432,8 +432,9 @@ def cmd_dead_letter_requeue(args: argparse.Namespace) -> int:
     print(f"{verb} {len(ids)} row(s)" + (f": {' '.join(map(str, ids))}" if ids else ""))
     missing = sorted(set(args.id or ()) - set(ids))
     if missing:
-        # Already requeued, sent, or never dead-lettered: nothing to do, but say so.
-        print(f"not dead-lettered: {' '.join(map(str, missing))}", file=sys.stderr)
+        # Already requeued, sent, never dead-lettered, or dropped by a trigger of the
+        # app's on the way back (it stays a dead letter): nothing done, but say so.
+        print(f"not requeued: {' '.join(map(str, missing))}", file=sys.stderr)
     if overtaking:
         print(
             "warning: earlier dead letters of key(s) "

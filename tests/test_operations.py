@@ -223,7 +223,7 @@ def test_dead_letters_are_listed_then_requeued_and_delivered_in_key_order(
         assert b"warning: earlier dead letters of key(s) 'k1' stay" in partial.stderr
         done = run_cli(env, "dead-letter", "requeue", "--id", *ids, "999999")
         assert done.stdout.startswith(b"requeued 4 row(s)")
-        assert b"not dead-lettered: 999999" in done.stderr
+        assert b"not requeued: 999999" in done.stderr
         assert b"warning" not in done.stderr
         wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=20)
     records = consume(kafka.bootstrap_servers, topic, min_count=8, timeout=30)
