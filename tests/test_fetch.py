@@ -350,6 +350,46 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
     return walk(plan[0]["Plan"])
 
 
+def head_scans(dsn: str, limit: int = 1000) -> list[tuple[str, str | None, str, int]]:
+    """fetch_head's scans of the outbox and outbox_scheduled, run with EXPLAIN ANALYZE:
+    (node type, index, table, tuples read: actual rows plus rows removed by filter, times
+    loops)."""
+    params = {
+        "limit": limit,
+        "max_bytes": LIMITS.bytes,
+        "message_max": LIMITS.message_bytes,
+        "in_flight": "{}",
+        "held": [],
+        "shards": 1,
+        "shard": 0,
+    }
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(QUERIES.force_custom_plans)
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
+        ).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    found: list[tuple[str, str | None, str, int]] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") in ("outbox", "outbox_scheduled"):
+            read = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
+            found.append(
+                (
+                    node["Node Type"],
+                    node.get("Index Name"),
+                    node["Relation Name"],
+                    int(read * int(node["Actual Loops"])),
+                )
+            )
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    return found
+
+
 def test_a_blocked_key_backlog_costs_the_fetch_nothing(database: str) -> None:
     """A key whose first row waits out a retry backoff, with a deep backlog behind it:
     the fetch finds the other keys' rows at a cost that does not grow with it."""

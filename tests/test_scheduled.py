@@ -27,7 +27,7 @@ from tests.support import (
     scalar,
     wait_until,
 )
-from tests.test_fetch import _fetch_cost, fetch
+from tests.test_fetch import _fetch_cost, fetch, head_scans
 
 DELAY = 4.0  # seconds: long enough to watch the row wait, short enough for a test
 
@@ -108,6 +108,37 @@ def test_a_large_schedule_costs_the_fetch_nothing(database: str) -> None:
     assert len(fetch(database)) == 50
     cost = _fetch_cost(database)
     assert cost < 1_000, cost
+
+
+def test_a_schedule_moved_out_after_the_statistics_saw_it_costs_the_fetch_nothing(
+    database: str,
+) -> None:
+    """Found in review: statistics taken while 20,000 rows scheduled for later sat in the
+    outbox; the pass moves them out and a backlog of 100,000 arrives. fetch_head's one
+    look for scheduled rows still in the outbox, an EXISTS planned for many matches, read
+    the whole outbox to find none (a seq scan, 100,000 rows every fetch); it is one
+    descent of outbox_scheduled_idx."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")  # stay stale
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " SELECT 't', 's' || g, 'x', now() + interval '1 day'"
+            " FROM generate_series(1, 20000) AS g"
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT 't', 'k' || (g % 100), 'x' FROM generate_series(1, 100) AS g"
+        )
+        conn.execute("ANALYZE outbox")
+        repository.promote_due(conn, 50_000, set_aside="move")
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 20_000
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload)"
+            " SELECT 't', 'k' || (g % 100), 'x' FROM generate_series(1, 100000) AS g"
+        )
+    scans = head_scans(database)
+    assert not [s for s in scans if s[0] == "Seq Scan"], scans
+    assert sum(read for *_, read in scans) < 5_000, scans
 
 
 def test_rows_scheduled_for_later_wait_outside_the_outbox_and_come_back_under_their_ids(
