@@ -280,8 +280,8 @@ inline release(l) {
 /* A row the fetch gives this lane (fetch_head / fetch_batch, one READ COMMITTED
  * statement; the rows it reads are only ever settled under a fence, so a stale read
  * costs a duplicate, never more):
- *   sql: drain.sql fetch_head sha256:a9357fbc962c2043
- *   sql: drain.sql fetch_batch sha256:535f9a76f62f4f53
+ *   sql: drain.sql fetch_head sha256:a6624e65b0c14b27
+ *   sql: drain.sql fetch_batch sha256:6e7d1c4bceb759c9
  * unsent, in this lane's shard, not in flight here (`in_flight`), not in a backoff
  * (`ready`), and the first such row of its key: an earlier unsent row of the key is
  * fetched first, one in a backoff holds it back (`ready`), one in flight here without

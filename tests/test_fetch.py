@@ -419,6 +419,26 @@ def test_a_blocked_key_backlog_costs_the_fetch_nothing(database: str) -> None:
     assert large < 3 * small + 500, (small, large)
 
 
+def test_rows_out_of_backoff_since_the_statistics_cost_the_head_nothing(database: str) -> None:
+    """Statistics taken during an outage, 20,000 rows in backoff; they are all sent
+    since, and a backlog of 100,000 arrives. fetch_head's one look for rows in backoff,
+    an EXISTS planned for many matches, read the whole outbox to find none; it is one
+    descent of outbox_backoff_idx."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")  # stay stale
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, attempts, next_attempt_at)"
+            " SELECT 't', 'f' || g, 'x', 1, now() - interval '1 second'"
+            " FROM generate_series(1, 20000) AS g"
+        )
+        conn.execute("ANALYZE outbox")
+        conn.execute("DELETE FROM outbox")  # sent, as the settle deletes them
+    bulk(database, "t", "k", 100_000, analyze=False)
+    scans = head_scans(database)
+    assert not [s for s in scans if s[0] == "Seq Scan"], scans
+    assert sum(read for *_, read in scans) < 5_000, scans
+
+
 def test_rare_keys_behind_a_hot_one_are_found_whatever_the_statistics(database: str) -> None:
     """The statistics saw only the hot key (analyzed before the others arrived): the
     planner must still reach the other keys through outbox_due_key_hash_idx, not by walking the
