@@ -76,10 +76,13 @@ DECLARE
     ids bigint[];
     parked bigint;
 BEGIN
-    -- FOR SHARE: a rollback's outbox_unpark_all switching parking off waits for a pass
-    -- under way, and a pass that starts meanwhile waits for it, then sees it off; else
-    -- a pass could park rows that the rollback's snapshot no longer sees.
-    IF NOT (SELECT p.enabled FROM outbox_parking AS p FOR SHARE) THEN
+    -- A rollback's outbox_unpark_all switching parking off waits for a pass under way
+    -- (it takes this advisory lock, keyed by outbox_parking's oid, exclusive), and a
+    -- pass that starts meanwhile waits for it, then reads the flag off; else a pass
+    -- could park rows the rollback's snapshot no longer sees. An advisory lock writes
+    -- nothing: a row lock on the flag made every idle pass a commit to flush.
+    PERFORM pg_advisory_xact_lock_shared('outbox_parking'::regclass::oid::integer, 0);
+    IF NOT (SELECT p.enabled FROM outbox_parking AS p) THEN
         RETURN 0;
     END IF;
     -- A deferred constraint of the app's is checked here, not at commit: its error is
@@ -156,7 +159,7 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 AS $$
 DECLARE
-    added record := outbox_restored_of('back');
+    added record;
     ids bigint[];
     chosen_count bigint;
     move text;
@@ -188,6 +191,7 @@ BEGIN
     IF ids IS NULL THEN
         RETURN;
     END IF;
+    added := outbox_restored_of('back');  -- the catalog read, only with rows to move
     move := format($back$
         WITH back AS (
             SELECT s.* FROM outbox_scheduled AS s WHERE s.id = ANY($1)
@@ -271,6 +275,9 @@ DECLARE
     moved bigint;
 BEGIN
     UPDATE outbox_parking SET enabled = false;
+    -- Every pass under way done (see outbox_park_scheduled); the move's snapshot, taken
+    -- next, sees what they parked, and the passes after read the flag off.
+    PERFORM pg_advisory_xact_lock('outbox_parking'::regclass::oid::integer, 0);
     EXECUTE format($back$
         WITH back AS (
             SELECT s.* FROM outbox_scheduled AS s FOR UPDATE

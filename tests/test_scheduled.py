@@ -374,6 +374,24 @@ def test_a_pass_with_nothing_to_move_fires_no_statement_trigger(database: str) -
         assert list(conn.notifies(timeout=1.0, stop_after=1)) == []
 
 
+def test_an_idle_pass_writes_nothing(database: str) -> None:
+    """The drain's pass runs up to ten times a second when idle (the default poll): with
+    a row parked for later and nothing to move, it must take no transaction id, so it
+    writes no WAL and its commit has nothing to flush. A row lock on the parking flag
+    (the first fix of the rollback race) made every pass such a commit."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " VALUES ('t', 'k', 'later', now() + interval '1 hour')"
+        )
+        repository.promote_due(conn, 100, set_aside="move")
+        assert scalar(database, "SELECT count(*) FROM outbox_scheduled") == 1
+    with psycopg.connect(database, row_factory=dict_row) as conn:  # one transaction
+        repository.promote_due(conn, 100, set_aside="move")
+        xid = conn.execute("SELECT pg_current_xact_id_if_assigned() AS xid").fetchone()
+        assert xid == {"xid": None}
+
+
 def test_a_row_the_outbox_refuses_to_take_back_is_dead_lettered_and_the_rest_go_in(
     database: str,
 ) -> None:
