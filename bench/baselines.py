@@ -62,17 +62,23 @@ from relay.queries import QUERIES
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
-# `outbox` as it was before migration 0015 (outbox_due_key_idx on whole keys, not
-# outbox_due_key_hash_idx), and before 0010 (also the two 0010 retired): the write
-# path's before and after in one run.
+# `outbox` as it was before migration 0022 (with outbox_due_idx), before 0015 (also
+# outbox_due_key_idx on whole keys, not outbox_due_key_hash_idx), and before 0010 (also
+# the two 0010 retired): the write path's before and after in one run.
+BEFORE_0022 = "outbox_before_0022"
 BEFORE_0015 = "outbox_before_0015"
 BEFORE_0010 = "outbox_before_0010"
+DUE_IDS: LiteralString = "(id) WHERE " + DUE  # outbox_due_idx, which 0022 retired
 WHOLE_KEYS: LiteralString = "(key, id) WHERE " + DUE
 RETIRED = (
     "(id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
     "(key, id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
 )
-BEFORE = {BEFORE_0015: (WHOLE_KEYS,), BEFORE_0010: (WHOLE_KEYS, *RETIRED)}
+BEFORE = {
+    BEFORE_0022: (DUE_IDS,),
+    BEFORE_0015: (DUE_IDS, WHOLE_KEYS),
+    BEFORE_0010: (DUE_IDS, WHOLE_KEYS, *RETIRED),
+}
 # What "unsent" is in each table's one-index-per-purpose world: on `outbox` the
 # predicate of outbox_due_idx (as bench/drain.py's raw loop), on the minimal table that
 # of its one partial index.
@@ -524,7 +530,8 @@ def _print_writes(writes: dict[str, Any]) -> None:
         print(
             f"    {label:>21} ({'tps' if unit == 'tps' else 'rows/s'}): {runs}"
             f"  -> outbox / bare {figures['ratio']:.2f}"
-            f" (before 0015: {figures['ratio_before_0015']:.2f},"
+            f" (before 0022: {figures['ratio_before_0022']:.2f},"
+            f" before 0015: {figures['ratio_before_0015']:.2f},"
             f" before 0010: {figures['ratio_before_0010']:.2f})",
             flush=True,
         )

@@ -20,8 +20,8 @@ BARE_PRODUCER = {
     "compression.type": "lz4",
     "linger.ms": 5,
 }
-# "Unsent and due" as the drain's indexes (outbox_due_idx, outbox_due_key_hash_idx) state it, so
-# the benchmark's own probes use them.
+# "Unsent and due" as the drain's statements and outbox_due_key_hash_idx state it, so the
+# benchmark's own probes read what the relay reads.
 DUE = (
     "sent_at IS NULL AND dead_lettered_at IS NULL"
     " AND (available_at IS NULL OR promoted_at IS NOT NULL)"

@@ -12,8 +12,8 @@ from bench.common import BARE_PRODUCER, PAYLOAD, TOPIC, preload, preload_history
 
 
 def raw_drain(dsn: str, batch: int, *, delete: bool) -> float:
-    """rows/s of a bare loop on the relay's outbox: select a batch through
-    outbox_due_idx, delete it or move it into outbox_sent, as the relay settles in each
+    """rows/s of a bare loop on the relay's outbox: select a batch in id order (its
+    primary key), delete it or move it into outbox_sent, as the relay settles in each
     mode (bench/baselines.py runs the same loop on a minimal table)."""
     return raw_loop(dsn, "outbox", batch, settle_as="delete" if delete else "move")
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from psycopg.pq import TransactionStatus
 
 from relay import db, metrics
 from relay.db import Conn
@@ -50,8 +52,23 @@ class LagSample:
         return asdict(self)
 
 
+@contextmanager
+def _walking_in_order(conn: Conn) -> Iterator[None]:
+    """The lag statements' walks stop at their caps whatever the statistics: planned
+    with bitmap scans and sorts off (drain.sql, walk_indexes_in_order), for one
+    transaction, on whichever session asks (the lag sampler's, `relay status`, the
+    console's). A caller inside its own transaction keeps its settings."""
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        with conn.transaction():
+            conn.execute(QUERIES.walk_indexes_in_order_here)
+            yield
+    else:
+        yield
+
+
 def measure(conn: Conn, cap: int) -> LagSample:
-    row = conn.execute(QUERIES.lag_sample, {"cap": cap, "age_window": AGE_WINDOW}).fetchone()
+    with _walking_in_order(conn):
+        row = conn.execute(QUERIES.lag_sample, {"cap": cap, "age_window": AGE_WINDOW}).fetchone()
     assert row is not None  # an aggregate-only SELECT always returns one row
     return LagSample(
         unsent=int(row["unsent"]),
@@ -88,6 +105,8 @@ def measure_shards(conn: Conn, shards: int, cap: int) -> list[ShardLag]:
     """Per-shard lag; `conn` must plan with custom plans (QUERIES.force_custom_plans),
     or the shard count is no constant and no shard index matches."""
     part = shard_count_cap(cap, shards)
+    with _walking_in_order(conn):
+        rows = conn.execute(QUERIES.lag_sample_shards, {"shards": shards, "cap": part}).fetchall()
     return [
         ShardLag(
             shard=int(row["shard"]),
@@ -96,7 +115,7 @@ def measure_shards(conn: Conn, shards: int, cap: int) -> list[ShardLag]:
             oldest_unsent_age_seconds=float(row["oldest_unsent_age_seconds"]),
             count_cap=part,
         )
-        for row in conn.execute(QUERIES.lag_sample_shards, {"shards": shards, "cap": part})
+        for row in rows
     ]
 
 

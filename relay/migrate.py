@@ -22,6 +22,11 @@ from relay.settings import CommonSettings
 log = get_logger("relay.migrate")
 
 _FILE = re.compile(r"^(?P<version>\d{4})_[a-z0-9_]+\.sql$")
+# A migration that finds the database not ready for it yet (rows an earlier release left
+# that it must not strand, say) raises this SQLSTATE, saying why: it is rolled back and
+# waits for a later run, as one waiting for a rollout does.
+WAITS_SQLSTATE = "RLW01"
+
 # A migration that removes what relays of an earlier release read says which migration
 # those relays predate: it is applied only once that one was applied by an earlier run.
 _AFTER_ROLLOUT = re.compile(r"^-- after-rollout-of: (?P<version>\d{4})$", re.MULTILINE)
@@ -108,13 +113,23 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
                     log.warning("migration.waiting", name=migration.name, reason=waits)
                     waiting.append(waits)
                     continue
-                with conn.transaction():
-                    # A migration file is trusted SQL shipped with the relay.
-                    conn.execute(migration.sql)
-                    conn.execute(
-                        QUERIES.migrations_record,
-                        {"version": migration.version, "checksum": migration.checksum},
-                    )
+                try:
+                    with conn.transaction():
+                        # A migration file is trusted SQL shipped with the relay.
+                        conn.execute(migration.sql)
+                        conn.execute(
+                            QUERIES.migrations_record,
+                            {"version": migration.version, "checksum": migration.checksum},
+                        )
+                except psycopg.Error as exc:
+                    # Only a migration that retires may wait: this release needs every
+                    # other one (`missing`), and the ones after it may build on it.
+                    if exc.sqlstate != WAITS_SQLSTATE or migration.after_rollout_of is None:
+                        raise
+                    waits = f"{migration.name} waits: {exc.diag.message_primary}"
+                    log.warning("migration.waiting", name=migration.name, reason=waits)
+                    waiting.append(waits)
+                    continue
                 applied_now.append(migration.name)
                 log.info("migration.applied", name=migration.name)
         except psycopg.Error as exc:

@@ -50,6 +50,12 @@ def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessa
     return [m for m in rows if m.key is None or m.key not in held]
 
 
+# The pass for scheduled rows runs at least this often, whatever the idle poll: it also
+# moves rows the app scheduled for later out of the outbox (migration 0021), and until
+# it does the fetch's walk in id order steps over them.
+SCHEDULE_PASS_SECONDS = 1.0
+
+
 class SessionThread:
     """One thread running the reader's statements, one after the other. A daemon, unlike
     a ThreadPoolExecutor's worker: a read left running at close (its server unreachable)
@@ -251,7 +257,7 @@ class Reader:
         if self._clock() < self._promote_at:
             return 0
         promoted = self._on_session(self._store.promote_due, self.limits.rows)
-        wait = self._poll_max
+        wait = min(self._poll_max, SCHEDULE_PASS_SECONDS)
         if promoted.rows >= self.limits.rows:
             wait = 0.0
         elif promoted.next_due_in is not None:

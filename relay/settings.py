@@ -513,7 +513,8 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         le=60,
         description="The longest an idle drain loop waits between polls, so the first row "
         "after a quiet spell waits up to this long (less with RELAY_NOTIFY_CHANNEL); "
-        "scheduled rows that came due are looked for at least this often.",
+        "scheduled rows that came due are looked for at least this often (and at least "
+        "every second).",
     )
     max_attempts: int = Field(
         default=10,

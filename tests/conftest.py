@@ -213,6 +213,15 @@ def db_at_0019(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
     pg.drop_database(name)
 
 
+@pytest.fixture
+def db_at_0021(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
+    """A database migrated up to 0021 only, as this release's first `relay migrate`
+    leaves it while 0022 waits."""
+    name, dsn = _database_at(pg, tmp_path, "0021")
+    yield dsn
+    pg.drop_database(name)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The Spin checks start now, beside the suite (tests/model_runs.py), when spin and
     gcc are there (else their tests fail, saying so)."""

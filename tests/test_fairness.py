@@ -297,7 +297,7 @@ def test_with_shards_each_shard_shares_its_own_rows_out_by_group(database: str) 
     found = 0
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
-        conn.execute(QUERIES.walk_shard_indexes_in_order)
+        conn.execute(QUERIES.walk_indexes_in_order)
         for shard in (0, 1):
             rows = repository.fetch_batch(
                 conn, grouped(BY_PREFIX), "{}", None, shards=2, shard=shard

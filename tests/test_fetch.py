@@ -16,6 +16,7 @@ from relay.batch import BatchLimits
 from relay.message import MalformedRow, OutboxMessage
 from relay.queries import QUERIES
 from relay.store.port import Fetched
+from relay.store.postgres import drain_session_setup
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
@@ -32,7 +33,8 @@ LIMITS = BatchLimits(rows=100, bytes=8 << 20, per_key=20)
 
 def fetch_from(dsn: str, limits: BatchLimits = LIMITS, after_key: int | None = None) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        for statement in drain_session_setup():  # as the drain's session plans
+            conn.execute(statement)
         return repository.fetch_batch(conn, limits, "{}", after_key)
 
 
@@ -329,7 +331,8 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
         "after_group": None,
     }
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        for statement in drain_session_setup():  # as the drain's session plans
+            conn.execute(statement)
         row = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_batch, params
         ).fetchone()
@@ -364,7 +367,8 @@ def head_scans(dsn: str, limit: int = 1000) -> list[tuple[str, str | None, str, 
         "shard": 0,
     }
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        for statement in drain_session_setup():  # as the drain's session plans
+            conn.execute(statement)
         row = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
         ).fetchone()
@@ -437,6 +441,64 @@ def test_rows_out_of_backoff_since_the_statistics_cost_the_head_nothing(database
     scans = head_scans(database)
     assert not [s for s in scans if s[0] == "Seq Scan"], scans
     assert sum(read for *_, read in scans) < 5_000, scans
+
+
+def test_the_head_of_a_large_backlog_is_read_by_the_primary_key_and_stops_at_the_batch(
+    database: str,
+) -> None:
+    """Migration 0022 retired outbox_due_idx: the primary key carries fetch_head's walk
+    in id order, which must stop at the batch, not read the backlog (through
+    outbox_due_key_hash_idx, say) and sort it. 60,000 rows over 100 keys, a few of them
+    in backoff in front and 20,000 scheduled for later and moved out."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, attempts, next_attempt_at)"
+            " SELECT 't', 'f' || g, 'x', 1, now() + interval '1 hour'"
+            " FROM generate_series(1, 50) AS g"
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, available_at)"
+            " SELECT 't', 's' || g, 'x', now() + interval '1 day'"
+            " FROM generate_series(1, 20000) AS g"
+        )
+        conn.execute("SELECT outbox_park_scheduled(20000)")
+    for k in range(100):
+        bulk(database, "t", f"k{k}", 600, analyze=False)
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ANALYZE outbox")
+        conn.execute("ANALYZE outbox_scheduled")
+        for statement in drain_session_setup():  # as the drain's session plans
+            conn.execute(statement)
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head,
+            {
+                "limit": LIMITS.rows,
+                "max_bytes": LIMITS.bytes,
+                "message_max": LIMITS.message_bytes,
+                "in_flight": "{}",
+                "held": [],
+                "shards": 1,
+                "shard": 0,
+            },
+        ).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    scans: list[tuple[str, str | None, int]] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") == "outbox":
+            read = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
+            scans.append(
+                (node["Node Type"], node.get("Index Name"), int(read * node["Actual Loops"]))
+            )
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    walked = [s for s in scans if s[1] == "outbox_pkey"]
+    assert walked and walked[0][0] == "Index Scan", scans
+    assert walked[0][2] <= LIMITS.rows + 50, scans  # the batch, and the rows in backoff
+    assert all(kind != "Seq Scan" and "Bitmap" not in kind for kind, _, _ in scans), scans
 
 
 def test_rare_keys_behind_a_hot_one_are_found_whatever_the_statistics(database: str) -> None:

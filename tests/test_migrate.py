@@ -109,10 +109,11 @@ def test_schema_has_the_contract_columns_and_partial_index(database: str) -> Non
         ("created_at", "timestamp with time zone", "NO"),
     ]
     assert legacy is None  # the previous release's, retired by 0010 (tests/test_upgrade.py)
-    # The drain's own, since scheduled delivery: unsent, live, and due (0009).
+    # The drain's own: the walk over keys holds rows unsent, live, and due (0015); the
+    # walk in id order is the primary key's since 0022.
     with psycopg.connect(database) as conn:
         due = conn.execute(
-            "SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_due_idx'"
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_due_key_hash_idx'"
         ).fetchone()
     assert (
         due is not None

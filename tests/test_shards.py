@@ -119,7 +119,7 @@ def test_a_big_shard_batch_still_walks_the_index_in_id_order(database: str) -> N
             " FROM generate_series(1, 40000) AS g"
         )
         conn.execute("VACUUM ANALYZE outbox")
-        for statement in drain_session_setup(shards):
+        for statement in drain_session_setup():
             conn.execute(statement)
         scans = explain_fetch_head(conn, limit=500, shards=shards)
     assert not any("Bitmap" in name for name, _ in scans), scans

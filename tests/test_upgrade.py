@@ -45,8 +45,7 @@ BEFORE_0020 = "b04e16b"
 # What a fresh outbox carries, and which of them an app's INSERT writes (a partial
 # index whose predicate a new row fails costs the insert nothing).
 INDEXES = {
-    "outbox_pkey": "the id",
-    "outbox_due_idx": "the fetch's walk in id order (written by every insert)",
+    "outbox_pkey": "the id, and the fetch's walk in id order",
     "outbox_due_key_hash_idx": "the fair fetch's walk over keys (written by every insert)",
     "outbox_backoff_idx": "rows waiting out a backoff, blocking their keys",
     "outbox_failing_rows_idx": "rows that failed, for the lag and the CLI",
@@ -55,7 +54,7 @@ INDEXES = {
     "outbox_scheduled_idx": "scheduled rows by due time, for their promotion",
     "outbox_scheduled_key_idx": "scheduled rows by key, blocking their keys",
 }
-WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_idx", "outbox_due_key_hash_idx"}
+WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_key_hash_idx"}
 
 
 def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: str) -> None:
@@ -225,6 +224,10 @@ def test_a_database_upgraded_from_0009_drops_the_old_indexes_at_once(
         "0019_move_dead_letters.sql",
         "0021_park_scheduled_rows.sql",
     ]
+    # ... and 0022 behind the 0021 this run applied: it wants the schedule moved out.
+    assert migrated.waiting is not None and "0022" in migrated.waiting
+    migrated = migrate(CommonSettings(database_url=db_at_0007))
+    assert migrated.applied == ["0022_retire_due_index.sql"]
     assert migrated.waiting is None
     assert set(outbox_indexes(db_at_0007)) == set(INDEXES)
 
@@ -443,3 +446,24 @@ def test_a_rolling_upgrade_moves_scheduled_rows_out_only_once_the_old_relays_are
             new_err = stop(new)
             assert "Traceback" not in new_err, new_err[-2000:]
     every_row_arrived_in_order(kafka, topic, rows)
+
+
+def test_the_walk_by_primary_key_waits_while_rows_marked_sent_in_place_remain(
+    db_at_0021: str,
+) -> None:
+    """Migration 0022 lets the primary key carry the fetch's walk: it waits (and says
+    why) while rows a release from before 0013 marked sent in place remain, which the
+    walk would step over every time; once the purge has deleted them, it goes in."""
+    with psycopg.connect(db_at_0021, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, sent_at)"
+            " VALUES ('t', 'k', 'x', now() - interval '2 days')"
+        )
+    output = relay_migrate(db_at_0021)
+    assert "0022_retire_due_index.sql waits: the outbox still holds rows" in output, output
+    assert "outbox_due_idx" in outbox_indexes(db_at_0021)
+    with psycopg.connect(db_at_0021, autocommit=True) as conn:
+        conn.execute("DELETE FROM outbox WHERE sent_at IS NOT NULL")  # as the purge does
+    output = relay_migrate(db_at_0021)
+    assert "0022_retire_due_index.sql" in output and "waits" not in output, output
+    assert "outbox_due_idx" not in outbox_indexes(db_at_0021)

@@ -14,15 +14,26 @@
 SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
        set_config('jit', 'off', false);
 
--- name: walk_shard_indexes_in_order
--- For a shard's drain session (RELAY_SHARDS > 1): no bitmap scans. outbox_shards_N_due_idx
--- leads with the shard hash, which has no correlation with the table's order, so the
--- planner prices the ordered walk of one shard's rows as random reads and, once a
--- batch is a percent or so of the shard's backlog, would rather read ALL of the
--- shard's unsent rows through a bitmap and sort them: a fetch whose cost grows with
--- the backlog. Every statement of this session is meant as an ordered, LIMITed index
--- walk; the ordered walk stops at the batch.
-SELECT set_config('enable_bitmapscan', 'off', false);
+-- name: walk_indexes_in_order
+-- For the drain and lag sessions: no bitmap scans. Every statement of these sessions is
+-- meant as an ordered, LIMITed index walk that stops at the batch: the primary key's in
+-- id order (migration 0022), a shard index's (outbox_shards_N_due_idx leads with the
+-- shard hash, which has no correlation with the table's order, so the planner prices
+-- its ordered walk as random reads). With statistics that see fewer rows to send than
+-- there are (taken while a schedule sat in the outbox, say), the planner would rather
+-- read ALL of the unsent rows through the key-hash index (by a bitmap, or else by a
+-- plain index scan) and sort them: a fetch whose cost grows with the backlog. Sorts
+-- off too, then: a plan that needs one is taken only when no other exists (fetch_batch's
+-- rounds over keys, say), and the walk in id order never needs one. The plan tests of
+-- tests/test_fetch.py, test_fairness.py and test_scheduled.py hold both.
+SELECT set_config('enable_bitmapscan', 'off', false),
+       set_config('enable_sort', 'off', false);
+
+-- name: walk_indexes_in_order_here
+-- walk_indexes_in_order for the current transaction only: the lag statements' (relay/
+-- lag.py), on whichever session runs them.
+SELECT set_config('enable_bitmapscan', 'off', true),
+       set_config('enable_sort', 'off', true);
 
 ------------------------------------------------------------------------------------
 -- Fetching
@@ -180,7 +191,8 @@ coalesce(date_part('epoch', greatest(m.created_at, m.available_at)),
 
 -- name: fetch_head
 -- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
--- order through outbox_due_idx, whatever they are, each with its size and whether it
+-- order through the primary key (outbox_due_idx where migration 0022 has not run yet:
+-- it holds the same rows), whatever they are, each with its size and whether it
 -- is `ready`. No "id > last seen" cursor: a row that commits late with a lower id is
 -- still found. `within`: the row fits %(max_bytes)s counting the ready rows before it
 -- (the first ready row always does); rows past it come without their payload, so a
@@ -224,7 +236,7 @@ FROM (SELECT head.*,
                   FROM outbox AS o
                   WHERE o.sent_at IS NULL
                     AND o.dead_lettered_at IS NULL
-                    -- Not scheduled, or due and promoted (promote_due): outbox_due_idx.
+                    -- Not scheduled, or due and promoted (promote_due).
                     AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                     -- The batches published and not yet settled. The parameter is sent
                     -- untyped, so the cast makes it a bigint[] constant of the custom
@@ -323,9 +335,9 @@ ORDER BY id NULLS LAST;
 
 -- fragment: drainable
 -- A row the drain may take: unsent, not dead-lettered, and not scheduled unless
--- promote_due has let it in. Word for word the predicate of the partial indexes
--- outbox_due_idx (migration 0009) and outbox_due_key_hash_idx (0015), so the planner
--- can tell that they hold every row the fetch wants.
+-- promote_due has let it in. Word for word the predicate of the partial index
+-- outbox_due_key_hash_idx (migration 0015; and of outbox_due_idx, 0009, until 0022
+-- retires it), so the planner can tell that it holds every row the fetch wants.
 o.sent_at IS NULL
 AND o.dead_lettered_at IS NULL
 AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
@@ -341,7 +353,7 @@ o.available_at, o.attempts,
 {{ready}} AS ready
 
 -- fragment: head
--- Step 1: fetch_head's rows again, in one scan of outbox_due_idx, materialized: every
+-- Step 1: fetch_head's rows again, in one walk of the primary key, materialized: every
 -- later step weighs itself against this same head (what is crowded in it, which keys
 -- already have their share, which rows beyond it are new). walk: where a row stands
 -- in the round over keys (chosen's order); the head's rows come before it.
@@ -443,7 +455,7 @@ CROSS JOIN LATERAL (
     FROM outbox AS o
     -- The key's rows after the head: "hash >= k AND hash <= k", ordered by (hash,
     -- id), and not "hash = k" ordered by id. With equality the planner may walk
-    -- outbox_due_idx in id order and filter on the key (it did, when the
+    -- the outbox in id order and filter on the key (it did, when the
     -- statistics saw one key), reading a hot key's whole backlog to find a rare
     -- key's rows. This way only outbox_due_key_hash_idx yields the order without
     -- reading every candidate row first; "id > last head id" is checked in the index.

@@ -9,8 +9,9 @@
 
 -- name: lag_sample
 -- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
--- outbox (README "Lag metrics: cost"): counts stop at the cap; the oldest unsent row is
--- the lowest id in outbox_due_idx (one index probe); "blocked" counts, among at most
+-- outbox (README "Lag metrics: cost"): counts stop at the cap, each walking its index in
+-- order; the oldest unsent row is found among the first age_window rows of the primary
+-- key (the outbox holds only rows to send, migrations 0018-0022); "blocked" counts, among at most
 -- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the
 -- rows that have failed (next_attempt_at set) and the later rows of their key, which
 -- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
@@ -39,6 +40,7 @@ SELECT
                       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
                         AND available_at IS NOT NULL AND promoted_at IS NULL
                         AND available_at <= now()
+                      ORDER BY available_at  -- outbox_scheduled_idx, whatever the statistics
                       LIMIT %(cap)s) AS overdue_rows)
           + (SELECT count(*)  -- due, still moved out
                FROM (SELECT 1 FROM outbox_scheduled
@@ -91,10 +93,12 @@ SELECT
                     WHERE sent_at IS NULL AND dead_lettered_at IS NULL
                       AND available_at IS NOT NULL AND promoted_at IS NULL
                       AND available_at > now()
+                    ORDER BY available_at  -- outbox_scheduled_idx, whatever the statistics
                     LIMIT %(cap)s) AS scheduled_rows)
           + (SELECT count(*)
                FROM (SELECT 1 FROM outbox_scheduled
                       WHERE available_at > now()
+                      ORDER BY available_at  -- by its index, whatever the statistics
                       LIMIT %(cap)s) AS parked_rows))
         AS scheduled,
     least((SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
@@ -119,6 +123,7 @@ SELECT s.shard,
                     WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
                       AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                       AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                    ORDER BY o.id  -- the shard index's order under its shard
                     LIMIT %(cap)s) AS unsent_rows)
           + (SELECT count(*)  -- due, not let in yet (as in lag_sample)
                FROM (SELECT 1 FROM outbox AS o
@@ -126,11 +131,13 @@ SELECT s.shard,
                         AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
                         AND o.available_at <= now()
                         AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                      ORDER BY o.available_at
                       LIMIT %(cap)s) AS overdue_rows)
           + (SELECT count(*)  -- due, still moved out
                FROM (SELECT 1 FROM outbox_scheduled AS p
                       WHERE p.available_at <= now()
                         AND outbox_shard(p.key, p.id, %(shards)s::integer) = s.shard
+                      ORDER BY p.available_at
                       LIMIT %(cap)s) AS overdue_parked_rows))
         AS unsent,
     coalesce(

@@ -20,15 +20,11 @@ from relay.store import lease as lease_steps
 from relay.store.port import Fetched, Promoted, StoreError
 
 
-def drain_session_setup(shards: int) -> list[str]:
-    """How the drain session plans: with its actual parameters (custom plans); with
-    shards, also never by bitmap scan, which would read every unsent row of the shard
-    to return one batch (the shard index leads with the hash, so the planner prices
-    its ordered walk as random reads)."""
-    setup = [QUERIES.force_custom_plans]
-    if shards > 1:
-        setup.append(QUERIES.walk_shard_indexes_in_order)
-    return setup
+def drain_session_setup() -> list[str]:
+    """How the drain session plans: with its actual parameters (custom plans), and
+    never by bitmap scan, which would read every unsent row (of the shard) to return one
+    batch (relay/sql/drain.sql, walk_indexes_in_order)."""
+    return [QUERIES.force_custom_plans, QUERIES.walk_indexes_in_order]
 
 
 @contextmanager
@@ -55,7 +51,7 @@ class PostgresReadStore:
     def _open(self) -> db.Conn:
         conn = self._connect()
         try:
-            for statement in drain_session_setup(self._shard.shards):
+            for statement in drain_session_setup():
                 conn.execute(statement)
         except BaseException:
             conn.close()  # never leak a session whose set-up failed
