@@ -117,7 +117,8 @@ def create_tables(conn: Conn) -> None:
             " WHERE tablename = %s AND indexdef LIKE '%%outbox_key_hash%%'",
             (table,),
         ).fetchall()
-        for (index,) in hashed:  # the copy of outbox_due_key_hash_idx
+        for (index,) in hashed if WHOLE_KEYS in definitions else ():
+            # Before 0015 the key index was on whole keys: the key-hash index goes.
             conn.execute(sql.SQL("DROP INDEX {}").format(sql.SQL(index)))
         for definition in definitions:
             conn.execute(sql.SQL("CREATE INDEX ON {} " + definition).format(before))
