@@ -311,6 +311,41 @@ def test_a_batch_is_bounded_in_bytes(database: str) -> None:
         assert len(one) == 1  # never zero: a row larger than the bound still goes alone
 
 
+# A scan of the outbox or outbox_scheduled in a plan run with EXPLAIN ANALYZE: (node
+# type, index, table, tuples read: actual rows plus rows removed by filter, times loops).
+Scan = tuple[str, str | None, str, int]
+
+
+def _scans(dsn: str, statement: str, params: dict[str, Any]) -> list[Scan]:
+    """`statement`'s scans of the outbox and outbox_scheduled, planned as the drain's
+    session plans it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for setting in drain_session_setup():
+            conn.execute(setting)
+        row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    found: list[Scan] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") in ("outbox", "outbox_scheduled"):
+            # Both are averages per loop in EXPLAIN's output.
+            read = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
+            found.append(
+                (
+                    node["Node Type"],
+                    node.get("Index Name"),
+                    node["Relation Name"],
+                    int(read * int(node["Actual Loops"])),
+                )
+            )
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    return found
+
+
 def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
     """Index and heap tuples the fetch touches: the sum of actual rows x loops of every
     scan node in its plan."""
@@ -330,33 +365,11 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
         "group_arg": limits.group.arg if limits.group else None,
         "after_group": None,
     }
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for statement in drain_session_setup():  # as the drain's session plans
-            conn.execute(statement)
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_batch, params
-        ).fetchone()
-    assert row is not None
-    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
-
-    def walk(node: dict[str, Any]) -> int:
-        own = 0
-        if "Scan" in node["Node Type"] and node.get("Relation Name") in (
-            "outbox",
-            "outbox_scheduled",
-        ):
-            # Both are averages per loop in EXPLAIN's output.
-            per_loop = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
-            own = int(per_loop * int(node["Actual Loops"]))
-        return own + sum(walk(child) for child in node.get("Plans", []))
-
-    return walk(plan[0]["Plan"])
+    return sum(read for *_, read in _scans(dsn, QUERIES.fetch_batch, params))
 
 
-def head_scans(dsn: str, limit: int = 1000) -> list[tuple[str, str | None, str, int]]:
-    """fetch_head's scans of the outbox and outbox_scheduled, run with EXPLAIN ANALYZE:
-    (node type, index, table, tuples read: actual rows plus rows removed by filter, times
-    loops)."""
+def head_scans(dsn: str, limit: int = 1000) -> list[Scan]:
+    """fetch_head's scans (see `Scan`)."""
     params = {
         "limit": limit,
         "max_bytes": LIMITS.bytes,
@@ -366,32 +379,7 @@ def head_scans(dsn: str, limit: int = 1000) -> list[tuple[str, str | None, str, 
         "shards": 1,
         "shard": 0,
     }
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for statement in drain_session_setup():  # as the drain's session plans
-            conn.execute(statement)
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
-        ).fetchone()
-    assert row is not None
-    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
-    found: list[tuple[str, str | None, str, int]] = []
-
-    def walk(node: dict[str, Any]) -> None:
-        if node.get("Relation Name") in ("outbox", "outbox_scheduled"):
-            read = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
-            found.append(
-                (
-                    node["Node Type"],
-                    node.get("Index Name"),
-                    node["Relation Name"],
-                    int(read * int(node["Actual Loops"])),
-                )
-            )
-        for child in node.get("Plans", []):
-            walk(child)
-
-    walk(plan[0]["Plan"])
-    return found
+    return _scans(dsn, QUERIES.fetch_head, params)
 
 
 def test_a_blocked_key_backlog_costs_the_fetch_nothing(database: str) -> None:
@@ -467,34 +455,11 @@ def test_the_head_of_a_large_backlog_is_read_by_the_primary_key_and_stops_at_the
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("ANALYZE outbox")
         conn.execute("ANALYZE outbox_scheduled")
-        for statement in drain_session_setup():  # as the drain's session plans
-            conn.execute(statement)
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head,
-            {
-                "limit": LIMITS.rows,
-                "max_bytes": LIMITS.bytes,
-                "message_max": LIMITS.message_bytes,
-                "in_flight": "{}",
-                "held": [],
-                "shards": 1,
-                "shard": 0,
-            },
-        ).fetchone()
-    assert row is not None
-    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
-    scans: list[tuple[str, str | None, int]] = []
-
-    def walk(node: dict[str, Any]) -> None:
-        if node.get("Relation Name") == "outbox":
-            read = float(node["Actual Rows"]) + float(node.get("Rows Removed by Filter", 0))
-            scans.append(
-                (node["Node Type"], node.get("Index Name"), int(read * node["Actual Loops"]))
-            )
-        for child in node.get("Plans", []):
-            walk(child)
-
-    walk(plan[0]["Plan"])
+    scans = [
+        (kind, index, read)
+        for kind, index, table, read in head_scans(database, LIMITS.rows)
+        if table == "outbox"
+    ]
     walked = [s for s in scans if s[1] == "outbox_pkey"]
     assert walked and walked[0][0] == "Index Scan", scans
     assert walked[0][2] <= LIMITS.rows + 50, scans  # the batch, and the rows in backoff
