@@ -132,6 +132,12 @@ def stop(process: subprocess.Popen[str]) -> str:
     return err
 
 
+def stop_cleanly(process: subprocess.Popen[str]) -> None:
+    """Stop a relay and check it logged no traceback on the way."""
+    err = stop(process)
+    assert "Traceback" not in err, err[-2000:]
+
+
 def relay_migrate(dsn: str) -> str:
     done = subprocess.run(
         relay_command("migrate"), env=relay_env(dsn), capture_output=True, text=True, check=False
@@ -180,8 +186,7 @@ def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are
         insert_rows(db_at_0007, topic, rows[200:400])  # the old relay drains on
         new = start(REPO, db_at_0007, kafka, "new")
         wait_until(lambda: unsent_count(db_at_0007) < 300, timeout=30, message="old drains")
-        old_err = stop(old)
-        assert "Traceback" not in old_err, old_err[-2000:]
+        stop_cleanly(old)
         wait_until(lambda: holder(db_at_0007) == "new", timeout=20, message="new takes over")
         insert_rows(db_at_0007, topic, rows[400:550])
         output = relay_migrate(db_at_0007)
@@ -193,8 +198,7 @@ def test_a_rolling_upgrade_retires_the_old_indexes_only_after_the_old_relays_are
     finally:
         stop(old)
         if new is not None:
-            new_err = stop(new)
-            assert "Traceback" not in new_err, new_err[-2000:]
+            stop_cleanly(new)
     every_row_arrived_in_order(kafka, topic, rows)
 
 
@@ -257,8 +261,7 @@ def test_a_rolling_upgrade_to_key_hashes_walks_keys_fairly_and_loses_nothing(
         insert_rows(db_at_0014, topic, rows[400:700])  # the old relay drains on
         new = start(REPO, db_at_0014, kafka, "new")
         wait_until(lambda: unsent_count(db_at_0014) < 500, timeout=30, message="old drains")
-        old_err = stop(old)
-        assert "Traceback" not in old_err, old_err[-2000:]
+        stop_cleanly(old)
         wait_until(lambda: holder(db_at_0014) == "new", timeout=20, message="new takes over")
         insert_rows(db_at_0014, topic, rows[700:1000])
         output = relay_migrate(db_at_0014)
@@ -269,8 +272,7 @@ def test_a_rolling_upgrade_to_key_hashes_walks_keys_fairly_and_loses_nothing(
     finally:
         stop(old)
         if new is not None:
-            new_err = stop(new)
-            assert "Traceback" not in new_err, new_err[-2000:]
+            stop_cleanly(new)
     every_row_arrived_in_order(kafka, topic, rows)
 
 
@@ -356,8 +358,7 @@ def test_a_rolling_upgrade_moves_dead_letters_out_of_the_outbox_and_loses_none(
         assert "0018" in output and "0019_move_dead_letters.sql waits" in output, output
         insert_rows(db_at_0017, topic, good[100:200])  # the old relay drains on
         new = start(REPO, db_at_0017, kafka, "new", **bad_map)
-        old_err = stop(old)
-        assert "Traceback" not in old_err, old_err[-2000:]
+        stop_cleanly(old)
         wait_until(lambda: holder(db_at_0017) == "new", timeout=20, message="new takes over")
         insert_rows(db_at_0017, refused, bad[30:])
         wait_until(lambda: dead_letters(db_at_0017) == {"moved": 30, "in place": 30}, timeout=30)
@@ -369,8 +370,7 @@ def test_a_rolling_upgrade_moves_dead_letters_out_of_the_outbox_and_loses_none(
         assert dead_letters(db_at_0017) == {"moved": 60, "in place": 0}
         moved = json.loads(run_cli(env, "dead-letter", "list", "--json").stdout)
         assert moved == listed  # the same rows, times, reasons and attempts
-        new_err = stop(new)
-        assert "Traceback" not in new_err, new_err[-2000:]
+        stop_cleanly(new)
         new = start(REPO, db_at_0017, kafka, "fixed")
         insert_rows(db_at_0017, topic, good[200:])
         done = run_cli(env, "dead-letter", "requeue", "--all")
@@ -380,8 +380,7 @@ def test_a_rolling_upgrade_moves_dead_letters_out_of_the_outbox_and_loses_none(
     finally:
         stop(old)
         if new is not None:
-            new_err = stop(new)
-            assert "Traceback" not in new_err, new_err[-2000:]
+            stop_cleanly(new)
     every_row_arrived_in_order(kafka, topic, good)
     every_row_arrived_in_order(kafka, refused, bad)
 
@@ -424,8 +423,7 @@ def test_a_rolling_upgrade_moves_scheduled_rows_out_only_once_the_old_relays_are
         schedule(db_at_0019, topic, *first, seconds=4)
         insert_rows(db_at_0019, topic, [("k0", b"k0:behind")])
         new = start(REPO, db_at_0019, kafka, "new")
-        old_err = stop(old)
-        assert "Traceback" not in old_err, old_err[-2000:]
+        stop_cleanly(old)
         wait_until(lambda: holder(db_at_0019) == "new", timeout=20, message="new takes over")
         insert_rows(db_at_0019, topic, now[100:150])
         wait_until(lambda: unsent_count(db_at_0019) == 0, timeout=30, message="k0 let in")
@@ -443,8 +441,7 @@ def test_a_rolling_upgrade_moves_scheduled_rows_out_only_once_the_old_relays_are
     finally:
         stop(old)
         if new is not None:
-            new_err = stop(new)
-            assert "Traceback" not in new_err, new_err[-2000:]
+            stop_cleanly(new)
     every_row_arrived_in_order(kafka, topic, rows)
 
 
