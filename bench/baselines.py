@@ -23,17 +23,21 @@ and identity, whatever the migrations made them) and dropped afterwards:
    order reversed in the second round. As in bench/cpu.py the first batch (producer
    and connection warm-up) is left out of the time, and CPU is the process's user +
    system time (librdkafka's threads included) per message. relay / bare relay on the
-   minimal table is issue 36's figure (target >= 0.8).
+   minimal table is issue 36's figure (target >= 0.8). Last in each round, the relay at
+   its defaults in retention mode (RELAY_RETENTION_SECONDS set: sent rows moved into
+   outbox_sent): its rate over the delete mode's of the same round is issue 36's
+   "keeping history is nearly free" (target >= 0.8).
 3. The app's write path: pgbench with scripts written here (4 clients, 2 threads,
    simple protocol, no vacuum), one-row and ten-row INSERT transactions
    `INSERT INTO <table> (topic, key, payload, headers)` (200 B payload, a traceparent
    header, 100 keys) for a fixed time; then COPY of N rows in one transaction, with those
    100 keys and with a random uuid key per row (a key's index costs more the longer the
-   key). Each runs outbox, bare, then `outbox` as it was before migration 0015 (a
-   whole-key index, outbox_due_key_idx, where it has the key hash's) and before 0010
-   (two more), then the same the other way round, every run on emptied, vacuumed tables
-   after a CHECKPOINT; each run is printed, so drift shows, and the ratio is of the
-   means.
+   key). Each runs outbox, bare, `outbox` without its key-hash index (the primary key
+   the only index a new row enters), then as it was before migration 0022 (with
+   outbox_due_idx), before 0015 (a whole-key index, outbox_due_key_idx, where it has the
+   key hash's) and before 0010 (two more), then the same the other way round, after an
+   untimed run on `outbox`; every run on emptied, vacuumed tables after a CHECKPOINT;
+   each run is printed, so drift shows, and the ratio is of the means.
 
 Sizes: 200,000 rows for the loops, 300,000 for the bare relay and the relay in 2
 rounds, 15 s per pgbench run, 200,000 rows of COPY (--quick: 50,000, 100,000 in one
@@ -68,6 +72,10 @@ OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
 BEFORE_0022 = "outbox_before_0022"
 BEFORE_0015 = "outbox_before_0015"
 BEFORE_0010 = "outbox_before_0010"
+# `outbox` without outbox_due_key_hash_idx: what the app's writes would cost with the
+# primary key the only index a new row enters (docs/DESIGN.md "The indexes an insert
+# pays for").
+WITHOUT_KEY_INDEX = "outbox_without_key_index"
 DUE_IDS: LiteralString = "(id) WHERE " + DUE  # outbox_due_idx, which 0022 retired
 WHOLE_KEYS: LiteralString = "(key, id) WHERE " + DUE
 RETIRED = (
@@ -75,6 +83,7 @@ RETIRED = (
     "(key, id) WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
 )
 BEFORE = {
+    WITHOUT_KEY_INDEX: (),
     BEFORE_0022: (DUE_IDS,),
     BEFORE_0015: (DUE_IDS, WHOLE_KEYS),
     BEFORE_0010: (DUE_IDS, WHOLE_KEYS, *RETIRED),
@@ -117,7 +126,7 @@ def create_tables(conn: Conn) -> None:
             " WHERE tablename = %s AND indexdef LIKE '%%outbox_key_hash%%'",
             (table,),
         ).fetchall()
-        for (index,) in hashed if WHOLE_KEYS in definitions else ():
+        for (index,) in hashed if table == WITHOUT_KEY_INDEX or WHOLE_KEYS in definitions else ():
             # Before 0015 the key index was on whole keys: the key-hash index goes.
             conn.execute(sql.SQL("DROP INDEX {}").format(sql.SQL(index)))
         for definition in definitions:
@@ -284,13 +293,14 @@ def bare_relay(dsn: str, bootstrap: str, table: str, rows: int) -> dict[str, flo
     }
 
 
-FLOOR_WAYS = ("bare_minimal", "relay", "bare_outbox", "relay_batch_2000")
+FLOOR_WAYS = ("bare_minimal", "relay", "bare_outbox", "relay_batch_2000", "relay_keep")
 
 
 def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, Any]:
     """Per round: the bare relay on the minimal table, the relay at its defaults (delete
     mode) on `outbox`, the bare relay on `outbox`, the relay at the bare relay's batch
-    of 2000; the order reversed every other round. Figures: each way's mean over the
+    of 2000, the relay at its defaults in retention mode; the order reversed every
+    other round. Figures: each way's mean over the
     rounds, and each round's ratios."""
     runs: dict[str, list[dict[str, float]]] = {way: [] for way in FLOOR_WAYS}
     for n in range(rounds):
@@ -299,6 +309,8 @@ def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, A
                 runs[way].append(cpu.drain(dsn, bootstrap, rows))
             elif way == "relay_batch_2000":  # the bare relay's batch
                 runs[way].append(cpu.drain(dsn, bootstrap, rows, RELAY_BATCH_SIZE="2000"))
+            elif way == "relay_keep":  # retention mode: sent rows kept in outbox_sent
+                runs[way].append(cpu.drain(dsn, bootstrap, rows, RELAY_RETENTION_SECONDS="86400"))
             else:
                 table = MINIMAL if way == "bare_minimal" else OUTBOX
                 runs[way].append(bare_relay(dsn, bootstrap, table, rows))
@@ -313,6 +325,7 @@ def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, A
         ("ratio", "relay", "bare_minimal"),
         ("ratio_to_bare_outbox", "relay", "bare_outbox"),
         ("ratio_batch_2000", "relay_batch_2000", "bare_minimal"),
+        ("keep_to_delete", "relay_keep", "relay"),
     ):
         report[name] = report[way]["rows_per_s"] / report[base]["rows_per_s"]
         report[name + "_per_round"] = [
@@ -392,14 +405,18 @@ def copy_rate(dsn: str, table: str, data: bytes, rows: int) -> float:
 
 
 def write_path(dsn: str, seconds: int, copy_rows: int) -> dict[str, Any]:
-    """outbox, bare, outbox before 0015 and before 0010, then the other way round, for
-    each way of writing: each run's figure."""
+    """outbox, bare and the variants of `outbox` (BEFORE), then the other way round,
+    for each way of writing: each run's figure."""
     tables = (OUTBOX, BARE, *BEFORE)
     order = (*tables, *reversed(tables))
     report: dict[str, Any] = {"clients": CLIENTS, "threads": THREADS, "seconds": seconds}
     with psycopg.connect(dsn, autocommit=True) as conn, tempfile.TemporaryDirectory() as tmp:
         written = {table: scripts(Path(tmp), table) for table in tables}
         for way in ("one_row", "ten_rows"):
+            # Untimed first: the series' first run, cold, read a sixth lower than the
+            # same table's run in the second half.
+            fresh(conn)
+            pgbench(dsn, written[OUTBOX][way], max(2, seconds // 3))
             runs: list[dict[str, Any]] = []
             for table in order:
                 fresh(conn)
@@ -408,6 +425,8 @@ def write_path(dsn: str, seconds: int, copy_rows: int) -> dict[str, Any]:
             report[way] = _summary(runs, "tps")
         for way, uuid_keys in (("copy", False), ("copy_uuid_keys", True)):
             data = copy_data(copy_rows, uuid_keys=uuid_keys)
+            fresh(conn)
+            copy_rate(dsn, OUTBOX, data, copy_rows)  # untimed, as above
             runs = []
             for table in order:
                 fresh(conn)
@@ -490,6 +509,7 @@ def _print_floor(floor: dict[str, Any]) -> None:
         ("relay", "relay at its defaults, outbox"),
         ("bare_outbox", "bare relay, outbox"),
         ("relay_batch_2000", "relay at batch 2000, outbox"),
+        ("relay_keep", "relay at its defaults, keeping"),
     ):
         figures = floor[way]
         runs = "  ".join(
@@ -509,6 +529,12 @@ def _print_floor(floor: dict[str, Any]) -> None:
         f" {floor['ratio_to_bare_outbox']:.2f} ({rounds('ratio_to_bare_outbox')});"
         f" the relay at batch 2000 / bare relay: {floor['ratio_batch_2000']:.2f}"
         f" ({rounds('ratio_batch_2000')})",
+        flush=True,
+    )
+    print(
+        "    retention mode (RELAY_RETENTION_SECONDS=86400: sent rows moved into"
+        f" outbox_sent) / delete mode, the relay at its defaults: {floor['keep_to_delete']:.2f}"
+        f" (rounds: {rounds('keep_to_delete')}; issue 36's target >= 0.8)",
         flush=True,
     )
 
@@ -531,7 +557,8 @@ def _print_writes(writes: dict[str, Any]) -> None:
         print(
             f"    {label:>21} ({'tps' if unit == 'tps' else 'rows/s'}): {runs}"
             f"  -> outbox / bare {figures['ratio']:.2f}"
-            f" (before 0022: {figures['ratio_before_0022']:.2f},"
+            f" (without the key index: {figures['ratio_without_key_index']:.2f},"
+            f" before 0022: {figures['ratio_before_0022']:.2f},"
             f" before 0015: {figures['ratio_before_0015']:.2f},"
             f" before 0010: {figures['ratio_before_0010']:.2f})",
             flush=True,
