@@ -8,6 +8,7 @@
     ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits|tenants|console
         [--quick]
     ./dev bench --only soak [--quick | --minutes M]
+    ./dev bench --only without-key-index [--quick]
         one section alone
     ./dev bench --compare [REV] [--rows N] [--batch B ...] [--rounds R]
         this checkout's relay against REV's (default HEAD~1): CPU per message and
@@ -46,6 +47,9 @@ Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and pr
      letters with 100,000 in the table, first and deep, as whole HTTP requests
   18. soak (bench/soak.py; `--only soak` only): 500 rows/s for 30 minutes in each mode,
      the outbox's and the history's size and dead tuples and the fetch's time, sampled
+  19. without the key index (bench/without_key_index.py; `--only without-key-index`
+     only): a sketch of the fair fetch on an outbox whose primary key is its only
+     index, moving crowded keys' rows out, against first in, first out and the relay
 Results also go to bench/results/<timestamp>.json. Absolute numbers drift on a shared
 machine; compare ratios within one run.
 """
@@ -92,6 +96,7 @@ def main() -> int:
             "tenants",
             "console",
             "soak",
+            "without-key-index",
         ],
         default=None,
         help="run one section alone",
@@ -137,6 +142,8 @@ def main() -> int:
         return bench_tenants(args.quick)
     if args.only == "soak":
         return bench_soak(args.minutes or (3.0 if args.quick else 30.0))
+    if args.only == "without-key-index":
+        return bench_without_key_index(args.quick)
     return bench_kafka(args)
 
 
@@ -223,6 +230,15 @@ def bench_tenants(quick: bool) -> int:
     with servers() as (dsn, bootstrap):
         report = tenants.run(dsn, bootstrap, quick)
     save({"sink": "http+kafka", "quick": quick, "tenants": report})
+    return 0
+
+
+def bench_without_key_index(quick: bool) -> int:
+    from bench import without_key_index
+
+    with servers() as (dsn, bootstrap):
+        report = without_key_index.run(dsn, bootstrap, quick)
+    save({"sink": "kafka", "quick": quick, "without_key_index": report})
     return 0
 
 

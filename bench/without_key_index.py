@@ -1,0 +1,322 @@
+"""Without the key index: what a fair fetch would cost if the outbox's primary key were
+the only index a new row enters (issue 36, docs/DESIGN.md "The indexes an insert pays
+for"). A sketch, measured, not the relay.
+
+    ./dev bench --only without-key-index [--quick]
+
+The app's COPY runs at about 0.96 of a bare table without `outbox_due_key_hash_idx`
+and 0.78 with it (bench/baselines.py). Without it, the only way past a key's backlog is
+to move that backlog out of the outbox: rows a full head cannot send now go into a
+table of the relay's own that has a key index, and come out of it by key. This module
+runs that design as one Python loop, the bare relay's (bench/baselines.py: select,
+produce with the relay's producer guarantees, wait for every ack, delete), on a table
+with the outbox's columns and only a primary key (`lean_outbox`) and a side table
+(`lean_crowded`, primary key and `(key, id)`):
+
+1. the head: the first BATCH rows by id; a row is blocked if its key has a row with a
+   lower id in the side table;
+2. the side table's keys, by a loose index scan, each its share of BATCH;
+3. every key's first CAP rows first (the head's and the side table's, in id order),
+   then more rows of busy keys, up to BATCH (as the relay over Kafka);
+4. if the head was full and a key had more than CAP rows in it, or rows were blocked:
+   those keys' rows in the first WINDOW rows by id, but for the ones chosen, move into
+   the side table (DELETE ... RETURNING into INSERT), unless the batch is one key
+   and nobody else is in the side table: then no move for 100 ms (a key draining
+   alone), as the relay skips its sharing;
+5. produce the chosen rows, flush, delete them from both tables.
+
+Two scenarios, each drained by the sketch, by the sketch that stops moving for 100 ms
+while one key drains alone (as the relay skips its sharing), and by the same loop
+without steps 2-4 (first in, first out: FIFO), on the same table, alternating:
+- a hot key: ROWS rows of one key in front; once it flows, 250 rows of 50 other keys
+  are committed: how long until they are all delivered, how many rows were moved, and
+  the drain's rate;
+- many keys: ROWS rows over 100 keys: the drain's rate (nothing should move).
+Then the relay itself (its fair fetch, with the key index) on `outbox`, the hot-key
+scenario. One loop, serial: compare the ways with each other, not with `relay run`'s
+pipelined rates.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import Counter
+from typing import Any, LiteralString
+
+import psycopg
+from confluent_kafka import KafkaError, Message, Producer
+
+from bench import fairness
+from bench.common import BARE_PRODUCER, KEYS, PAYLOAD, TOPIC
+from bench.processes import wait_for
+
+BATCH = 1000
+CAP = BATCH // 5  # the relay's RELAY_BATCH_MAX_PER_KEY over Kafka
+WINDOW = 4 * BATCH  # rows by id a move may reach: several batches' worth a fetch
+ALONE_SECONDS = 0.1
+OTHERS, PER_OTHER = fairness.OTHERS, fairness.PER_OTHER
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+COLUMNS: LiteralString = "id, key, payload, message_id::text, created_at::text"
+
+HEAD: LiteralString = (
+    "SELECT " + COLUMNS + ","
+    " (SELECT max(c.id) FROM lean_crowded AS c) IS NOT NULL AND EXISTS ("
+    "   SELECT 1 FROM lean_crowded AS c WHERE c.key = o.key AND c.id < o.id) AS blocked"
+    " FROM lean_outbox AS o ORDER BY o.id LIMIT %(batch)s"
+)
+# The side table's keys, one descent each, and each key's share of the batch.
+CROWDED: LiteralString = (
+    "WITH RECURSIVE keys (key) AS ("
+    "   SELECT min(key) FROM lean_crowded"
+    "   UNION ALL"
+    "   SELECT (SELECT min(c.key) FROM lean_crowded AS c WHERE c.key > keys.key)"
+    "   FROM keys WHERE keys.key IS NOT NULL),"
+    " round AS (SELECT key FROM keys WHERE key IS NOT NULL LIMIT %(batch)s)"
+    " SELECT p.id, p.key, p.payload, p.message_id::text, p.created_at::text, false"
+    " FROM round CROSS JOIN LATERAL ("
+    "   SELECT * FROM lean_crowded AS c WHERE c.key = round.key ORDER BY c.id"
+    "   LIMIT (SELECT greatest(1, %(batch)s / count(*)) FROM round)) AS p"
+)
+MOVE: LiteralString = (
+    "WITH gone AS ("
+    "   DELETE FROM lean_outbox AS o"
+    "   WHERE o.id IN (SELECT w.id FROM lean_outbox AS w ORDER BY w.id LIMIT %(window)s)"
+    "     AND o.key = ANY(%(keys)s::text[]) AND o.id <> ALL(%(chosen)s::bigint[])"
+    "   RETURNING o.*)"
+    " INSERT INTO lean_crowded SELECT * FROM gone"
+)
+SETTLE: tuple[LiteralString, LiteralString] = (
+    "DELETE FROM lean_outbox WHERE id = ANY(%(ids)s::bigint[])",
+    "DELETE FROM lean_crowded WHERE id = ANY(%(ids)s::bigint[])",
+)
+
+
+def create_tables(conn: Conn) -> None:
+    drop_tables(conn)
+    conn.execute(
+        "CREATE TABLE lean_outbox (LIKE outbox INCLUDING DEFAULTS INCLUDING IDENTITY,"
+        " PRIMARY KEY (id))"
+    )
+    conn.execute("CREATE TABLE lean_crowded (LIKE outbox INCLUDING DEFAULTS, PRIMARY KEY (id))")
+    conn.execute("CREATE INDEX lean_crowded_key_idx ON lean_crowded (key, id)")
+
+
+def drop_tables(conn: Conn) -> None:
+    conn.execute("DROP TABLE IF EXISTS lean_outbox, lean_crowded")
+
+
+def _choose(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Step 3: every key's first CAP rows, then more of busy keys, BATCH at most; each
+    key a prefix of its rows (places in id order), in id order."""
+    rows = sorted(rows, key=lambda r: r[0])
+    seen: Counter[str] = Counter()
+    placed = []
+    for row in rows:
+        seen[row[1]] += 1
+        placed.append((seen[row[1]] > CAP, seen[row[1]], row[0], row))
+    placed.sort(key=lambda p: p[:3])
+    return sorted((p[3] for p in placed[:BATCH]), key=lambda r: r[0])
+
+
+# The loops compared: the sketch moving at every crowded fetch, the sketch that stops
+# moving for ALONE_SECONDS while one key drains alone, and first in, first out.
+WAYS = ("sketch", "sketch_skip_alone", "fifo")
+
+
+class Loop:
+    """One of WAYS, draining until stopped; counts what it delivered and moved, and
+    when the others' rows were all delivered."""
+
+    def __init__(self, dsn: str, bootstrap: str, way: str) -> None:
+        self.dsn, self.fair, self.skip_alone = dsn, way != "fifo", way == "sketch_skip_alone"
+        self.producer = Producer({"bootstrap.servers": bootstrap, **BARE_PRODUCER})
+        self.delivered = 0
+        self.moved = 0
+        self.others_left = OTHERS * PER_OTHER
+        self.others_done = threading.Event()
+        self.stop = threading.Event()
+        self.failed: list[str] = []
+        self._alone_until = 0.0
+
+    def _report(self, error: KafkaError | None, _message: Message) -> None:
+        if error is not None:
+            self.failed.append(error.str())
+
+    def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:
+        head = conn.execute(HEAD, {"batch": BATCH}).fetchall()
+        if not self.fair:
+            return [r[:5] for r in head]
+        ready = [r for r in head if not r[5]]
+        crowded = conn.execute(CROWDED, {"batch": BATCH}).fetchall() if self.moved else []
+        chosen = _choose([r[:5] for r in ready] + [r[:5] for r in crowded])
+        counts = Counter(r[1] for r in ready)
+        busy = {k for k, n in counts.items() if n > CAP} | {r[1] for r in head if r[5]}
+        if len(head) == BATCH and busy:
+            alone = len({r[1] for r in chosen}) == 1 and {r[1] for r in crowded} <= {
+                r[1] for r in chosen
+            }
+            now = time.monotonic()
+            if self.skip_alone and alone:
+                if now < self._alone_until:
+                    return chosen
+                self._alone_until = now + ALONE_SECONDS
+            cur = conn.execute(
+                MOVE,
+                {"window": WINDOW, "keys": sorted(busy), "chosen": [r[0] for r in chosen]},
+            )
+            self.moved += cur.rowcount
+        return chosen
+
+    def run(self) -> None:
+        produce = self.producer.produce
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("SET plan_cache_mode = force_custom_plan")
+            while not self.stop.is_set():
+                with conn.transaction():
+                    batch = self._fetch(conn)
+                if not batch:
+                    time.sleep(0.005)
+                    continue
+                for _id, key, payload, message_id, created_at in batch:
+                    headers = [("message-id", message_id), ("created-at", created_at)]
+                    while True:
+                        try:
+                            produce(TOPIC, payload, key, -1, self._report, None, 0, headers)
+                            break
+                        except BufferError:
+                            self.producer.poll(0.01)
+                left = self.producer.flush(60)
+                assert left == 0 and not self.failed, f"{left} undelivered: {self.failed[:3]}"
+                ids = [r[0] for r in batch]
+                with conn.transaction():
+                    for statement in SETTLE:
+                        conn.execute(statement, {"ids": ids})
+                self.delivered += len(batch)
+                others = sum(1 for r in batch if r[1].startswith("o"))
+                if others:
+                    self.others_left -= others
+                    if self.others_left <= 0:
+                        self.others_done.set()
+
+
+def _load(dsn: str, keys: int, rows: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE lean_outbox, lean_crowded")
+        conn.execute(
+            "INSERT INTO lean_outbox (topic, key, payload)"
+            " SELECT %s, CASE WHEN %s = 1 THEN 'H' ELSE 'k' || (g %% %s) END, %s"
+            " FROM generate_series(1, %s) AS g",
+            (TOPIC, keys, keys, PAYLOAD, rows),
+        )
+        conn.execute("VACUUM ANALYZE lean_outbox")
+        conn.execute("VACUUM ANALYZE lean_crowded")
+
+
+def _others(dsn: str) -> float:
+    """The other keys' rows (bench/fairness.py's), in one transaction; the commit time."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO lean_outbox (topic, key, payload)"
+            " SELECT %s, 'o' || (g %% %s), 'o' FROM generate_series(1, %s) AS g",
+            (TOPIC, OTHERS, OTHERS * PER_OTHER),
+        )
+    return time.monotonic()
+
+
+def sketch(dsn: str, bootstrap: str, rows: int, *, keys: int, way: str) -> dict[str, Any]:
+    """One drain by a loop of WAYS of `rows` rows over `keys` keys (1: the hot key H);
+    with one key, the others' rows once it flows."""
+    _load(dsn, keys, rows)
+    loop = Loop(dsn, bootstrap, way)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    result: dict[str, Any] = {"way": way, "keys": keys, "rows": rows}
+    total = rows
+    try:
+        if keys == 1:
+            wait_for(lambda: loop.delivered > 0, 60, "the hot key flowing")
+            committed = _others(dsn)
+            total += OTHERS * PER_OTHER
+            if not loop.others_done.wait(600):
+                raise TimeoutError("bench: the other keys were never delivered")
+            result["others_delivered_s"] = time.monotonic() - committed
+            result["hot_rows_left_then"] = total - loop.delivered
+        wait_for(lambda: loop.delivered >= total, 600, "the drain")
+        result["rows_per_s"] = total / (time.monotonic() - started)
+        result["moved"] = loop.moved
+    finally:
+        loop.stop.set()
+        thread.join(60)
+    return result
+
+
+def relay_hot_key(dsn: str, bootstrap: str, rows: int) -> dict[str, Any]:
+    """The relay itself (its fair fetch, with the key index) on `outbox`, the same
+    scenario (bench/fairness.py's)."""
+    return {"way": "relay", "keys": 1, "rows": rows, **fairness.hot_key(dsn, bootstrap, rows)}
+
+
+def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
+    rows = 100_000 if quick else 300_000
+    rounds = 1 if quick else 2
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_tables(conn)
+    runs: list[dict[str, Any]] = []
+    try:
+        for n in range(rounds):
+            for keys in (1, KEYS):
+                for way in WAYS if n % 2 == 0 else WAYS[::-1]:
+                    runs.append(sketch(dsn, bootstrap, rows, keys=keys, way=way))
+            runs.append(relay_hot_key(dsn, bootstrap, rows))
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            drop_tables(conn)
+    report = {"rows": rows, "rounds": rounds, "batch": BATCH, "window": WINDOW, "runs": runs}
+    _print(report)
+    return report
+
+
+def _print(report: dict[str, Any]) -> None:
+    runs = report["runs"]
+
+    def mean(way: str, keys: int, field: str) -> float:
+        return float(
+            statistics.mean(r[field] for r in runs if r["way"] == way and r["keys"] == keys)
+        )
+
+    print(
+        f"\n    without the key index (a sketch), {report['rows']:,} rows, batch"
+        f" {report['batch']}, moves reaching {report['window']:,} rows by id,"
+        f" {report['rounds']} round(s):",
+        flush=True,
+    )
+    for r in runs:
+        extra = (
+            f", others in {r['others_delivered_s']:.2f} s"
+            f" ({r['hot_rows_left_then']:,} hot rows left)"
+            if "others_delivered_s" in r
+            else ""
+        )
+        rate = f"{r['rows_per_s']:,.0f} rows/s" if "rows_per_s" in r else ""
+        moved = f", {r['moved']:,} moved" if "moved" in r else ""
+        print(f"    {r['way']:>7} {r['keys']:>3} key(s): {rate}{moved}{extra}", flush=True)
+    fifo = {keys: mean("fifo", keys, "rows_per_s") for keys in (1, KEYS)}
+    print(
+        "    a hot key in front, the others' 250 rows delivered after: the relay (its key"
+        f" index) {mean('relay', 1, 'others_delivered_s'):.2f} s,"
+        f" sketch {mean('sketch', 1, 'others_delivered_s'):.2f} s, sketch skipping"
+        f" {mean('sketch_skip_alone', 1, 'others_delivered_s'):.2f} s,"
+        f" FIFO {mean('fifo', 1, 'others_delivered_s'):.2f} s",
+        flush=True,
+    )
+    for way in ("sketch", "sketch_skip_alone"):
+        print(
+            f"    drain rate {way} / FIFO: a hot key {mean(way, 1, 'rows_per_s') / fifo[1]:.2f},"
+            f" {KEYS} keys {mean(way, KEYS, 'rows_per_s') / fifo[KEYS]:.2f}",
+            flush=True,
+        )
