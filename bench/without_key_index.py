@@ -19,22 +19,33 @@ with the outbox's columns and only a primary key (`lean_outbox`) and a side tabl
 3. every key's first CAP rows first (the head's and the side table's, in id order),
    then more rows of busy keys, up to BATCH (as the relay over Kafka);
 4. if the head was full and a key had more than CAP rows in it, or rows were blocked:
-   those keys' rows in the first WINDOW rows by id, but for the ones chosen, move into
-   the side table (DELETE ... RETURNING into INSERT), unless the batch is one key
-   and nobody else is in the side table: then no move for 100 ms (a key draining
-   alone), as the relay skips its sharing;
+   those keys' rows among the first `window` rows by id, but for the ones chosen, move
+   into the side table (DELETE ... RETURNING into INSERT);
 5. produce the chosen rows, flush, delete them from both tables.
 
-Two scenarios, each drained by the sketch, by the sketch that stops moving for 100 ms
-while one key drains alone (as the relay skips its sharing), and by the same loop
-without steps 2-4 (first in, first out: FIFO), on the same table, alternating:
-- a hot key: ROWS rows of one key in front; once it flows, 250 rows of 50 other keys
-  are committed: how long until they are all delivered, how many rows were moved, and
-  the drain's rate;
-- many keys: ROWS rows over 100 keys: the drain's rate (nothing should move).
-Then the relay itself (its fair fetch, with the key index) on `outbox`, the hot-key
-scenario. One loop, serial: compare the ways with each other, not with `relay run`'s
-pipelined rates.
+Each move takes every row of its keys that it can see in its window, and a key's later
+rows have higher ids, so a key's rows go in id order as long as the app serializes its
+writes per key (the relay's own condition for its order promise): a row that commits
+late below a moved one could otherwise be passed. The round over the side table's keys
+always starts at the first key (the relay's goes on from where the last one stopped):
+with more crowded keys than a batch holds, the last ones would wait. Neither happens
+here.
+
+The ways, on the same table, alternating: `sketch` (a move reaches 4 batches by id),
+`sketch_wide` (16), `sketch_skip_alone` (4, but no move for 100 ms after a batch that
+is all one key with no other key in the side table, as the relay skips its sharing
+while a key drains alone; without the key index the loop cannot tell a key alone from
+one in front of others, so this is close to FIFO with a move now and then), and `fifo`
+(steps 1 and 5 only). The scenarios:
+- hot: ROWS rows of one key in front; once it flows, 250 rows of 50 other keys are
+  committed: how long until they are all delivered, and how many rows were then still
+  to go; how many rows were moved, and the whole drain's rate;
+- skewed: ROWS rows, a third of them of one key, the rest over 100 keys;
+- even: ROWS rows over 100 keys (nothing should move).
+Then the relay itself (its fair fetch, with the key index) on `outbox`, the hot
+scenario (bench/fairness.py's). The loop is serial (the relay is pipelined): compare
+the ways with each other, and the relay's "others delivered" figure with theirs only
+roughly.
 """
 
 from __future__ import annotations
@@ -54,7 +65,8 @@ from bench.processes import wait_for
 
 BATCH = 1000
 CAP = BATCH // 5  # the relay's RELAY_BATCH_MAX_PER_KEY over Kafka
-WINDOW = 4 * BATCH  # rows by id a move may reach: several batches' worth a fetch
+# Rows by id a move may reach, by way: the head advances by up to this much a fetch.
+WINDOWS = {"sketch": 4 * BATCH, "sketch_wide": 16 * BATCH, "sketch_skip_alone": 4 * BATCH}
 ALONE_SECONDS = 0.1
 OTHERS, PER_OTHER = fairness.OTHERS, fairness.PER_OTHER
 
@@ -122,9 +134,10 @@ def _choose(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return sorted((p[3] for p in placed[:BATCH]), key=lambda r: r[0])
 
 
-# The loops compared: the sketch moving at every crowded fetch, the sketch that stops
-# moving for ALONE_SECONDS while one key drains alone, and first in, first out.
-WAYS = ("sketch", "sketch_skip_alone", "fifo")
+# The loops compared: the sketch moving at every crowded fetch (two windows), the
+# sketch that stops moving for ALONE_SECONDS while one key seems to drain alone, and
+# first in, first out.
+WAYS = ("sketch", "sketch_wide", "sketch_skip_alone", "fifo")
 
 
 class Loop:
@@ -133,14 +146,18 @@ class Loop:
 
     def __init__(self, dsn: str, bootstrap: str, way: str) -> None:
         self.dsn, self.fair, self.skip_alone = dsn, way != "fifo", way == "sketch_skip_alone"
+        self.window = WINDOWS.get(way, 0)
         self.producer = Producer({"bootstrap.servers": bootstrap, **BARE_PRODUCER})
         self.delivered = 0
         self.moved = 0
         self.others_left = OTHERS * PER_OTHER
         self.others_done = threading.Event()
+        self.left_then = 0  # rows not yet delivered when the others' last one was
+        self.error: BaseException | None = None
         self.stop = threading.Event()
         self.failed: list[str] = []
         self._alone_until = 0.0
+        self.expected = 0  # rows the drain will deliver in all (set by the caller)
 
     def _report(self, error: KafkaError | None, _message: Message) -> None:
         if error is not None:
@@ -166,12 +183,25 @@ class Loop:
                 self._alone_until = now + ALONE_SECONDS
             cur = conn.execute(
                 MOVE,
-                {"window": WINDOW, "keys": sorted(busy), "chosen": [r[0] for r in chosen]},
+                {"window": self.window, "keys": sorted(busy), "chosen": [r[0] for r in chosen]},
             )
             self.moved += cur.rowcount
         return chosen
 
     def run(self) -> None:
+        try:
+            self._drain()
+        except BaseException as exc:  # seen by the waiting side, which stops at once
+            self.error = exc
+            self.others_done.set()
+            raise
+
+    def pending(self, total: int) -> bool:
+        if self.error is not None:
+            raise RuntimeError("bench: the loop failed") from self.error
+        return self.delivered < total
+
+    def _drain(self) -> None:
         produce = self.producer.produce
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("SET plan_cache_mode = force_custom_plan")
@@ -200,17 +230,27 @@ class Loop:
                 if others:
                     self.others_left -= others
                     if self.others_left <= 0:
+                        self.left_then = self.expected - self.delivered
                         self.others_done.set()
 
 
-def _load(dsn: str, keys: int, rows: int) -> None:
+# The scenarios: one hot key (the others' rows come once it flows), a skewed mix (a
+# third of the rows on one key, the rest over KEYS keys), and KEYS keys evenly.
+SCENARIOS = ("hot", "skewed", "even")
+
+
+def _load(dsn: str, scenario: str, rows: int) -> None:
+    key = {
+        "hot": "'H'",
+        "skewed": "CASE WHEN g %% 3 = 0 THEN 'H' ELSE 'k' || (g %% %(keys)s) END",
+        "even": "'k' || (g %% %(keys)s)",
+    }[scenario]
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE lean_outbox, lean_crowded")
         conn.execute(
-            "INSERT INTO lean_outbox (topic, key, payload)"
-            " SELECT %s, CASE WHEN %s = 1 THEN 'H' ELSE 'k' || (g %% %s) END, %s"
-            " FROM generate_series(1, %s) AS g",
-            (TOPIC, keys, keys, PAYLOAD, rows),
+            "INSERT INTO lean_outbox (topic, key, payload) SELECT %(topic)s, " + key + ","
+            " %(payload)s FROM generate_series(1, %(rows)s) AS g",
+            {"topic": TOPIC, "keys": KEYS, "payload": PAYLOAD, "rows": rows},
         )
         conn.execute("VACUUM ANALYZE lean_outbox")
         conn.execute("VACUUM ANALYZE lean_crowded")
@@ -227,27 +267,27 @@ def _others(dsn: str) -> float:
     return time.monotonic()
 
 
-def sketch(dsn: str, bootstrap: str, rows: int, *, keys: int, way: str) -> dict[str, Any]:
-    """One drain by a loop of WAYS of `rows` rows over `keys` keys (1: the hot key H);
-    with one key, the others' rows once it flows."""
-    _load(dsn, keys, rows)
+def sketch(dsn: str, bootstrap: str, rows: int, *, scenario: str, way: str) -> dict[str, Any]:
+    """One drain by a loop of WAYS of `rows` rows of a scenario; with the hot key, the
+    others' rows once it flows."""
+    _load(dsn, scenario, rows)
     loop = Loop(dsn, bootstrap, way)
+    loop.expected = rows + (OTHERS * PER_OTHER if scenario == "hot" else 0)
     thread = threading.Thread(target=loop.run, daemon=True)
-    started = time.monotonic()
+    started = time.monotonic()  # the producer's and the session's start-up included
     thread.start()
-    result: dict[str, Any] = {"way": way, "keys": keys, "rows": rows}
-    total = rows
+    result: dict[str, Any] = {"way": way, "scenario": scenario, "rows": rows}
     try:
-        if keys == 1:
-            wait_for(lambda: loop.delivered > 0, 60, "the hot key flowing")
+        if scenario == "hot":
+            wait_for(lambda: not loop.pending(1), 60, "the hot key flowing")
             committed = _others(dsn)
-            total += OTHERS * PER_OTHER
             if not loop.others_done.wait(600):
                 raise TimeoutError("bench: the other keys were never delivered")
+            loop.pending(0)  # raises if the loop failed
             result["others_delivered_s"] = time.monotonic() - committed
-            result["hot_rows_left_then"] = total - loop.delivered
-        wait_for(lambda: loop.delivered >= total, 600, "the drain")
-        result["rows_per_s"] = total / (time.monotonic() - started)
+            result["hot_rows_left_then"] = loop.left_then
+        wait_for(lambda: not loop.pending(loop.expected), 600, "the drain")
+        result["rows_per_s"] = loop.expected / (time.monotonic() - started)
         result["moved"] = loop.moved
     finally:
         loop.stop.set()
@@ -258,7 +298,12 @@ def sketch(dsn: str, bootstrap: str, rows: int, *, keys: int, way: str) -> dict[
 def relay_hot_key(dsn: str, bootstrap: str, rows: int) -> dict[str, Any]:
     """The relay itself (its fair fetch, with the key index) on `outbox`, the same
     scenario (bench/fairness.py's)."""
-    return {"way": "relay", "keys": 1, "rows": rows, **fairness.hot_key(dsn, bootstrap, rows)}
+    return {
+        "way": "relay",
+        "scenario": "hot",
+        "rows": rows,
+        **fairness.hot_key(dsn, bootstrap, rows),
+    }
 
 
 def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
@@ -269,14 +314,14 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         for n in range(rounds):
-            for keys in (1, KEYS):
+            for scenario in SCENARIOS:
                 for way in WAYS if n % 2 == 0 else WAYS[::-1]:
-                    runs.append(sketch(dsn, bootstrap, rows, keys=keys, way=way))
+                    runs.append(sketch(dsn, bootstrap, rows, scenario=scenario, way=way))
             runs.append(relay_hot_key(dsn, bootstrap, rows))
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             drop_tables(conn)
-    report = {"rows": rows, "rounds": rounds, "batch": BATCH, "window": WINDOW, "runs": runs}
+    report = {"rows": rows, "rounds": rounds, "batch": BATCH, "windows": WINDOWS, "runs": runs}
     _print(report)
     return report
 
@@ -284,39 +329,34 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
 def _print(report: dict[str, Any]) -> None:
     runs = report["runs"]
 
-    def mean(way: str, keys: int, field: str) -> float:
+    def mean(way: str, scenario: str, field: str) -> float:
         return float(
-            statistics.mean(r[field] for r in runs if r["way"] == way and r["keys"] == keys)
+            statistics.mean(r[field] for r in runs if r["way"] == way and r["scenario"] == scenario)
         )
 
+    windows = ", ".join(f"{way} {window:,}" for way, window in report["windows"].items())
     print(
-        f"\n    without the key index (a sketch), {report['rows']:,} rows, batch"
-        f" {report['batch']}, moves reaching {report['window']:,} rows by id,"
-        f" {report['rounds']} round(s):",
+        f"\n19. without the key index (a sketch: one serial loop), {report['rows']:,} rows,"
+        f" batch {report['batch']}, a move reaching this many rows by id: {windows};"
+        f" {report['rounds']} round(s), each run:",
         flush=True,
     )
     for r in runs:
-        extra = (
-            f", others in {r['others_delivered_s']:.2f} s"
-            f" ({r['hot_rows_left_then']:,} hot rows left)"
-            if "others_delivered_s" in r
-            else ""
-        )
-        rate = f"{r['rows_per_s']:,.0f} rows/s" if "rows_per_s" in r else ""
-        moved = f", {r['moved']:,} moved" if "moved" in r else ""
-        print(f"    {r['way']:>7} {r['keys']:>3} key(s): {rate}{moved}{extra}", flush=True)
-    fifo = {keys: mean("fifo", keys, "rows_per_s") for keys in (1, KEYS)}
+        parts = [f"{r['rows_per_s']:,.0f} rows/s"] if "rows_per_s" in r else []
+        parts += [f"{r['moved']:,} moved"] if "moved" in r else []
+        if "others_delivered_s" in r:
+            parts.append(
+                f"the others' rows in {r['others_delivered_s']:.2f} s"
+                f" ({r['hot_rows_left_then']:,} rows left then)"
+            )
+        print(f"    {r['scenario']:>6} {r['way']:>17}: " + ", ".join(parts), flush=True)
     print(
-        "    a hot key in front, the others' 250 rows delivered after: the relay (its key"
-        f" index) {mean('relay', 1, 'others_delivered_s'):.2f} s,"
-        f" sketch {mean('sketch', 1, 'others_delivered_s'):.2f} s, sketch skipping"
-        f" {mean('sketch_skip_alone', 1, 'others_delivered_s'):.2f} s,"
-        f" FIFO {mean('fifo', 1, 'others_delivered_s'):.2f} s",
+        "    the others' 250 rows behind a hot key, delivered after: the relay (with the key"
+        f" index) {mean('relay', 'hot', 'others_delivered_s'):.2f} s, "
+        + ", ".join(f"{way} {mean(way, 'hot', 'others_delivered_s'):.2f} s" for way in WAYS),
         flush=True,
     )
-    for way in ("sketch", "sketch_skip_alone"):
-        print(
-            f"    drain rate {way} / FIFO: a hot key {mean(way, 1, 'rows_per_s') / fifo[1]:.2f},"
-            f" {KEYS} keys {mean(way, KEYS, 'rows_per_s') / fifo[KEYS]:.2f}",
-            flush=True,
-        )
+    fifo = {scenario: mean("fifo", scenario, "rows_per_s") for scenario in SCENARIOS}
+    for way in WAYS[:-1]:
+        ratios = (f"{s} {mean(way, s, 'rows_per_s') / fifo[s]:.2f}" for s in SCENARIOS)
+        print(f"    drain rate {way} / fifo: " + ", ".join(ratios), flush=True)
