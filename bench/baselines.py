@@ -60,7 +60,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from psycopg import sql
 
 from bench import cpu
-from bench.common import BARE_PRODUCER, DUE, KEYS, PAYLOAD, TOPIC, preload
+from bench.common import BARE_PRODUCER, DUE, KEYS, PAYLOAD, TOPIC, preload, produce_batch
 from relay.batch import SentRows
 from relay.queries import QUERIES
 from tests.harness.postgres import find_pg_bin
@@ -127,7 +127,7 @@ def create_tables(conn: Conn) -> None:
             (table,),
         ).fetchall()
         for (index,) in hashed if table == WITHOUT_KEY_INDEX or WHOLE_KEYS in definitions else ():
-            # Before 0015 the key index was on whole keys: the key-hash index goes.
+            # Without the key index, or before 0015 (whole keys): the key-hash index goes.
             conn.execute(sql.SQL("DROP INDEX {}").format(sql.SQL(index)))
         for definition in definitions:
             conn.execute(sql.SQL("CREATE INDEX ON {} " + definition).format(before))
@@ -259,7 +259,6 @@ def bare_relay(dsn: str, bootstrap: str, table: str, rows: int) -> dict[str, flo
         if error is not None:
             failed.append(error.str())
 
-    produce = producer.produce
     timed = 0
     started = cpu_started = 0.0
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -268,15 +267,7 @@ def bare_relay(dsn: str, bootstrap: str, table: str, rows: int) -> dict[str, flo
             batch = conn.execute(fetch, {"limit": RELAY_BATCH}).fetchall()
             if not batch:
                 break
-            for _id, message_id, topic, key, payload, created_at in batch:
-                headers = [("message-id", message_id), ("created-at", created_at)]
-                while True:
-                    try:  # positional, as the relay's sink calls it
-                        produce(topic, payload, key, -1, report, None, 0, headers)
-                        break
-                    except BufferError:
-                        producer.poll(0.01)
-            left = producer.flush(60)
+            left = produce_batch(producer, batch, report)
             assert left == 0 and not failed, f"{left} undelivered, failures: {failed[:3]}"
             conn.execute(delete, {"ids": [r[0] for r in batch]})
             if first:  # as bench/cpu.py: timed from the first settled batch on

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from bench.common import DUE, TOPIC, relay_settings
@@ -36,12 +37,14 @@ def _fill(conn: psycopg.Connection[Any], key: str, rows: int, payload_bytes: int
     )
 
 
-def _others(conn: psycopg.Connection[Any]) -> float:
-    """Insert the other keys' rows in one transaction; return the commit time."""
+def commit_others(conn: psycopg.Connection[Any], table: str = "outbox") -> float:
+    """Insert the other keys' rows into `table` in one transaction; the commit time."""
     with conn.transaction():
         conn.execute(
-            "INSERT INTO outbox (topic, key, payload)"
-            " SELECT %s, 'o' || (g %% %s), 'o' FROM generate_series(1, %s) g",
+            sql.SQL(
+                "INSERT INTO {} (topic, key, payload)"
+                " SELECT %s, 'o' || (g %% %s), 'o' FROM generate_series(1, %s) g"
+            ).format(sql.Identifier(table)),
             (TOPIC, OTHERS, OTHERS * PER_OTHER),
         )
     return time.monotonic()
@@ -120,7 +123,7 @@ def blocked_backlog(dsn: str, bootstrap: str, backlog: int) -> dict[str, float]:
         conn.execute("VACUUM ANALYZE outbox")
         with running_relay(relay_settings(dsn, bootstrap)):
             wait_for(lambda: holder(conn), 30, "a lease holder")
-            committed = _others(conn)
+            committed = commit_others(conn)
             _wait(lambda: not _others_left(conn), 120, "the other keys")
             others_s = time.monotonic() - committed
         fetch_ms = _fetch_ms(dsn, 500)
@@ -132,7 +135,7 @@ def _others_behind_hot_key(conn: psycopg.Connection[Any]) -> tuple[float, float,
     (commit time, seconds until they were all delivered, H's rows still waiting then)."""
     first = _first_left(conn, "H")
     _wait(lambda: _first_left(conn, "H") != first, 60, "the hot key flowing")
-    committed = _others(conn)
+    committed = commit_others(conn)
     _wait(lambda: not _others_left(conn), 300, "the other keys")
     return committed, time.monotonic() - committed, _left(conn, "H")
 

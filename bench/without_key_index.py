@@ -60,7 +60,7 @@ import psycopg
 from confluent_kafka import KafkaError, Message, Producer
 
 from bench import fairness
-from bench.common import BARE_PRODUCER, KEYS, PAYLOAD, TOPIC
+from bench.common import BARE_PRODUCER, KEYS, PAYLOAD, TOPIC, produce_batch
 from bench.processes import wait_for
 
 BATCH = 1000
@@ -72,7 +72,9 @@ OTHERS, PER_OTHER = fairness.OTHERS, fairness.PER_OTHER
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
-COLUMNS: LiteralString = "id, key, payload, message_id::text, created_at::text"
+# A row as bench/common.py's produce_batch takes it (the bare relay's), then `blocked`.
+COLUMNS: LiteralString = "id, message_id::text, topic, key, payload, created_at::text"
+KEY, BLOCKED = 3, 6
 
 # Blocked: the key has a lower id in the side table. Looked for downwards from the row's
 # id (a scalar subquery: an EXISTS would drop the order): the key's rows sent from the
@@ -93,7 +95,7 @@ CROWDED: LiteralString = (
     "   SELECT (SELECT min(c.key) FROM lean_crowded AS c WHERE c.key > keys.key)"
     "   FROM keys WHERE keys.key IS NOT NULL),"
     " round AS (SELECT key FROM keys WHERE key IS NOT NULL LIMIT %(batch)s)"
-    " SELECT p.id, p.key, p.payload, p.message_id::text, p.created_at::text, false"
+    " SELECT p.id, p.message_id::text, p.topic, p.key, p.payload, p.created_at::text, false"
     " FROM round CROSS JOIN LATERAL ("
     "   SELECT * FROM lean_crowded AS c WHERE c.key = round.key ORDER BY c.id"
     "   LIMIT (SELECT greatest(1, %(batch)s / count(*)) FROM round)) AS p"
@@ -136,8 +138,8 @@ def _choose(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     seen: Counter[str] = Counter()
     placed = []
     for row in rows:
-        seen[row[1]] += 1
-        placed.append((seen[row[1]] > CAP, seen[row[1]], row[0], row))
+        seen[row[KEY]] += 1
+        placed.append((seen[row[KEY]] > CAP, seen[row[KEY]], row[0], row))
     placed.sort(key=lambda p: p[:3])
     return sorted((p[3] for p in placed[:BATCH]), key=lambda r: r[0])
 
@@ -174,17 +176,17 @@ class Loop:
     def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:
         head = conn.execute(HEAD, {"batch": BATCH}).fetchall()
         if not self.fair:
-            return [r[:5] for r in head]
-        ready = [r for r in head if not r[5]]
+            return [r[:BLOCKED] for r in head]
+        ready = [r for r in head if not r[BLOCKED]]
         crowded = conn.execute(CROWDED, {"batch": BATCH}).fetchall() if self.moved else []
-        counts = Counter(r[1] for r in ready)
-        busy = {k for k, n in counts.items() if n > CAP} | {r[1] for r in head if r[5]}
+        counts = Counter(r[KEY] for r in ready)
+        busy = {k for k, n in counts.items() if n > CAP} | {r[KEY] for r in head if r[BLOCKED]}
         if not crowded and not busy:
-            return [r[:5] for r in ready]  # the usual head: nothing to share out
-        chosen = _choose([r[:5] for r in ready] + [r[:5] for r in crowded])
+            return [r[:BLOCKED] for r in ready]  # the usual head: nothing to share out
+        chosen = _choose([r[:BLOCKED] for r in ready] + [r[:BLOCKED] for r in crowded])
         if len(head) == BATCH and busy:
-            alone = len({r[1] for r in chosen}) == 1 and {r[1] for r in crowded} <= {
-                r[1] for r in chosen
+            alone = len({r[KEY] for r in chosen}) == 1 and {r[KEY] for r in crowded} <= {
+                r[KEY] for r in chosen
             }
             now = time.monotonic()
             if self.skip_alone and alone:
@@ -212,7 +214,6 @@ class Loop:
         return self.delivered < total
 
     def _drain(self) -> None:
-        produce = self.producer.produce
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             # Every statement here is an index walk or probe, as the drain's session plans
             # them (relay/sql/drain.sql, walk_indexes_in_order): the side table grows from
@@ -226,22 +227,14 @@ class Loop:
                 if not batch:
                     time.sleep(0.005)
                     continue
-                for _id, key, payload, message_id, created_at in batch:
-                    headers = [("message-id", message_id), ("created-at", created_at)]
-                    while True:
-                        try:
-                            produce(TOPIC, payload, key, -1, self._report, None, 0, headers)
-                            break
-                        except BufferError:
-                            self.producer.poll(0.01)
-                left = self.producer.flush(60)
+                left = produce_batch(self.producer, batch, self._report)
                 assert left == 0 and not self.failed, f"{left} undelivered: {self.failed[:3]}"
                 ids = [r[0] for r in batch]
                 with conn.transaction():
                     for statement in SETTLE:
                         conn.execute(statement, {"ids": ids})
                 self.delivered += len(batch)
-                others = sum(1 for r in batch if r[1].startswith("o"))
+                others = sum(1 for r in batch if r[KEY].startswith("o"))
                 if others:
                     self.others_left -= others
                     if self.others_left <= 0:
@@ -271,17 +264,6 @@ def _load(dsn: str, scenario: str, rows: int) -> None:
         conn.execute("VACUUM ANALYZE lean_crowded")
 
 
-def _others(dsn: str) -> float:
-    """The other keys' rows (bench/fairness.py's), in one transaction; the commit time."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO lean_outbox (topic, key, payload)"
-            " SELECT %s, 'o' || (g %% %s), 'o' FROM generate_series(1, %s) AS g",
-            (TOPIC, OTHERS, OTHERS * PER_OTHER),
-        )
-    return time.monotonic()
-
-
 def sketch(dsn: str, bootstrap: str, rows: int, *, scenario: str, way: str) -> dict[str, Any]:
     """One drain by a loop of WAYS of `rows` rows of a scenario; with the hot key, the
     others' rows once it flows."""
@@ -295,7 +277,8 @@ def sketch(dsn: str, bootstrap: str, rows: int, *, scenario: str, way: str) -> d
     try:
         if scenario == "hot":
             wait_for(lambda: not loop.pending(1), 60, "the hot key flowing")
-            committed = _others(dsn)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                committed = fairness.commit_others(conn, "lean_outbox")
             if not loop.others_done.wait(600):
                 raise TimeoutError("bench: the other keys were never delivered")
             loop.pending(0)  # raises if the loop failed
