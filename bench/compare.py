@@ -41,7 +41,8 @@ def run(
         print(f"raw loop at batch 2000: {raw_2000:,.0f} rows/s")
         print(
             f"{'batch':>6} {'raw rows/s':>11} {'old rows/s':>11} {'new rows/s':>11}"
-            f" {'old µs/msg':>11} {'new µs/msg':>11} {'new/old':>8} {'old/raw':>8}"
+            f" {'old µs/msg':>11} {'new µs/msg':>11} {'new/old':>8}"
+            f" {'old db µs':>10} {'new db µs':>10} {'db n/o':>7} {'old/raw':>8}"
             f" {'new/raw':>8} {'new/raw2k':>9}"
         )
         # Last, each side at its own defaults (its own RELAY_BATCH_SIZE default), against
@@ -70,12 +71,16 @@ def run(
                 f"{label:>6} {raw:>11,.0f} {row['old_rows_per_s']:>11,.0f}"
                 f" {row['new_rows_per_s']:>11,.0f} {row['old_cpu_us_per_msg']:>11.2f}"
                 f" {row['new_cpu_us_per_msg']:>11.2f} {row['cpu_new_over_old']:>8.2f}"
+                f" {row['old_db_cpu_us_per_msg']:>10.2f} {row['new_db_cpu_us_per_msg']:>10.2f}"
+                f" {row['db_cpu_new_over_old']:>7.2f}"
                 f" {row['old_rows_per_s'] / raw:>8.2f} {row['new_rows_per_s'] / raw:>8.2f}"
                 f" {row['new_rows_per_s'] / raw_2000:>9.2f}",
                 flush=True,
             )
     print(
-        "new/old: CPU per message, lower is better (median of the rounds' ratios);"
+        "new/old: the relay's CPU per message, lower is better (median of the rounds'"
+        " ratios); db µs: the database server's CPU per message in the same window,"
+        " db n/o its ratio;"
         " x/raw: throughput against the bare loop at the same batch, raw2k: at batch 2000;"
         f" {defaults}: each side at its own default batch size (raw = the loop at 2000)"
     )
@@ -103,11 +108,14 @@ def _default_batch(source: Path) -> int:
 def _medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for side, results in runs.items():
-        for figure in ("rows_per_s", "cpu_us_per_msg"):
+        for figure in ("rows_per_s", "cpu_us_per_msg", "db_cpu_us_per_msg"):
             out[f"{side}_{figure}"] = statistics.median(r[figure] for r in results)
         out[f"{side}_runs"] = results
-    out["cpu_new_over_old"] = statistics.median(
-        new["cpu_us_per_msg"] / old["cpu_us_per_msg"]
-        for old, new in zip(runs["old"], runs["new"], strict=True)
-    )
+    for figure, ratio in (
+        ("cpu_us_per_msg", "cpu_new_over_old"),
+        ("db_cpu_us_per_msg", "db_cpu_new_over_old"),
+    ):
+        out[ratio] = statistics.median(
+            new[figure] / old[figure] for old, new in zip(runs["old"], runs["new"], strict=True)
+        )
     return out

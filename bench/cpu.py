@@ -2,7 +2,10 @@
 
 CPU per message is user + system time of the `relay run` process, read from /proc
 between the first settled batch and the empty outbox, divided by the rows drained in
-that window: far steadier than wall time on a shared machine. The same function runs
+that window: far steadier than wall time on a shared machine. The database's CPU per
+message is the PostgreSQL server's in the same window (every backend, the bench's own
+polling one included, and the background processes): the relay's SQL, where CPU per
+message of the relay alone cannot see it. The same function runs
 another commit's relay (`--compare`): a `git worktree` of it is started with its own
 directory first on the import path, against the same database and broker.
 """
@@ -20,7 +23,7 @@ from typing import Any
 import psycopg
 
 from bench.common import first_unsent_id, preload
-from bench.processes import REPO, cpu_seconds, launch, stop, wait_for
+from bench.processes import REPO, cpu_seconds, launch, server_cpu_seconds, stop, wait_for
 
 
 def drain(
@@ -64,11 +67,13 @@ def drain(
                 )
             current = wait_for(lambda: _moved(conn, first), 120, "the first settled batch")
             cpu_before, started = cpu_seconds(proc.pid), time.perf_counter()
+            server_before = server_cpu_seconds(conn)
             left = 0 if current == -1 else last - current + 1
             while first_unsent_id(conn) is not None:
                 time.sleep(0.02)
             elapsed = time.perf_counter() - started
             cpu = cpu_seconds(proc.pid) - cpu_before
+            server = server_cpu_seconds(conn) - server_before
         finally:
             stop([proc])
             if spy is not None:
@@ -78,6 +83,7 @@ def drain(
         "rows_per_s": left / elapsed,
         "cpu_us_per_msg": 1e6 * cpu / left,
         "cpu_cores": cpu / elapsed,
+        "db_cpu_us_per_msg": 1e6 * server / left,
     }
 
 

@@ -67,6 +67,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
+def server_cpu_seconds(conn: psycopg.Connection[Any]) -> float:
+    """CPU time of the PostgreSQL server behind `conn`: its postmaster's and every
+    live child's, each with the children it has reaped (utime + stime + cutime +
+    cstime). A backend that exits in the window is reaped by the postmaster, so its
+    time moves into the postmaster's cutime and is still counted."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    postmaster = int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked: its time is in the postmaster's now
+            continue
+        if stat.parent.name == str(postmaster) or fields[1] == str(postmaster):
+            total += sum(int(f) for f in fields[11:15])
+    return total / TICKS
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
