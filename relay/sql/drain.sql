@@ -105,14 +105,21 @@ coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 -- row. (An own table's outbox_scheduled is an empty stand-in.)
 (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
 AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
--- (The look is max() by outbox_backoff_idx, one descent whatever the statistics say: an
--- EXISTS planned while thousands of rows were in backoff, all sent since, read the
--- whole outbox to find none. A row of no key blocks nothing: max() may skip it.)
-AND ((SELECT max(failing.key)
+-- (Each look is the last entry of its index, ORDER BY ... DESC LIMIT 1: one descent
+-- whatever the statistics say, where an EXISTS planned while thousands of rows were in
+-- backoff, all sent since, read the whole outbox to find none; and the high end, past
+-- the dead entries a vacuum has not yet cleared from the low end. Not max(), which
+-- plans the same walk but costs a second planning of the subquery per look: three
+-- looks in every fetch, each planned anew (custom plans). A row of no key blocks
+-- nothing: the look skips it.)
+AND ((SELECT failing.key
       FROM outbox AS failing
       WHERE failing.sent_at IS NULL
         AND failing.dead_lettered_at IS NULL
-        AND failing.next_attempt_at IS NOT NULL) IS NULL
+        AND failing.next_attempt_at IS NOT NULL
+        AND failing.key IS NOT NULL
+      ORDER BY failing.key DESC
+      LIMIT 1) IS NULL
      OR NOT EXISTS (
          SELECT 1
          FROM outbox AS blocker
@@ -123,15 +130,17 @@ AND ((SELECT max(failing.key)
            AND blocker.next_attempt_at IS NOT NULL
            AND blocker.next_attempt_at > now()
      ))
--- (This look is max() by outbox_scheduled_idx, one descent whatever the statistics say:
--- taken while thousands of rows scheduled for later sat in the outbox, before the pass
--- moved them out, they made an EXISTS here read the whole outbox to find none.)
-AND ((SELECT max(waiting.available_at)
+-- (This look, by outbox_scheduled_idx: statistics taken while thousands of rows
+-- scheduled for later sat in the outbox, before the pass moved them out, made an
+-- EXISTS here read the whole outbox to find none.)
+AND ((SELECT waiting.available_at
       FROM outbox AS waiting
       WHERE waiting.sent_at IS NULL
         AND waiting.dead_lettered_at IS NULL
         AND waiting.available_at IS NOT NULL
-        AND waiting.promoted_at IS NULL) IS NULL
+        AND waiting.promoted_at IS NULL
+      ORDER BY waiting.available_at DESC
+      LIMIT 1) IS NULL
      OR NOT EXISTS (
          SELECT 1
          FROM outbox AS scheduled
@@ -142,11 +151,13 @@ AND ((SELECT max(waiting.available_at)
            AND scheduled.available_at IS NOT NULL
            AND scheduled.promoted_at IS NULL
      ))
--- (Its look is max() by outbox_scheduled's index on available_at, never a scan of the
+-- (Its look, by outbox_scheduled's index on available_at, is never a scan of the
 -- table: after a large let-in the table is dead rows until a vacuum, and so is the low
--- end of the index, which min() would walk; the rows let in were the soonest due.)
-AND ((SELECT max(anything_parked.available_at) FROM outbox_scheduled AS anything_parked)
-         IS NULL
+-- end of the index; the rows let in were the soonest due.)
+AND ((SELECT anything_parked.available_at
+      FROM outbox_scheduled AS anything_parked
+      ORDER BY anything_parked.available_at DESC
+      LIMIT 1) IS NULL
      OR NOT EXISTS (
          SELECT 1
          FROM outbox_scheduled AS parked
