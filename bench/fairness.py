@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 
 from bench.common import DUE, TOPIC, relay_settings
 from bench.processes import holder, rss_mib, start_relay, stop, wait_for
-from relay import repository
+from relay import fetch
 from relay.batch import BatchLimits
 from relay.queries import QUERIES
 from tests.support import running_relay
@@ -104,10 +104,10 @@ def _fetch_ms(dsn: str, batch: int) -> float:
     limits = BatchLimits(rows=batch, bytes=8 << 20, per_key=max(1, batch // 5))
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
-        repository.fetch_batch(conn, limits)
+        fetch.fetch_batch(conn, limits)
         started = time.perf_counter()
         for _ in range(5):
-            repository.fetch_batch(conn, limits)
+            fetch.fetch_batch(conn, limits)
         return (time.perf_counter() - started) / 5 * 1000
 
 

@@ -75,6 +75,7 @@ def _sample(conn: psycopg.Connection[Any], started: float) -> dict[str, Any]:
             "limit": 1000,
             "max_bytes": 8 << 20,
             "message_max": 1 << 20,
+            "after": None,
             "in_flight": "{}",
             "held": [],
             "shards": 1,

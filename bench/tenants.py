@@ -25,8 +25,8 @@ import psycopg
 
 from bench.common import relay_settings
 from relay import fairness
-from relay.migrate import create_fairness_index
 from relay.queries import QUERIES
+from relay.schema_options import create_fairness_index
 from relay.settings import CommonSettings
 from tests.harness.webhook import Reply, WebhookServer
 from tests.support import running_relay, wait_until

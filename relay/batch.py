@@ -38,6 +38,9 @@ class BatchLimits:
     message_bytes: int = 16 << 20
     # RELAY_FAIRNESS_GROUP: every waiting group's share first, then keys within groups.
     group: FairnessGroup | None = None
+    # RELAY_FAIRNESS=off: first in, first out; the fetch never shares a batch out past the
+    # head, so it needs no key index (relay/fetch.py, `_fetch_in_order`).
+    fair: bool = True
 
 
 @dataclass(slots=True)

@@ -108,19 +108,34 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from relay.migrate import (
+    from relay.migrate import migrate
+    from relay.own_table import migrate_own_table
+    from relay.schema_options import (
         create_fairness_index,
         create_shard_indexes,
-        migrate,
+        set_key_index,
         set_notify_trigger,
     )
-    from relay.own_table import migrate_own_table
 
     if args.dry_run and not args.own_table:
         print("relay migrate: --dry-run goes with --own-table", file=sys.stderr)
         return EXIT_CONFIG
     settings = load_settings(CommonSettings)
     configure(settings.log_format, settings.log_level)
+    if settings.outbox_table is not None and (args.without_key_index or args.with_key_index):
+        print(
+            "relay migrate: --with-key-index and --without-key-index are for the relay's own"
+            " outbox; an own table's indexes are `--own-table`'s",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if args.without_key_index and args.fairness_group is not None:
+        print(
+            "relay migrate: --fairness-group builds an index for the fair fetch, which"
+            " --without-key-index is for turning off",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
     if settings.outbox_table is not None and (args.notify_trigger or args.drop_notify_trigger):
         print(
             "relay migrate: the notify trigger is for the relay's own outbox; with"
@@ -145,10 +160,18 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f" {settings.outbox_view_schema}.outbox are in place"
         )
     if args.shards > 1:
-        built = create_shard_indexes(settings, args.shards)
+        built = create_shard_indexes(settings, args.shards, keys=not args.without_key_index)
         print(
             f"shard indexes for {args.shards} shards: "
             + (f"built {', '.join(built)}" if built else "already there")
+        )
+    if args.without_key_index or args.with_key_index:
+        changed = set_key_index(settings, args.with_key_index, args.shards)
+        verb = "built" if args.with_key_index else "dropped"
+        print(
+            f"key index: {verb} {', '.join(changed)}"
+            if changed
+            else f"key index: {'already there' if args.with_key_index else 'already gone'}"
         )
     if args.fairness_group is not None:
         group = args.fairness_group
@@ -320,7 +343,7 @@ def _outbox_table(sample: lag.LagSample, schema: SchemaState) -> str:
 def _shard_lag(conn: db.Conn, cap: int) -> ShardLags:
     """Each shard's backlog, for every lease group whose shard count in force has its
     indexes (without them the per-shard count would read the whole outbox)."""
-    from relay.migrate import shard_index_state
+    from relay.schema_options import shard_index_state
 
     found: ShardLags = {}
     for group, shards in repository.lease_group_shards(conn).items():
@@ -564,6 +587,20 @@ def _migrate_arguments(migrate_cmd: argparse.ArgumentParser) -> None:
         "--dry-run",
         action="store_true",
         help="with --own-table: print its SQL for a DBA and apply nothing",
+    )
+    key_index = migrate_cmd.add_mutually_exclusive_group()
+    key_index.add_argument(
+        "--without-key-index",
+        action="store_true",
+        help="drop the key index the fair fetch reads (with --shards N: that count's too),"
+        " so the app's inserts pay only for the primary key; only once every relay runs with"
+        " RELAY_FAIRNESS=off (CONCURRENTLY; idempotent)",
+    )
+    key_index.add_argument(
+        "--with-key-index",
+        action="store_true",
+        help="build it again, before any relay runs with RELAY_FAIRNESS=keys (CONCURRENTLY;"
+        " idempotent)",
     )
     notify = migrate_cmd.add_mutually_exclusive_group()
     notify.add_argument(

@@ -36,6 +36,7 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         fill=not sink.serial_per_key,
         message_bytes=message_max_bytes(settings),
         group=fairness.parse(settings.fairness_group) if settings.fairness_group else None,
+        fair=settings.fairness == "keys",
     )
 
 

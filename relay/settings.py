@@ -476,6 +476,16 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         "fifth of the batch for Kafka (a key alone still fills whole batches); 4 for HTTP, "
         "which sends a key's rows one at a time (there it holds even when nobody waits).",
     )
+    fairness: Literal["keys", "off"] = Field(
+        default="keys",
+        description="`keys`: each batch gives every waiting key its share, so a key's "
+        "backlog holds back no other key. It reads the outbox's key index "
+        "(outbox_due_key_hash_idx), which every row the app inserts also enters. `off`: "
+        "first in, first out (a key in backoff is passed for at most four batches' worth "
+        "of rows behind it), and nothing reads that index: drop it with `relay migrate "
+        "--without-key-index` once every relay runs with `off`, and the app's inserts "
+        "cost only the primary key.",
+    )
     fairness_group: str | None = Field(
         default=None,
         description="Fairness per tenant: what a tenant is, `key-prefix:<delimiter>` (the key "
@@ -637,6 +647,12 @@ class Settings(CommonSettings, *(spec.settings for spec in sink_specs().values()
         if self.outbox_table is not None and self.shards > 1:
             raise SettingsError(
                 "RELAY_SHARDS", "must be 1 with RELAY_OUTBOX_TABLE (not supported yet)"
+            )
+        if self.fairness == "off" and self.fairness_group is not None:
+            raise SettingsError(
+                "RELAY_FAIRNESS_GROUP",
+                "must be unset with RELAY_FAIRNESS=off (groups share out batches, and off "
+                "shares out none)",
             )
         if self.outbox_table is not None and self.fairness_group is not None:
             raise SettingsError(

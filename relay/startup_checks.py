@@ -16,9 +16,10 @@ import psycopg
 
 from relay import db, fairness, repository
 from relay.logging import get_logger
-from relay.migrate import index_state, missing, shard_index_state
+from relay.migrate import missing
 from relay.own_table import index_prefix
 from relay.queries import QUERIES
+from relay.schema_options import KEY_INDEX, index_state, shard_index_state
 from relay.settings import Settings, SettingsError
 
 log = get_logger(__name__)
@@ -29,6 +30,8 @@ def run(settings: Settings) -> None:
     checks: list[Callable[[db.Conn, Settings], None]] = [schema]
     if settings.shards > 1:
         checks.append(shard_indexes)
+    elif settings.outbox_table is None:
+        checks.append(key_index)
     if settings.fairness_group is not None:
         checks.append(fairness_index)
     if settings.sent_rows == "move":
@@ -65,10 +68,33 @@ def schema(conn: db.Conn, _settings: Settings) -> None:
         )
 
 
+def key_index(conn: db.Conn, settings: Settings) -> None:
+    """RELAY_FAIRNESS=keys: the key index, or every fetch that shares a batch out would
+    read the whole backlog to find the keys. With `off`, nothing reads it: say so if the
+    app still pays for it."""
+    present = index_state(conn, [KEY_INDEX])[KEY_INDEX]
+    if settings.fairness == "keys" and not present:
+        raise SettingsError(
+            "RELAY_FAIRNESS",
+            f"keys (the default) reads the index {KEY_INDEX}, which is missing: run `relay"
+            " migrate --with-key-index`, or set RELAY_FAIRNESS=off (first in, first out)",
+        )
+    if settings.fairness == "off" and present:
+        log.info(
+            "startup.key_index_unread",
+            index=KEY_INDEX,
+            hint="with every relay at RELAY_FAIRNESS=off, `relay migrate --without-key-index`"
+            " spares the app's inserts this index",
+        )
+
+
 def shard_indexes(conn: db.Conn, settings: Settings) -> None:
     """With shards, their indexes: without them every shard's fetch would read the
-    whole backlog."""
-    absent = [name for name, ok in shard_index_state(conn, settings.shards).items() if not ok]
+    whole backlog. RELAY_FAIRNESS=off reads only the first, by id."""
+    state = shard_index_state(conn, settings.shards)
+    if settings.fairness == "off":
+        state = dict(list(state.items())[:1])
+    absent = [name for name, ok in state.items() if not ok]
     if absent:
         raise SettingsError(
             "RELAY_SHARDS",

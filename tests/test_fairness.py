@@ -15,13 +15,13 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from relay import fairness, repository
+from relay import fairness, fetch
 from relay.app import RelayApp
 from relay.batch import BatchLimits
 from relay.errors import SettingsError
 from relay.message import OutboxMessage
-from relay.migrate import create_fairness_index
 from relay.queries import QUERIES
+from relay.schema_options import create_fairness_index
 from relay.settings import CommonSettings
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
@@ -117,7 +117,7 @@ def test_the_round_goes_over_more_groups_than_a_batch_holds(database: str) -> No
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         for _ in range(6):
             conn.execute(QUERIES.force_custom_plans)
-            fetched = repository.fetch_batch(conn, limits, "{}", None, after_group=after)
+            fetched = fetch.fetch_batch(conn, limits, "{}", None, after_group=after)
             served |= {name for name in tenants(fetched.messages) if name.startswith("g")}
             ids = [m.id for m in fetched.messages]
             conn.execute("UPDATE outbox SET sent_at = now() WHERE id = ANY(%s)", (ids,))
@@ -152,6 +152,7 @@ def test_the_grouped_fetch_costs_the_same_at_any_backlog_of_one_group(database: 
                     "limit": 100,
                     "max_bytes": 1 << 20,
                     "message_max": 1 << 20,
+                    "after": None,
                     "key_cap": 4,
                     "fill": False,
                     "in_flight": "{}",
@@ -299,7 +300,7 @@ def test_with_shards_each_shard_shares_its_own_rows_out_by_group(database: str) 
         conn.execute(QUERIES.force_custom_plans)
         conn.execute(QUERIES.walk_indexes_in_order)
         for shard in (0, 1):
-            rows = repository.fetch_batch(
+            rows = fetch.fetch_batch(
                 conn, grouped(BY_PREFIX), "{}", None, shards=2, shard=shard
             ).messages
             assert len(rows) == LIMITS.rows

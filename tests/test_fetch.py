@@ -11,8 +11,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from relay import repository
 from relay.batch import BatchLimits
+from relay.fetch import fetch_batch
 from relay.message import MalformedRow, OutboxMessage
 from relay.queries import QUERIES
 from relay.store.port import Fetched
@@ -35,7 +35,7 @@ def fetch_from(dsn: str, limits: BatchLimits = LIMITS, after_key: int | None = N
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         for statement in drain_session_setup():  # as the drain's session plans
             conn.execute(statement)
-        return repository.fetch_batch(conn, limits, "{}", after_key)
+        return fetch_batch(conn, limits, "{}", after_key)
 
 
 def fetch(dsn: str, limits: BatchLimits = LIMITS) -> list[OutboxMessage]:
@@ -87,6 +87,7 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
         "limit": 1,
         "max_bytes": 1,
         "message_max": 1 << 30,
+        "after": None,
         "key_cap": 1,
         "fill": True,
         "in_flight": "{}",
@@ -121,6 +122,7 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
             "held": [],
             "max_bytes": 1 << 30,
             "message_max": 1 << 30,
+            "after": None,
             "shards": 1,
             "shard": 0,
         }
@@ -349,10 +351,11 @@ def _scans(dsn: str, statement: str, params: dict[str, Any]) -> list[Scan]:
 def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
     """Index and heap tuples the fetch touches: the sum of actual rows x loops of every
     scan node in its plan."""
-    params = {
+    params: dict[str, Any] = {
         "limit": limits.rows,
         "max_bytes": limits.bytes,
         "message_max": limits.message_bytes,
+        "after": None,
         "key_cap": limits.per_key,
         "fill": limits.fill,
         "in_flight": "{}",
@@ -370,10 +373,11 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
 
 def head_scans(dsn: str, limit: int = 1000) -> list[Scan]:
     """fetch_head's scans (see `Scan`)."""
-    params = {
+    params: dict[str, Any] = {
         "limit": limit,
         "max_bytes": LIMITS.bytes,
         "message_max": LIMITS.message_bytes,
+        "after": None,
         "in_flight": "{}",
         "held": [],
         "shards": 1,

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import uuid
+from typing import Any
 
 import psycopg
 import pytest
@@ -155,10 +156,11 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("ANALYZE inventory.outboxevent")
     settings = make_settings(outbox_table=TABLE, lease_name="inventory")
-    params = {
+    params: dict[str, Any] = {
         "limit": 100,
         "max_bytes": 1 << 20,
         "message_max": 1 << 30,
+        "after": None,
         "in_flight": "{}",
         "held": [],
     }

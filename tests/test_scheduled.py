@@ -15,8 +15,9 @@ from psycopg.rows import dict_row
 import relay
 from relay import lag, repository
 from relay.errors import MigrationError
-from relay.migrate import create_shard_indexes, migrate, shard_index_names
+from relay.migrate import migrate
 from relay.queries import QUERIES
+from relay.schema_options import create_shard_indexes, shard_index_names
 from relay.settings import CommonSettings
 from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume

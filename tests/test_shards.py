@@ -20,13 +20,13 @@ from prometheus_client import REGISTRY, generate_latest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
-from relay import db, lag, repository
+from relay import db, fetch, lag
 from relay.batch import BatchLimits
 from relay.configs import lag_config
 from relay.lease import Acquired, LostRace, OtherShardCount, Shard
 from relay.metrics import Health
-from relay.migrate import create_shard_indexes, shard_index_names
 from relay.queries import QUERIES
+from relay.schema_options import create_shard_indexes, shard_index_names
 from relay.settings import CommonSettings
 from relay.store import lease as protocol
 from relay.store.port import Fetched
@@ -56,7 +56,7 @@ def rr_conn(dsn: str) -> Conn:
 def fetch_shard(dsn: str, shard: int, limits: BatchLimits = LIMITS) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute(QUERIES.force_custom_plans)
-        return repository.fetch_batch(conn, limits, "{}", shards=SHARDS, shard=shard)
+        return fetch.fetch_batch(conn, limits, "{}", shards=SHARDS, shard=shard)
 
 
 def test_each_shard_fetches_only_its_rows_and_every_key_lives_in_one(database: str) -> None:
@@ -130,10 +130,11 @@ def explain_fetch_head(
     conn: psycopg.Connection[Any], *, limit: int, shards: int
 ) -> list[tuple[str, int]]:
     """Shard 0's fetch_head, run under EXPLAIN ANALYZE: each scan and the rows it read."""
-    params = {
+    params: dict[str, Any] = {
         "limit": limit,
         "max_bytes": 1 << 30,
         "message_max": 1 << 30,
+        "after": None,
         "in_flight": "{}",
         "held": [],
         "shards": shards,

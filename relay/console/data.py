@@ -16,9 +16,10 @@ from psycopg.types.json import Jsonb
 from relay import db, dead_letters, lag, repository
 from relay.batch import SetAside
 from relay.logging import get_logger
-from relay.migrate import SchemaState, schema_state, shard_index_state
+from relay.migrate import SchemaState, schema_state
 from relay.queries import QUERIES
 from relay.rows import LeaseRow, ReplicaRow
+from relay.schema_options import shard_index_state
 
 log = get_logger("relay.console")
 
@@ -152,7 +153,15 @@ def row(conn: db.Conn, row_id: int, preview: int) -> dict[str, Any] | None:
 
 
 def blocked_keys(conn: db.Conn, limit: int, cap: int) -> list[dict[str, Any]]:
-    return conn.execute(QUERIES.console_blocked_keys, {"limit": limit, "cap": cap}).fetchall()
+    """Without the key index (RELAY_FAIRNESS=off), no count of the rows behind each key
+    (None): it would walk the rest of the outbox per key."""
+    counted = conn.execute(QUERIES.console_blocked_keys_counted).fetchone()
+    statement = (
+        QUERIES.console_blocked_keys
+        if counted is None or counted["counted"]
+        else QUERIES.console_blocked_keys_uncounted
+    )
+    return conn.execute(statement, {"limit": limit, "cap": cap}).fetchall()
 
 
 # --- changes ---------------------------------------------------------------------------

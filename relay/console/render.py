@@ -102,7 +102,10 @@ def seconds(value: float | None) -> str:
     return f"{value / 86400:.1f}d"
 
 
-def count(value: int, cap: int) -> str:
+def count(value: int | None, cap: int) -> str:
+    """A capped count; None: not counted."""
+    if value is None:
+        return "-"
     return f"≥ {value:,}" if value >= cap else f"{value:,}"
 
 

@@ -162,8 +162,7 @@ WHERE id = %(id)s::bigint;
 -- Keys in backoff: each failing row (the head of its key, waiting out next_attempt_at,
 -- found through outbox_failing_rows_idx), with how many later rows of its key wait
 -- behind it (counted through outbox_due_key_hash_idx, up to a cap).
-SELECT f.key, f.id, f.topic, f.attempts, f.next_attempt_at, f.last_error,
-       extract(epoch FROM f.next_attempt_at - now())::float8 AS next_attempt_in_seconds,
+SELECT {{blocked_key}},
        (SELECT count(*)
           FROM (SELECT 1 FROM outbox AS w
                  WHERE outbox_key_hash(w.key) = outbox_key_hash(f.key)
@@ -172,11 +171,40 @@ SELECT f.key, f.id, f.topic, f.attempts, f.next_attempt_at, f.last_error,
                    AND (w.available_at IS NULL OR w.promoted_at IS NOT NULL)
                  LIMIT %(cap)s) AS behind)
         AS waiting_behind
+{{blocked_keys_from}};
+
+-- name: console_blocked_keys_uncounted
+-- console_blocked_keys without the count, where the outbox has no key index
+-- (`relay migrate --without-key-index`): each count would walk the rest of the outbox.
+SELECT {{blocked_key}},
+       NULL::bigint AS waiting_behind
+{{blocked_keys_from}};
+
+-- name: console_blocked_keys_counted
+-- Whether console_blocked_keys can count: the relay's outbox with its key index, or an
+-- own table's view (`--own-table` always builds the table's key index).
+SELECT c.relkind = 'v'
+       OR EXISTS (SELECT 1
+                  FROM pg_index AS i
+                  JOIN pg_class AS x ON x.oid = i.indexrelid
+                  WHERE i.indrelid = c.oid
+                    AND x.relname = 'outbox_due_key_hash_idx'
+                    AND i.indisvalid) AS counted
+FROM pg_class AS c
+WHERE c.oid = 'outbox'::regclass;
+
+-- fragment: blocked_key
+-- A blocked key's head row, as the console shows it.
+f.key, f.id, f.topic, f.attempts, f.next_attempt_at, f.last_error,
+extract(epoch FROM f.next_attempt_at - now())::float8 AS next_attempt_in_seconds
+
+-- fragment: blocked_keys_from
+-- The failing rows, in id order, up to %(limit)s.
 FROM outbox AS f
 WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
   AND f.attempts > 0 AND f.next_attempt_at IS NOT NULL
 ORDER BY f.id
-LIMIT %(limit)s;
+LIMIT %(limit)s
 
 ------------------------------------------------------------------------------------
 -- Rate

@@ -254,6 +254,9 @@ FROM (SELECT head.*,
                     -- plan: a hash lookup.
                     AND o.id <> ALL(%(in_flight)s::bigint[])
                     AND {{this_shard}}
+                    -- RELAY_FAIRNESS=off walks on past a window it could not fill
+                    -- (relay/repository.py): from its last id. NULL: from the first.
+                    AND (%(after)s::bigint IS NULL OR o.id > %(after)s::bigint)
                   ORDER BY o.id
                   LIMIT %(limit)s) AS o) AS head
       WINDOW running AS (ORDER BY head.id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS m

@@ -1,4 +1,5 @@
--- What `relay migrate` runs (relay/migrate.py) beside the migrations/ files themselves.
+-- What `relay migrate` runs (relay/migrate.py, and relay/schema_options.py for what it
+-- builds on request) beside the migrations/ files themselves.
 -- {placeholders} are composed by psycopg.sql (identifiers and literals), never pasted
 -- in as text.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
@@ -33,7 +34,8 @@ SELECT version, checksum FROM schema_migrations ORDER BY version;
 INSERT INTO schema_migrations (version, checksum) VALUES (%(version)s, %(checksum)s);
 
 ------------------------------------------------------------------------------------
--- Shard indexes (`relay migrate --shards N`)
+-- Indexes on request (relay/schema_options.py): `relay migrate --shards N`, the key
+-- index's `--with-key-index` / `--without-key-index`, `--fairness-group`
 ------------------------------------------------------------------------------------
 
 -- name: shard_index_unsent
@@ -76,8 +78,17 @@ JOIN pg_class AS c ON c.oid = i.indexrelid
 WHERE c.relname = ANY(%(names)s::text[])
   AND i.indrelid = 'outbox'::regclass;
 
+-- name: key_index
+-- `relay migrate --with-key-index`: the fair fetch's key index as migration 0015 builds
+-- it, again (`--without-key-index` drops it, with shard_index_drop). CONCURRENTLY: the
+-- app's inserts go on while it builds.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
+    ON outbox (outbox_key_hash(key), id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+
 -- name: shard_index_drop
--- An invalid leftover, dropped before it is built again.
+-- An invalid leftover, dropped before it is built again; or an index no longer wanted.
 DROP INDEX CONCURRENTLY IF EXISTS {index};
 
 ------------------------------------------------------------------------------------

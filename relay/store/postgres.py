@@ -1,6 +1,6 @@
 """The stores on PostgreSQL: the named statements of relay/sql/drain.sql (run by
-relay/repository.py) and relay/sql/lease.sql (relay/store/lease.py), each session opened
-on first use and again after a failure."""
+relay/fetch.py and relay/repository.py) and relay/sql/lease.sql (relay/store/lease.py),
+each session opened on first use and again after a failure."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from datetime import datetime
 import psycopg
 from psycopg import IsolationLevel
 
-from relay import db, repository
+from relay import db, fetch, repository
 from relay.batch import BatchLimits, SentRows, SetAside, Settlement
 from relay.lease import Attempt, LeaseToken, Shard
 from relay.queries import QUERIES
@@ -69,7 +69,7 @@ class PostgresReadStore:
         after_group: str | None = None,
     ) -> Fetched:
         with _failing_as_store_error(self._session):
-            return repository.fetch_batch(
+            return fetch.fetch_batch(
                 self._session.get(),
                 limits,
                 in_flight,
