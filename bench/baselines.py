@@ -26,7 +26,9 @@ and identity, whatever the migrations made them) and dropped afterwards:
    minimal table is issue 36's figure (target >= 0.8). Last in each round, the relay at
    its defaults in retention mode (RELAY_RETENTION_SECONDS set: sent rows moved into
    outbox_sent): its rate over the delete mode's of the same round is issue 36's
-   "keeping history is nearly free" (target >= 0.8).
+   "keeping history is nearly free" (target >= 0.8). And the relay first in, first out
+   (RELAY_FAIRNESS=off) on `outbox` without its key index, as lean writes run it
+   (docs/howto/lean-writes.md): over the bare relay, and over the relay at its defaults.
 3. The app's write path: pgbench with scripts written here (4 clients, 2 threads,
    simple protocol, no vacuum), one-row and ten-row INSERT transactions
    `INSERT INTO <table> (topic, key, payload, headers)` (200 B payload, a traceparent
@@ -63,6 +65,7 @@ from bench import cpu
 from bench.common import BARE_PRODUCER, DUE, KEYS, PAYLOAD, TOPIC, preload, produce_batch
 from relay.batch import SentRows
 from relay.queries import QUERIES
+from relay.schema_options import KEY_INDEX
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
@@ -284,15 +287,22 @@ def bare_relay(dsn: str, bootstrap: str, table: str, rows: int) -> dict[str, flo
     }
 
 
-FLOOR_WAYS = ("bare_minimal", "relay", "bare_outbox", "relay_batch_2000", "relay_keep")
+FLOOR_WAYS = (
+    "bare_minimal",
+    "relay",
+    "bare_outbox",
+    "relay_batch_2000",
+    "relay_keep",
+    "relay_in_order",
+)
 
 
 def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, Any]:
     """Per round: the bare relay on the minimal table, the relay at its defaults (delete
     mode) on `outbox`, the bare relay on `outbox`, the relay at the bare relay's batch
-    of 2000, the relay at its defaults in retention mode; the order reversed every
-    other round. Figures: each way's mean over the
-    rounds, and each round's ratios."""
+    of 2000, the relay at its defaults in retention mode, the relay first in, first out
+    (RELAY_FAIRNESS=off) without the key index; the order reversed every other round.
+    Figures: each way's mean over the rounds, and each round's ratios."""
     runs: dict[str, list[dict[str, float]]] = {way: [] for way in FLOOR_WAYS}
     for n in range(rounds):
         for way in FLOOR_WAYS if n % 2 == 0 else FLOOR_WAYS[::-1]:
@@ -304,6 +314,8 @@ def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, A
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     conn.execute("TRUNCATE outbox_sent")  # each run over an empty history
                 runs[way].append(cpu.drain(dsn, bootstrap, rows, RELAY_RETENTION_SECONDS="86400"))
+            elif way == "relay_in_order":  # lean writes: docs/howto/lean-writes.md
+                runs[way].append(_in_order(dsn, bootstrap, rows))
             else:
                 table = MINIMAL if way == "bare_minimal" else OUTBOX
                 runs[way].append(bare_relay(dsn, bootstrap, table, rows))
@@ -319,12 +331,27 @@ def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, A
         ("ratio_to_bare_outbox", "relay", "bare_outbox"),
         ("ratio_batch_2000", "relay_batch_2000", "bare_minimal"),
         ("keep_to_delete", "relay_keep", "relay"),
+        ("in_order_ratio", "relay_in_order", "bare_minimal"),
+        ("in_order_to_fair", "relay_in_order", "relay"),
     ):
         report[name] = report[way]["rows_per_s"] / report[base]["rows_per_s"]
         report[name + "_per_round"] = [
             r["rows_per_s"] / b["rows_per_s"] for r, b in zip(runs[way], runs[base], strict=True)
         ]
     return report
+
+
+def _in_order(dsn: str, bootstrap: str, rows: int) -> dict[str, float]:
+    """`relay run` with RELAY_FAIRNESS=off on `outbox` without its key index (dropped
+    for the run, built again after it: the other ways read it)."""
+    index = sql.Identifier(KEY_INDEX)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+    try:
+        return cpu.drain(dsn, bootstrap, rows, RELAY_FAIRNESS="off")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL(QUERIES.key_index).format(index=index))
 
 
 # --- 3. the app's write path -------------------------------------------------------
@@ -503,6 +530,7 @@ def _print_floor(floor: dict[str, Any]) -> None:
         ("bare_outbox", "bare relay, outbox"),
         ("relay_batch_2000", "relay at batch 2000, outbox"),
         ("relay_keep", "relay at its defaults, keeping"),
+        ("relay_in_order", "relay, off, no key index"),
     ):
         figures = floor[way]
         runs = "  ".join(
@@ -528,6 +556,12 @@ def _print_floor(floor: dict[str, Any]) -> None:
         "    retention mode (RELAY_RETENTION_SECONDS=86400: sent rows moved into"
         f" outbox_sent) / delete mode, the relay at its defaults: {floor['keep_to_delete']:.2f}"
         f" (rounds: {rounds('keep_to_delete')}; issue 36's target >= 0.8)",
+        flush=True,
+    )
+    print(
+        "    lean writes (RELAY_FAIRNESS=off, outbox_due_key_hash_idx dropped) / bare relay:"
+        f" {floor['in_order_ratio']:.2f} (rounds: {rounds('in_order_ratio')}); / the relay"
+        f" at its defaults: {floor['in_order_to_fair']:.2f} ({rounds('in_order_to_fair')})",
         flush=True,
     )
 

@@ -278,10 +278,11 @@ inline release(l) {
 /* --- the drain loop (relay/drain.py Drainer, relay/pipeline.py) ---------------------- */
 
 /* A row the fetch gives this lane (fetch_head / fetch_batch, one READ COMMITTED
- * statement; the rows it reads are only ever settled under a fence, so a stale read
- * costs a duplicate, never more):
- *   sql: drain.sql fetch_head sha256:a6624e65b0c14b27
- *   sql: drain.sql fetch_batch sha256:6e7d1c4bceb759c9
+ * statement; with RELAY_FAIRNESS=off, fetch_head's windows in one REPEATABLE READ
+ * snapshot, so the same one view; the rows it reads are only ever settled under a
+ * fence, so a stale read costs a duplicate, never more):
+ *   sql: drain.sql fetch_head sha256:25f9cfcee3c023f5
+ *   sql: drain.sql fetch_batch sha256:a39d9be48e68336c
  * unsent, in this lane's shard, not in flight here (`in_flight`), not in a backoff
  * (`ready`), and the first such row of its key: an earlier unsent row of the key is
  * fetched first, one in a backoff holds it back (`ready`), one in flight here without

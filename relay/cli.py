@@ -159,19 +159,19 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f"own table {settings.outbox_table}: bookkeeping columns, indexes and the view"
             f" {settings.outbox_view_schema}.outbox are in place"
         )
-    if args.shards > 1:
-        built = create_shard_indexes(settings, args.shards, keys=not args.without_key_index)
-        print(
-            f"shard indexes for {args.shards} shards: "
-            + (f"built {', '.join(built)}" if built else "already there")
-        )
-    if args.without_key_index or args.with_key_index:
-        changed = set_key_index(settings, args.with_key_index, args.shards)
+    if args.without_key_index or args.with_key_index:  # first: --shards follows it
+        changed = set_key_index(settings, args.with_key_index)
         verb = "built" if args.with_key_index else "dropped"
         print(
             f"key index: {verb} {', '.join(changed)}"
             if changed
             else f"key index: {'already there' if args.with_key_index else 'already gone'}"
+        )
+    if args.shards > 1:
+        built = create_shard_indexes(settings, args.shards)
+        print(
+            f"shard indexes for {args.shards} shards: "
+            + (f"built {', '.join(built)}" if built else "already there")
         )
     if args.fairness_group is not None:
         group = args.fairness_group
@@ -592,15 +592,15 @@ def _migrate_arguments(migrate_cmd: argparse.ArgumentParser) -> None:
     key_index.add_argument(
         "--without-key-index",
         action="store_true",
-        help="drop the key index the fair fetch reads (with --shards N: that count's too),"
-        " so the app's inserts pay only for the primary key; only once every relay runs with"
-        " RELAY_FAIRNESS=off (CONCURRENTLY; idempotent)",
+        help="drop the key index the fair fetch reads, and every shard count's (--shards N"
+        " then builds only the other), so the app's inserts pay only for the primary key;"
+        " only once every relay runs with RELAY_FAIRNESS=off (CONCURRENTLY; idempotent)",
     )
     key_index.add_argument(
         "--with-key-index",
         action="store_true",
-        help="build it again, before any relay runs with RELAY_FAIRNESS=keys (CONCURRENTLY;"
-        " idempotent)",
+        help="build it again (with --shards N: that count's too), before any relay runs with"
+        " RELAY_FAIRNESS=keys (CONCURRENTLY; idempotent)",
     )
     notify = migrate_cmd.add_mutually_exclusive_group()
     notify.add_argument(

@@ -97,56 +97,81 @@ def fetch_batch(
 _MAKE_MESSAGE = cast("RowMaker[OutboxMessage]", partial(tuple.__new__, OutboxMessage))
 
 
-# RELAY_FAIRNESS=off: how many windows of a batch's rows by id one fetch reads, past rows
-# it may not send now, before it stops. Each window is one fetch_head.
+# RELAY_FAIRNESS=off: how many windows of a batch's rows by id one fetch reads past rows it
+# may not send now, before it stops: once some rows are found, and while none are. Each
+# window is one fetch_head.
 WINDOWS_IN_ORDER = 4
+WINDOWS_WHILE_EMPTY = 16
 
 
 def _fetch_in_order(conn: Conn, limits: BatchLimits, params: dict[str, Any]) -> list[OutboxMessage]:
     """RELAY_FAIRNESS=off: first in, first out, by fetch_head alone (the primary key's
     walk; no key index read): the ready rows in id order up to the bounds, and where
     the sink sends a key's rows one at a time (`limits.fill` False) each key's first
-    `per_key` of them. A window that gave fewer rows than a batch, because rows in it
-    may not go now, and cut nothing, is walked past from its last id: no later row of
-    a key that waits is ready (the probes hold back every later row of its key), so
-    nothing overtakes an earlier row of its key. A cut (bytes, the cap, room) stops the
-    walk: the rows it left must go before any later row of their key. A key in backoff
-    then holds back the rows behind it only past WINDOWS_IN_ORDER windows."""
+    `per_key` of them. A window that gave fewer than half a batch, because rows in it
+    may not go now, and cut nothing, is walked past from its last id: up to
+    WINDOWS_IN_ORDER windows, WINDOWS_WHILE_EMPTY while nothing is found.
+
+    The walk is order-safe only in one snapshot with one now(): there a row that may
+    not go holds back every later row of its key in every window (the same probes),
+    where a backoff running out, or a late commit or a let-in below the window, between
+    two windows of their own would let a key's later rows go first. So the first window
+    runs alone, as the usual fetch, and a walk past it runs again from the start in one
+    read-only REPEATABLE READ transaction. A cut (bytes, the cap, room) stops the walk:
+    the rows it left must go before any later row of their key."""
+    with conn.cursor(row_factory=_messages, binary=True) as cur:
+        batch, walk_on = _walk(cur, limits, params, 1)
+        if not walk_on:
+            return batch
+        with conn.transaction():
+            cur.execute(QUERIES.one_snapshot)
+            batch, _ = _walk(cur, limits, params, WINDOWS_WHILE_EMPTY)
+    return batch
+
+
+def _walk(
+    cur: Any, limits: BatchLimits, params: dict[str, Any], windows: int
+) -> tuple[list[OutboxMessage], bool]:
+    """Up to `windows` windows (WINDOWS_IN_ORDER once rows are found): the batch, and
+    whether the walk stopped for want of windows alone."""
     batch: list[OutboxMessage] = []
     taken: Counter[str] = Counter()
     room_bytes = limits.bytes
-    with conn.cursor(row_factory=_messages, binary=True) as cur:
-        for _ in range(WINDOWS_IN_ORDER):
-            window = cur.execute(QUERIES.fetch_head, params).fetchall()
-            cut = False
-            for message in window:
-                if not message.ready:
+    for read in range(1, windows + 1):
+        window: list[OutboxMessage] = cur.execute(QUERIES.fetch_head, params).fetchall()
+        cut = False
+        for message in window:
+            if not message.ready:
+                continue
+            # fetch_head's first ready row comes whole even past the byte room (so a
+            # fetch is never empty): past the first window, with rows taken, a cut.
+            size = _size(message)
+            if not message.within or len(batch) == limits.rows or (batch and size > room_bytes):
+                cut = True
+                break
+            if not limits.fill and message.key is not None:
+                if taken[message.key] >= limits.per_key:
+                    cut = True  # this key's later rows wait; other keys go on
                     continue
-                # fetch_head's first ready row comes whole even past the byte room (so a
-                # fetch is never empty): past the first window, with rows taken, a cut.
-                size = _size(message)
-                if not message.within or len(batch) == limits.rows or (batch and size > room_bytes):
-                    cut = True
-                    break
-                if not limits.fill and message.key is not None:
-                    if taken[message.key] >= limits.per_key:
-                        cut = True  # this key's later rows wait; other keys go on
-                        continue
-                    taken[message.key] += 1
-                batch.append(message)
-                room_bytes -= size
-            if cut or len(window) < limits.rows or len(batch) * 2 >= limits.rows:
-                return batch
-            params = {**params, "after": window[-1].id, "max_bytes": room_bytes}
-    return batch
+                taken[message.key] += 1
+            batch.append(message)
+            room_bytes -= size
+        if cut or len(window) < limits.rows or len(batch) * 2 >= limits.rows:
+            return batch, False
+        if read >= (min(windows, WINDOWS_IN_ORDER) if batch else windows):
+            return batch, True
+        params = {**params, "after": window[-1].id, "max_bytes": room_bytes}
+    return batch, True
 
 
 def _size(message: OutboxMessage) -> int:
     """About the bytes fetch_head's `row_size` counted for a row it gave with its
-    payload (text as characters): for the byte room left to the next window."""
-    size = len(message.payload or b"") + len(message.topic) + len(message.key or "")
+    payload, for the byte room left to the next window (its headers as the pairs the
+    relay holds, not as stored)."""
+    size = len(message.payload or b"") + len(message.topic.encode())
+    size += len((message.key or "").encode())
     for name, value in message.headers or ():
-        size += len(name) + len(value)
+        size += len(name.encode()) + len(value.encode())
     return size
 
 

@@ -47,19 +47,21 @@ def index_state(conn: db.Conn, names: Sequence[str]) -> dict[str, bool]:
     return {name: found.get(name, False) for name in names}
 
 
-def create_shard_indexes(settings: CommonSettings, shards: int, *, keys: bool = True) -> list[str]:
+def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
     """`relay migrate --shards N`: build (CONCURRENTLY, so the app's inserts go on) the
-    indexes that let each of N shards fetch only its own rows; `keys` False: not the
-    one by key (RELAY_FAIRNESS=off). Idempotent; an invalid leftover of a failed build
-    is dropped and built again. Returns the names built."""
+    indexes that let each of N shards fetch only its own rows: the one by key only while
+    the outbox has its key index (`--without-key-index` took both away, and a later run
+    must not bring one back). Idempotent; an invalid leftover of a failed build is
+    dropped and built again. Returns the names built."""
     if shards < 2:
         return []
-    names = shard_index_names(shards)[: 2 if keys else 1]
     built: list[str] = []
     with db.connect(settings, purpose="migrate") as conn:
         conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside a transaction
         conn.execute(QUERIES.migrations_no_timeout)
         try:
+            keyed = bool(conn.execute(QUERIES.shard_index_state, {"names": [KEY_INDEX]}).fetchall())
+            names = shard_index_names(shards)[: 2 if keyed else 1]
             state = shard_index_state(conn, shards)
             for name, query in zip(
                 names, (QUERIES.shard_index_unsent, QUERIES.shard_index_keys), strict=False
@@ -77,21 +79,22 @@ def create_shard_indexes(settings: CommonSettings, shards: int, *, keys: bool = 
     return built
 
 
-def set_key_index(settings: CommonSettings, wanted: bool, shards: int = 1) -> list[str]:
+def set_key_index(settings: CommonSettings, wanted: bool) -> list[str]:
     """`relay migrate --with-key-index` / `--without-key-index`: build (CONCURRENTLY, as
-    migration 0015 would) or drop (CONCURRENTLY) the fair fetch's key index, and with
-    `shards` > 1 drop that count's key index too (`--shards N` builds it). Only once
-    every relay runs with RELAY_FAIRNESS=off may it go: a fair fetch without it reads
-    the whole backlog (docs/howto/lean-writes.md). Idempotent; an invalid leftover of
-    a failed build is dropped first. Returns the names built or dropped."""
+    migration 0015 would) or drop (CONCURRENTLY) the fair fetch's key index; dropping
+    it, every shard count's key index too (`relay migrate --shards N` builds a count's
+    again only with the outbox's). Only once every relay runs with RELAY_FAIRNESS=off
+    may they go: a fair fetch without them reads the whole backlog
+    (docs/howto/lean-writes.md). Idempotent; an invalid leftover of a failed build is
+    dropped first. Returns the names built or dropped."""
     changed: list[str] = []
     with db.connect(settings, purpose="migrate") as conn:
         conn.autocommit = True  # CONCURRENTLY runs outside a transaction
         conn.execute(QUERIES.migrations_no_timeout)
         try:
             names = [KEY_INDEX]
-            if shards > 1 and not wanted:
-                names.append(shard_index_names(shards)[1])
+            if not wanted:
+                names += [r["name"] for r in conn.execute(QUERIES.shard_key_indexes)]
             valid = {
                 r["name"]: bool(r["valid"])
                 for r in conn.execute(QUERIES.shard_index_state, {"names": names})

@@ -1,5 +1,6 @@
--- The drain's hot path (relay/repository.py for relay/drain.py): the drain session's
--- planner settings, the fetch, the promotion of scheduled rows and the settles.
+-- The drain's hot path (relay/fetch.py and relay/repository.py for relay/drain.py): the
+-- drain session's planner settings, the fetch, the promotion of scheduled rows and the
+-- settles.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
 ------------------------------------------------------------------------------------
@@ -255,12 +256,18 @@ FROM (SELECT head.*,
                     AND o.id <> ALL(%(in_flight)s::bigint[])
                     AND {{this_shard}}
                     -- RELAY_FAIRNESS=off walks on past a window it could not fill
-                    -- (relay/repository.py): from its last id. NULL: from the first.
+                    -- (relay/fetch.py): from its last id. NULL: from the first.
                     AND (%(after)s::bigint IS NULL OR o.id > %(after)s::bigint)
                   ORDER BY o.id
                   LIMIT %(limit)s) AS o) AS head
       WINDOW running AS (ORDER BY head.id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS m
 ORDER BY m.id;
+
+-- name: one_snapshot
+-- RELAY_FAIRNESS=off's walk past a window it could not fill (relay/fetch.py): every
+-- window in one snapshot with one now(), so a row that may not go holds back its key's
+-- later rows in every window alike. Read only: the walk writes nothing.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
 
 -- name: fetch_batch
 -- The fetch when the head needs sharing out (the relay runs fetch_head first): fair

@@ -87,6 +87,14 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     WHERE sent_at IS NULL AND dead_lettered_at IS NULL
       AND (available_at IS NULL OR promoted_at IS NOT NULL);
 
+-- name: shard_key_indexes
+-- Every shard count's key index, for `relay migrate --without-key-index` to drop.
+SELECT c.relname AS name
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = 'outbox'::regclass
+  AND c.relname ~ '^outbox_shards_[0-9]+_due_key_hash_idx$';
+
 -- name: shard_index_drop
 -- An invalid leftover, dropped before it is built again; or an index no longer wanted.
 DROP INDEX CONCURRENTLY IF EXISTS {index};
