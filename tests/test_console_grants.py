@@ -54,6 +54,8 @@ def _read_everything(conn: db.Conn) -> set[str]:
     data.dead_letter_page(conn, data.Filter(reason="http"), after=None, before=5, limit=10, cap=100)
     data.row(conn, 1, 100)
     data.blocked_keys(conn, 10, 100)
+    # ... and as the page reads them once `relay migrate --without-key-index` ran.
+    conn.execute(QUERIES.console_blocked_keys_uncounted, {"limit": 10, "cap": 100}).fetchall()
     data.audit_page(conn, None, 10)
     data.audit_entry(conn, 1)
     data.matching_ids(conn, data.Target(ids=(1, 2)), 100)
@@ -67,6 +69,8 @@ def _read_everything(conn: db.Conn) -> set[str]:
         "console_dead_letters_of",
         "console_row",
         "console_blocked_keys",
+        "console_blocked_keys_counted",
+        "console_blocked_keys_uncounted",
         "console_blocked_key_count",
         "console_settled_counters",
         "console_audit_page",

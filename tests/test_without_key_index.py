@@ -344,3 +344,35 @@ def test_the_console_shows_blocked_keys_without_counting_behind_them(database: s
         assert [(r["key"], r["waiting_behind"]) for r in uncounted] == [("B", None)]
     assert count(None, 100) == "-"
     assert count(100, 100) == "≥ 100"
+
+
+def test_in_order_with_shards_each_fetches_its_rows_by_its_index_in_id_order(
+    database: str,
+) -> None:
+    relay_migrate(database, "--shards", "3", "--without-key-index")
+    ids = rows_of(database, "x", 1) + [i for k in range(30) for i in rows_of(database, f"k{k}", 3)]
+    seen: list[int] = []
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        for statement in drain_session_setup():
+            conn.execute(statement)
+        for shard in range(3):
+            batch = fetch.fetch_batch(conn, IN_ORDER, "{}", shards=3, shard=shard).messages
+            assert [m.id for m in batch] == sorted(m.id for m in batch)
+            seen += [m.id for m in batch]
+        plan = conn.execute(
+            "EXPLAIN " + QUERIES.fetch_head,
+            {
+                "shards": 3,
+                "shard": 1,
+                "limit": 100,
+                "in_flight": "{}",
+                "held": [],
+                "max_bytes": 8 << 20,
+                "message_max": 1 << 20,
+                "after": None,
+            },
+        ).fetchall()
+    assert sorted(seen) == sorted(ids)
+    text = "\n".join(r["QUERY PLAN"] for r in plan)
+    # The head's walk (the per-row probes below it run only if a gate finds a row).
+    assert "Index Scan using outbox_shards_3_due_idx on outbox o_1" in text, text
