@@ -77,6 +77,7 @@ def _sample(conn: psycopg.Connection[Any], started: float) -> dict[str, Any]:
             "message_max": 1 << 20,
             "after": None,
             "in_flight": "{}",
+            "in_flight_ranges": "{}",
             "held": [],
             "shards": 1,
             "shard": 0,

@@ -100,6 +100,7 @@ def _fetch_cost(dsn: str) -> dict[str, float]:
         "key_cap": 200,
         "fill": True,
         "in_flight": "{}",
+        "in_flight_ranges": "{}",
         "held": [],
         "shards": 1,
         "shard": 0,

@@ -281,10 +281,10 @@ inline release(l) {
  * statement; with RELAY_FAIRNESS=off, fetch_head's windows in one REPEATABLE READ
  * snapshot, so the same one view; the rows it reads are only ever settled under a
  * fence, so a stale read costs a duplicate, never more):
- *   sql: drain.sql fetch_head sha256:25f9cfcee3c023f5
- *   sql: drain.sql fetch_batch sha256:a39d9be48e68336c
- * unsent, in this lane's shard, not in flight here (`in_flight`), not in a backoff
- * (`ready`), and the first such row of its key: an earlier unsent row of the key is
+ *   sql: drain.sql fetch_head sha256:7a5bb387352def16
+ *   sql: drain.sql fetch_batch sha256:d6c886fc80106725
+ * unsent, in this lane's shard, not in flight here (`in_flight`, by id or span), not
+ * in a backoff (`ready`), and the first such row of its key: an earlier unsent row of the key is
  * fetched first, one in a backoff holds it back (`ready`), one in flight here without
  * an acknowledgement holds it back (`held`: SettlePipeline.unsettled). */
 #ifdef MUTANT_NO_KEY_HOLD

@@ -76,6 +76,35 @@ class Settlement:
         return id_array([self.sent_text if self.sent_text is not None else id_text(self.sent)])
 
 
+@dataclass(frozen=True, slots=True)
+class IdSet:
+    """Rows in flight, as the statements take them: `text` (`id_text`) for the settle
+    and the fetch's array of ids to leave out; `span` (first, last) when they are every
+    id from first to last, as a batch fetched in id order usually is: then the fetch
+    leaves them out as one range, which the planner prices in one step where it prices
+    an array element by element (0.2 ms a fetch at 2,000 ids in flight)."""
+
+    text: str
+    span: tuple[int, int] | None = None
+
+
+def id_set(ids: list[int]) -> IdSet:
+    """A batch's distinct ids: their text, and their span if they leave no gap."""
+    if not ids:
+        return IdSet("")
+    first, last = min(ids), max(ids)
+    return IdSet(id_text(ids), (first, last) if last - first + 1 == len(ids) else None)
+
+
+def in_flight(parts: Iterable[IdSet]) -> tuple[str, str]:
+    """The fetch's two ways of leaving rows out: an array literal of the ids with no
+    span (`::bigint[]`), and a multirange literal of the spans (`::int8multirange`)."""
+    parts = list(parts)
+    spans = [part.span for part in parts if part.span is not None]
+    ids = id_array(part.text for part in parts if part.span is None)
+    return ids, "{" + ",".join(f"[{first},{last}]" for first, last in spans) + "}"
+
+
 def id_text(ids: Iterable[int]) -> str:
     """`1,2,3`: a batch's ids as text, made once and reused by every statement that
     names the batch (each fetch's exclusion while it is in flight, its settle). One

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from relay import failpoints, screen
 from relay.backoff import Backoff, Retrying, retry_delay
-from relay.batch import BatchLimits, SentRows, Settlement, id_text
+from relay.batch import BatchLimits, IdSet, SentRows, Settlement, id_set
 from relay.give_way import GiveWay, Peers
 from relay.hand_over import HandOver
 from relay.idle import IdleWait, Wakeup
@@ -211,9 +211,9 @@ class Drainer:
         started = self._clock()
         self._progress.publishing()
         self._recorder.publishing(batch, fetched_ns)
-        batch_text = id_text(map(ID, batch))
+        batch_ids = id_set(list(map(ID, batch)))
         if not self._abandon(token):
-            self._reader.prefetch(*self._pipeline.unsettled(), batch_text)
+            self._reader.prefetch(*self._pipeline.unsettled(), batch_ids)
         publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
         room = len(self._pipeline.stragglers) + len(batch) <= self._reader.limits.rows
@@ -234,7 +234,7 @@ class Drainer:
         answered, answers = self._pipeline.stragglers.answered()
         whole = len(rows) == len(batch) and not answered  # the batch's ids, as fetched
         unavailable = self._settle(
-            token, rows + answered, outcomes + answers, batch_text if whole else None
+            token, rows + answered, outcomes + answers, batch_ids if whole else None
         )
         self._recorder.settling()
         return unavailable
@@ -260,14 +260,14 @@ class Drainer:
         token: LeaseToken,
         rows: list[OutboxMessage],
         results: list[Result],
-        ids_text: str | None = None,
+        ids: IdSet | None = None,
     ) -> Result | None:
         """Hand the outcomes of `rows` to the settler (after the previous settle landed);
         the sink's "unavailable" verdict, if any, for the loop to back off on.
-        `ids_text`: the rows' ids as `id_text`, if made already."""
+        `ids`: the rows' ids, if made already."""
         settlement, unavailable, reached = self._plan(rows, results)
-        if ids_text is not None and len(settlement.sent) == len(rows):
-            settlement.sent_text = ids_text
+        if ids is not None and len(settlement.sent) == len(rows):
+            settlement.sent_text = ids.text
         if reached is None and len(self._pipeline.stragglers):
             reached = False  # asked, and still no answer
         self._progress.published(reached=reached)
@@ -275,7 +275,7 @@ class Drainer:
             self._give_way_policy.sink_answered()
         unacked = self._pipeline.unacked(rows, results, settlement)
         self._reader.hold(unacked)
-        if not self._pipeline.submit(token, rows, settlement, unacked, ids_text):
+        if not self._pipeline.submit(token, rows, settlement, unacked, ids):
             self._reader.forget()
             return None  # fenced out: these rows stay unsent (published: duplicates later)
         return unavailable

@@ -29,10 +29,12 @@ def fetch_batch(
     shards: int = 1,
     shard: int = 0,
     after_group: str | None = None,
+    in_flight_ranges: str = "{}",
 ) -> Fetched:
     """The next batch (README "Fetching: fair and bounded").
 
-    `in_flight`: ids (an `id_array`) published but not settled yet: left out.
+    `in_flight`: ids (an `id_array`) published but not settled yet: left out; and
+    `in_flight_ranges` (a multirange literal), runs of such ids without a gap.
     `after_key`: where the round over keys starts if the head must be shared out.
     `held`: keys whose rows are not ready (an earlier row is in flight): like a key in
     backoff, they make a full head share out, so other keys are found past them.
@@ -52,6 +54,7 @@ def fetch_batch(
         "shard": shard,
         "limit": limits.rows,
         "in_flight": in_flight,
+        "in_flight_ranges": in_flight_ranges,
         "held": list(held),
         "max_bytes": limits.bytes,
         "message_max": limits.message_bytes,
@@ -139,6 +142,8 @@ def _walk(
     room_bytes = limits.bytes
     for read in range(1, windows + 1):
         window: list[OutboxMessage] = cur.execute(QUERIES.fetch_head, params).fetchall()
+        if read == 1 and window and _all_taken(window, limits):
+            return window, False  # the usual window, all of it: nothing to walk past
         cut = False
         for message in window:
             if not message.ready:
@@ -162,6 +167,18 @@ def _walk(
             return batch, True
         params = {**params, "after": window[-1].id, "max_bytes": room_bytes}
     return batch, True
+
+
+def _all_taken(window: list[OutboxMessage], limits: BatchLimits) -> bool:
+    """Every row of the window goes, in C (map, Counter): all ready, the last within
+    the byte bound (`within` turns false only past it), no key past its cap."""
+    if not (window[-1].within and all(map(READY, window))):
+        return False
+    if limits.fill:
+        return True
+    counts = Counter(map(KEY, window))
+    counts.pop(None, None)
+    return not counts or max(counts.values()) <= limits.per_key
 
 
 def _size(message: OutboxMessage) -> int:

@@ -8,7 +8,7 @@ overtake them. A settle that a newer lease holder fenced out is reported to the 
 
 from __future__ import annotations
 
-from relay.batch import Settlement, id_text
+from relay.batch import IdSet, Settlement, id_text
 from relay.lease import Lease, LeaseToken
 from relay.logging import get_logger
 from relay.message import OutboxMessage
@@ -31,13 +31,13 @@ class SettlePipeline:
         self.stragglers = Stragglers()  # published, no outcome yet
         self.landed_count = 0  # batches settled (fenced ones not counted)
 
-    def unsettled(self) -> tuple[list[str], frozenset[str]]:
-        """Ids every fetch leaves out (as `id_text` parts) and keys held back
-        from it: the batch being settled, and the stragglers."""
-        ids = [id_text(self.stragglers.ids())]
+    def unsettled(self) -> tuple[list[IdSet], frozenset[str]]:
+        """Ids every fetch leaves out and keys held back from it: the batch being
+        settled, and the stragglers."""
+        ids = [IdSet(id_text(self.stragglers.ids()))]
         held = self.stragglers.keys()
         if self._in_flight is not None:
-            ids.append(self._in_flight.ids_text)
+            ids.append(self._in_flight.ids)
             held |= self._in_flight.held_keys
         return ids, held
 
@@ -70,14 +70,14 @@ class SettlePipeline:
         rows: list[OutboxMessage],
         settlement: Settlement,
         unacked: frozenset[str],
-        ids_text: str | None,
+        ids: IdSet | None,
     ) -> bool:
         """Hand the settlement to the settler once the previous one landed; False if a
         newer holder fenced that out (these rows stay unsent: published, duplicates)."""
         if not self.land():
             return False
         if settlement:
-            self._in_flight = self._settler.submit(token, rows, settlement, unacked, ids_text)
+            self._in_flight = self._settler.submit(token, rows, settlement, unacked, ids)
         return True
 
     def land(self) -> bool:

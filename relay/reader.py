@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints, metrics
-from relay.batch import BatchLimits, id_array
+from relay.batch import BatchLimits, IdSet, in_flight
 from relay.lease import Shard
 from relay.logging import get_logger
 from relay.message import OutboxMessage
@@ -127,19 +127,18 @@ class Reader:
 
     # --- the batches ---
 
-    def next_batch(self, unsettled: list[str], held: frozenset[str]) -> list[OutboxMessage]:
+    def next_batch(self, unsettled: list[IdSet], held: frozenset[str]) -> list[OutboxMessage]:
         """The prefetched batch, or a fresh fetch; minus the keys held back.
-        `unsettled`: the ids every fetch leaves out, as `id_text` parts."""
+        `unsettled`: the ids every fetch leaves out."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             rows = self._result(prefetched.rows)
             batch = without(rows, held | prefetched.held) if rows is not None else []
             if batch:
                 return batch
-        in_flight = id_array(unsettled)
-        return without(self._on_session(self._fetch, in_flight, held), held)
+        return without(self._on_session(self._fetch, in_flight(unsettled), held), held)
 
-    def prefetch(self, unsettled: list[str], held: frozenset[str], publishing: str) -> None:
+    def prefetch(self, unsettled: list[IdSet], held: frozenset[str], publishing: IdSet) -> None:
         """Start reading the batch after the one being published (`publishing`, its
         ids as `id_text`), on the reader's thread: the read overlaps the publish and
         its acknowledgements.
@@ -148,13 +147,15 @@ class Reader:
         the prefetched rows are published, the failures of those batches may still be
         unwritten.
         """
-        in_flight = id_array([*unsettled, publishing])
-        self._prefetched = Prefetched(self._submit(self._read_ahead, in_flight, held), held)
+        left_out = in_flight([*unsettled, publishing])
+        self._prefetched = Prefetched(self._submit(self._read_ahead, left_out, held), held)
 
-    def _read_ahead(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage] | None:
+    def _read_ahead(
+        self, left_out: tuple[str, str], held: frozenset[str]
+    ) -> list[OutboxMessage] | None:
         failpoints.stall("read_ahead")
         try:
-            return self._fetch(in_flight, held)
+            return self._fetch(left_out, held)
         except StoreError:
             return None  # the next step's own fetch will meet (and report) the same trouble
 
@@ -212,24 +213,26 @@ class Reader:
             raise StoreError("the reader is closing")
         return step()
 
-    def _fetch(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
+    def _fetch(self, left_out: tuple[str, str], held: frozenset[str]) -> list[OutboxMessage]:
         started = time.perf_counter()
         try:
-            return self._rounds(in_flight, held)
+            return self._rounds(left_out, held)
         finally:
             metrics.FETCH_SECONDS.observe(time.perf_counter() - started)
 
-    def _rounds(self, in_flight: str, held: frozenset[str]) -> list[OutboxMessage]:
+    def _rounds(self, left_out: tuple[str, str], held: frozenset[str]) -> list[OutboxMessage]:
+        ids, ranges = left_out  # relay/batch.py in_flight
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):
             fetched = self._store.fetch(
                 self.limits,
-                in_flight,
+                ids,
                 self._after_key,
                 held=sorted(held),
                 share_busy_keys=self._clock() >= self._look_for_others_at,
                 after_group=self._after_group,
+                in_flight_ranges=ranges,
             )
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to

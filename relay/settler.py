@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from relay import metrics
-from relay.batch import SentRows, Settlement, id_text
+from relay.batch import IdSet, SentRows, Settlement, id_set
 from relay.lease import Lease, LeaseToken
 from relay.message import ID, OutboxMessage
 from relay.store.port import SettleStore
@@ -25,10 +25,10 @@ class InFlight:
     """A batch that was published and whose outcomes are being written."""
 
     token: LeaseToken
-    # Ids only, as text for the fetches that leave them out (`id_text`): the
-    # rows' payloads are let go once published, so a batch of large rows is held in two
-    # stages at most (read ahead, publishing), not three.
-    ids_text: str
+    # Ids only, for the fetches that leave them out (`IdSet`): the rows' payloads are
+    # let go once published, so a batch of large rows is held in two stages at most
+    # (read ahead, publishing), not three.
+    ids: IdSet
     first_id: int  # for the `batch.settled` event
     last_id: int
     settlement: Settlement
@@ -63,12 +63,13 @@ class Settler:
         batch: list[OutboxMessage],
         settlement: Settlement,
         held_keys: frozenset[str],
-        ids_text: str | None = None,
+        ids: IdSet | None = None,
     ) -> InFlight:
-        """`ids_text`: the batch's ids as text, if the caller made it already."""
+        """`ids`: the batch's ids, if the caller made them already."""
         future = self._pool.submit(self._settle, token, settlement)
-        text = id_text(map(ID, batch)) if ids_text is None else ids_text
-        return InFlight(token, text, batch[0].id, batch[-1].id, settlement, held_keys, future)
+        if ids is None:
+            ids = id_set(list(map(ID, batch)))
+        return InFlight(token, ids, batch[0].id, batch[-1].id, settlement, held_keys, future)
 
     def _settle(self, token: LeaseToken, settlement: Settlement) -> datetime | None:
         started = self._clock()

@@ -156,6 +156,7 @@ def test_the_grouped_fetch_costs_the_same_at_any_backlog_of_one_group(database: 
                     "key_cap": 4,
                     "fill": False,
                     "in_flight": "{}",
+                    "in_flight_ranges": "{}",
                     "held": [],
                     "shards": 1,
                     "shard": 0,

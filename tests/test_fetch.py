@@ -91,6 +91,7 @@ def test_the_fetch_columns_are_the_message_fields(database: str) -> None:
         "key_cap": 1,
         "fill": True,
         "in_flight": "{}",
+        "in_flight_ranges": "{}",
         "held": [],
         "shards": 1,
         "shard": 0,
@@ -119,6 +120,7 @@ def test_both_fetch_statements_hand_over_the_same_row(database: str) -> None:
         params = {
             "limit": 10,
             "in_flight": "{}",
+            "in_flight_ranges": "{}",
             "held": [],
             "max_bytes": 1 << 30,
             "message_max": 1 << 30,
@@ -359,6 +361,7 @@ def _fetch_cost(dsn: str, limits: BatchLimits = LIMITS) -> int:
         "key_cap": limits.per_key,
         "fill": limits.fill,
         "in_flight": "{}",
+        "in_flight_ranges": "{}",
         "held": [],
         "shards": 1,
         "shard": 0,
@@ -379,6 +382,7 @@ def head_scans(dsn: str, limit: int = 1000) -> list[Scan]:
         "message_max": LIMITS.message_bytes,
         "after": None,
         "in_flight": "{}",
+        "in_flight_ranges": "{}",
         "held": [],
         "shards": 1,
         "shard": 0,
@@ -664,3 +668,13 @@ def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it_kafka(
     records = consume(kafka.bootstrap_servers, topic, min_count=60_250, timeout=60)
     assert len(dedup_by_message_id(records)) == 60_250
     assert_per_key_order(records)
+
+
+def test_rows_in_flight_are_left_out_by_their_ids_and_by_their_spans(database: str) -> None:
+    ids = insert_rows(database, "t", [(f"k{i}", f"k{i}:0".encode()) for i in range(10)])
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        for statement in drain_session_setup():
+            conn.execute(statement)
+        spans = f"{{[{ids[0]},{ids[2]}],[{ids[5]},{ids[5]}]}}"
+        left = fetch_batch(conn, LIMITS, f"{{{ids[7]}}}", in_flight_ranges=spans).messages
+    assert [m.id for m in left] == [ids[3], ids[4], ids[6], ids[8], ids[9]]

@@ -162,6 +162,7 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
         "message_max": 1 << 30,
         "after": None,
         "in_flight": "{}",
+        "in_flight_ranges": "{}",
         "held": [],
     }
     params |= {"shards": 1, "shard": 0}

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import REGISTRY
 
-from relay.batch import BatchLimits
+from relay.batch import BatchLimits, IdSet
 from relay.lease import Shard
 from relay.message import OutboxMessage
 from relay.reader import CLOSE_SECONDS, Reader
@@ -57,6 +57,7 @@ class SlowStore:
         held: list[str],
         share_busy_keys: bool,
         after_group: str | None = None,
+        in_flight_ranges: str = "{}",
     ) -> Fetched:
         with self._lock:
             self.running += 1
@@ -105,7 +106,7 @@ def test_closing_cancels_a_stuck_read_ahead_and_closes_the_session_on_its_thread
     read = reader(store)
     assert read.next_batch([], frozenset())  # the session in use
     store.blocked.set()
-    read.prefetch([], frozenset(), "1")
+    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
     until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     started = time.monotonic()
     read.close()
@@ -119,7 +120,7 @@ def test_closing_an_idle_reader_cancels_nothing() -> None:
     store = SlowStore()
     read = reader(store)
     assert read.next_batch([], frozenset())
-    read.prefetch([], frozenset(), "1")
+    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
     assert read.next_batch([], frozenset())  # the read-ahead, used
     read.close()
     assert store.interrupted == 0
@@ -132,7 +133,7 @@ def test_a_fresh_read_after_a_forgotten_one_waits_for_it() -> None:
     store = SlowStore()
     read = reader(store)
     for _ in range(20):
-        read.prefetch([], frozenset(), "")
+        read.prefetch([], frozenset(), IdSet(""))
         read.forget()
         assert read.next_batch([], frozenset())
     read.close()
@@ -145,7 +146,7 @@ def test_a_forgotten_read_ahead_that_failed_other_than_the_store_fails_is_raised
     store = SlowStore()
     read = reader(store)
     store.failures.append(ValueError("a row the relay cannot decode"))
-    read.prefetch([], frozenset(), "")
+    read.prefetch([], frozenset(), IdSet(""))
     read.forget()
     with pytest.raises(ValueError, match="cannot decode"):
         read.next_batch([], frozenset())
@@ -157,7 +158,7 @@ def test_a_read_ahead_the_store_failed_is_read_again_and_the_failure_reported_th
     store = SlowStore()
     read = reader(store)
     store.failures += [StoreError("connection lost"), StoreError("connection refused")]
-    read.prefetch([], frozenset(), "")
+    read.prefetch([], frozenset(), IdSet(""))
     with pytest.raises(StoreError, match="refused"):
         read.next_batch([], frozenset())
     assert read.next_batch([], frozenset())
@@ -172,7 +173,7 @@ def test_a_stop_requested_while_the_loop_waits_for_a_stuck_read_ends_the_wait() 
     read = reader(store, shutdown)
     assert read.next_batch([], frozenset())
     store.blocked.set()
-    read.prefetch([], frozenset(), "1")
+    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
     until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     threading.Timer(0.2, shutdown.request).start()
     started = time.monotonic()
@@ -194,7 +195,7 @@ def test_the_time_the_loop_waits_for_its_reads_is_counted() -> None:
 
     assert read.next_batch([], frozenset())
     store.blocked.set()
-    read.prefetch([], frozenset(), "1")
+    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
     before = waited()
     threading.Timer(0.3, store.released.set).start()
     assert read.next_batch([], frozenset())
@@ -211,7 +212,7 @@ def test_closing_starts_no_statement_queued_behind_a_stuck_read() -> None:
     read = reader(store)
     assert read.next_batch([], frozenset())
     store.blocked.set()
-    read.prefetch([], frozenset(), "1")
+    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
     ahead = read._last
     until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     read.forget()

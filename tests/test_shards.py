@@ -136,6 +136,7 @@ def explain_fetch_head(
         "message_max": 1 << 30,
         "after": None,
         "in_flight": "{}",
+        "in_flight_ranges": "{}",
         "held": [],
         "shards": shards,
         "shard": 0,

@@ -456,12 +456,12 @@ class _FakeSettler:
     ) -> Any:
         from concurrent.futures import Future
 
-        from relay.batch import id_text
+        from relay.batch import id_set
         from relay.settler import InFlight
 
         future: Future[Any] = Future()
         self.futures.append(future)
-        ids = id_text(m.id for m in batch) if text is None else text
+        ids = id_set([m.id for m in batch]) if text is None else text
         return InFlight(token, ids, batch[0].id, batch[-1].id, settlement, held, future)
 
     def close(self) -> None:
@@ -477,7 +477,7 @@ def _row(row_id: int, key: str) -> Any:
 def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_the_next() -> None:
     import datetime as dt
 
-    from relay.batch import Settlement
+    from relay.batch import IdSet, Settlement
     from relay.lease import LeaseToken
     from relay.pipeline import SettlePipeline
 
@@ -489,15 +489,15 @@ def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_th
     pipeline = SettlePipeline(settler, lease)  # type: ignore[arg-type]
     rows = [_row(1, "a"), _row(2, "b")]
     assert pipeline.submit(token, rows, Settlement(sent=[1, 2]), frozenset({"b"}), None)
-    assert pipeline.unsettled() == (["", "1,2"], frozenset({"b"}))
+    assert pipeline.unsettled() == ([IdSet(""), IdSet("1,2", (1, 2))], frozenset({"b"}))
     assert not pipeline.landed
     settler.futures[0].set_result(dt.datetime.now(dt.UTC))
     assert pipeline.landed
     # The next submit lands the previous settle first.
-    assert pipeline.submit(token, [_row(3, "a")], Settlement(sent=[3]), frozenset(), "3")
-    assert pipeline.unsettled() == (["", "3"], frozenset())
+    assert pipeline.submit(token, [_row(3, "a")], Settlement(sent=[3]), frozenset(), IdSet("3"))
+    assert pipeline.unsettled() == ([IdSet(""), IdSet("3")], frozenset())
     settler.futures[1].set_result(None)  # a newer holder fenced this settle out
-    assert not pipeline.submit(token, [_row(4, "c")], Settlement(sent=[4]), frozenset(), "4")
+    assert not pipeline.submit(token, [_row(4, "c")], Settlement(sent=[4]), frozenset(), IdSet("4"))
     assert len(settler.futures) == 2  # nothing submitted under a fenced term
     assert lease.token() is None and lease.take_fenced() == token
 
@@ -586,3 +586,15 @@ def test_a_migration_that_waits_for_a_rollout_only_retires() -> None:
         assert "DROP INDEX" in statements, migration.name
         found = re.findall(r"\b(CREATE|ALTER|INSERT|UPDATE|DELETE|TRUNCATE|GRANT)\b", statements)
         assert not found, (migration.name, found)
+
+
+def test_a_batch_without_gaps_is_left_out_as_one_span_and_one_with_gaps_by_its_ids() -> None:
+    from relay.batch import IdSet, id_set, in_flight
+
+    assert id_set([5, 6, 7, 8]) == IdSet("5,6,7,8", (5, 8))
+    assert id_set([8, 5, 7, 6]) == IdSet("8,5,7,6", (5, 8))  # unsorted: still every id
+    assert id_set([5, 7, 8]) == IdSet("5,7,8", None)
+    assert id_set([]) == IdSet("")
+    parts = [IdSet(""), id_set([1, 2, 3]), id_set([10, 12]), id_set([20])]
+    assert in_flight(parts) == ("{10,12}", "{[1,3],[20,20]}")
+    assert in_flight([IdSet("")]) == ("{}", "{}")

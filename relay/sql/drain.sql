@@ -250,10 +250,8 @@ FROM (SELECT head.*,
                     AND o.dead_lettered_at IS NULL
                     -- Not scheduled, or due and promoted (promote_due).
                     AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-                    -- The batches published and not yet settled. The parameter is sent
-                    -- untyped, so the cast makes it a bigint[] constant of the custom
-                    -- plan: a hash lookup.
-                    AND o.id <> ALL(%(in_flight)s::bigint[])
+                    -- The batches published and not yet settled.
+                    AND {{not_in_flight}}
                     AND {{this_shard}}
                     -- RELAY_FAIRNESS=off walks on past a window it could not fill
                     -- (relay/fetch.py): from its last id. NULL: from the first.
@@ -363,6 +361,16 @@ o.sent_at IS NULL
 AND o.dead_lettered_at IS NULL
 AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
 
+-- fragment: not_in_flight
+-- Not in a batch published and not yet settled: `in_flight`, the ids of those with
+-- gaps, and `in_flight_ranges`, the spans of those without (relay/batch.py in_flight;
+-- a batch fetched in id order is one span). Both are sent untyped, so the casts make
+-- them constants of the custom plan: the array a hash lookup, the multirange a binary
+-- search. The planner prices the multirange in one step and the array element by
+-- element: 0.2 ms of planning a fetch at 2,000 ids in flight.
+o.id <> ALL(%(in_flight)s::bigint[])
+AND NOT (o.id::bigint <@ %(in_flight_ranges)s::int8multirange)
+
 -- fragment: candidate
 -- A candidate row's columns, as every part of fetch_batch that reads rows hands them on
 -- (head, beyond, beyond_groups): what the batch projection needs, what its size is
@@ -385,7 +393,7 @@ FROM outbox AS o
 WHERE {{drainable}}
   -- The batches published and not yet settled. The parameter is sent untyped, so
   -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
-  AND o.id <> ALL(%(in_flight)s::bigint[])
+  AND {{not_in_flight}}
   AND {{this_shard}}  -- this shard's rows only
 ORDER BY o.id
 LIMIT %(limit)s
@@ -484,7 +492,7 @@ CROSS JOIN LATERAL (
       AND outbox_key_hash(o.key) <= k.key_hash
       AND o.id > (SELECT last_id FROM crowded)
       AND {{drainable}}
-      AND o.id <> ALL(%(in_flight)s::bigint[])
+      AND {{not_in_flight}}
       AND {{this_shard}}  -- this shard's rows only, whatever shares their key's hash
     ORDER BY outbox_key_hash(o.key), o.id
     LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM keys)
@@ -502,7 +510,7 @@ UNION ALL
    AND outbox_key_hash(o.key) IS NULL
    AND o.id > (SELECT last_id FROM crowded)
    AND {{drainable}}
-   AND o.id <> ALL(%(in_flight)s::bigint[])
+   AND {{not_in_flight}}
    AND {{this_shard}}
  ORDER BY outbox_key_hash(o.key), o.id  -- outbox_due_key_hash_idx's order: see above
  LIMIT %(limit)s)
@@ -583,7 +591,7 @@ CROSS JOIN LATERAL (
           WHERE {{fairness_group}} = g.grp
             AND o.id > (SELECT last_id FROM crowded)
             AND {{drainable}}
-            AND o.id <> ALL(%(in_flight)s::bigint[])
+            AND {{not_in_flight}}
             AND {{this_shard}}
           ORDER BY o.id
           LIMIT (SELECT greatest(1, %(limit)s / count(*)) FROM groups)) AS share
@@ -600,6 +608,7 @@ CROSS JOIN LATERAL (
              AND earlier.dead_lettered_at IS NULL
              AND (earlier.available_at IS NULL OR earlier.promoted_at IS NOT NULL)
              AND earlier.id <> ALL(%(in_flight)s::bigint[])
+             AND NOT (earlier.id::bigint <@ %(in_flight_ranges)s::int8multirange)
              AND outbox_fairness_group(earlier.key, earlier.headers, %(group_kind)s::text,
                                        %(group_arg)s::text) <> share.grp)
 ) AS p

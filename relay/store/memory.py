@@ -8,10 +8,14 @@ lease rows' compare-and-swap by the store's clock. It does not model the fair ro
 over keys and fairness groups (relay/sql/drain.sql's `fetch_batch`) nor the shard
 count's group row (`lease_group_claim`), all tested on PostgreSQL: a batch here is the
 head, capped per key.
+
+Long: one model of the whole store port (the lease's rows, the read, the settle), since
+the loop's rules hold only across all three at once.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -174,10 +178,11 @@ class MemoryStore:
         held: list[str],
         share_busy_keys: bool,
         after_group: str | None = None,
+        in_flight_ranges: str = "{}",
     ) -> Fetched:
         with self._lock:
             self._statement()
-            left_out = _ids(in_flight)
+            left_out = _ids(in_flight) | _spanned(in_flight_ranges)
             now = self.clock()
             blocked: set[str] = set(held)  # keys whose later rows may not be sent
             batch: list[OutboxMessage] = []
@@ -282,6 +287,12 @@ def _ids(literal: str) -> set[int]:
     """The ids of an `id_array` literal, `{1,2,3}`."""
     inner = literal.strip("{}")
     return {int(part) for part in inner.split(",") if part}
+
+
+def _spanned(literal: str) -> set[int]:
+    """The ids of a multirange literal of closed spans, `{[1,3],[7,7]}`."""
+    ends = [int(n) for n in re.findall(r"-?\d+", literal)]
+    return {i for a, b in zip(ends[::2], ends[1::2], strict=True) for i in range(a, b + 1)}
 
 
 def _message(row: Row, limits: BatchLimits) -> OutboxMessage:

@@ -60,10 +60,12 @@ class ReadStore(Protocol):
         held: list[str],
         share_busy_keys: bool,
         after_group: str | None = None,
+        in_flight_ranges: str = "{}",
     ) -> Fetched:
         """The next batch (README "Fetching: fair and bounded"): unsent rows in id
-        order, minus `in_flight` (an `id_array` of rows published and not settled) and
-        the `held` keys; a key blocked by an earlier waiting row skipped. With
+        order, minus the rows published and not settled (`in_flight`, an `id_array`,
+        and `in_flight_ranges`, their spans: relay/batch.py `in_flight`) and the `held`
+        keys; a key blocked by an earlier waiting row skipped. With
         `limits.group`, fair across groups first (`after_group`: where that round
         starts)."""
         ...

@@ -67,6 +67,7 @@ class PostgresReadStore:
         held: list[str],
         share_busy_keys: bool,
         after_group: str | None = None,
+        in_flight_ranges: str = "{}",
     ) -> Fetched:
         with _failing_as_store_error(self._session):
             return fetch.fetch_batch(
@@ -79,6 +80,7 @@ class PostgresReadStore:
                 after_group=after_group,
                 shards=self._shard.shards,
                 shard=self._shard.shard,
+                in_flight_ranges=in_flight_ranges,
             )
 
     def promote_due(self, limit: int) -> Promoted:
