@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from relay.fairness import FairnessGroup
 
@@ -88,26 +88,41 @@ class IdSet:
     span: tuple[int, int] | None = None
 
 
+# A span may not end at bigint's last value: PostgreSQL stores [a, b] as [a, b + 1).
+_LAST_BIGINT = 2**63 - 1
+
+
 def id_set(ids: list[int]) -> IdSet:
-    """A batch's distinct ids: their text, and their span if they leave no gap."""
+    """A batch's ids: their text, and their span if they leave no gap (a span stands for
+    every id in it, so a repeated id must not pass for a missing one)."""
     if not ids:
         return IdSet("")
     first, last = min(ids), max(ids)
-    return IdSet(id_text(ids), (first, last) if last - first + 1 == len(ids) else None)
+    whole = last - first + 1 == len(ids) and last < _LAST_BIGINT and len(set(ids)) == len(ids)
+    return IdSet(id_text(ids), (first, last) if whole else None)
 
 
-def in_flight(parts: Iterable[IdSet]) -> tuple[str, str]:
-    """The fetch's two ways of leaving rows out: an array literal of the ids with no
-    span (`::bigint[]`), and a multirange literal of the spans (`::int8multirange`)."""
+class LeftOut(NamedTuple):
+    """What the fetch leaves out: `ids`, an array literal (`::bigint[]`) of the ids of
+    batches with gaps and the stragglers; `ranges`, a multirange literal
+    (`::int8multirange`) of the spans of the others."""
+
+    ids: str
+    ranges: str
+
+
+def in_flight(parts: Iterable[IdSet]) -> LeftOut:
+    """The rows in flight, as the fetch leaves them out."""
     parts = list(parts)
     spans = [part.span for part in parts if part.span is not None]
     ids = id_array(part.text for part in parts if part.span is None)
-    return ids, "{" + ",".join(f"[{first},{last}]" for first, last in spans) + "}"
+    return LeftOut(ids, "{" + ",".join(f"[{first},{last}]" for first, last in spans) + "}")
 
 
 def id_text(ids: Iterable[int]) -> str:
     """`1,2,3`: a batch's ids as text, made once and reused by every statement that
-    names the batch (each fetch's exclusion while it is in flight, its settle). One
+    names the batch (its settle, and each fetch's exclusion while it is in flight if it
+    has gaps). One
     C-level join, where psycopg adapting a list element by element in Python was a
     tenth of the drain thread's time at batch 2000."""
     return ",".join(map(str, ids))

@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints, metrics
-from relay.batch import BatchLimits, IdSet, in_flight
+from relay.batch import BatchLimits, IdSet, LeftOut, in_flight
 from relay.lease import Shard
 from relay.logging import get_logger
 from relay.message import OutboxMessage
@@ -140,8 +140,8 @@ class Reader:
 
     def prefetch(self, unsettled: list[IdSet], held: frozenset[str], publishing: IdSet) -> None:
         """Start reading the batch after the one being published (`publishing`, its
-        ids as `id_text`), on the reader's thread: the read overlaps the publish and
-        its acknowledgements.
+        ids), on the reader's thread: the read overlaps the publish and its
+        acknowledgements.
 
         It leaves out every row not yet settled, and remembers the keys held back: when
         the prefetched rows are published, the failures of those batches may still be
@@ -150,9 +150,7 @@ class Reader:
         left_out = in_flight([*unsettled, publishing])
         self._prefetched = Prefetched(self._submit(self._read_ahead, left_out, held), held)
 
-    def _read_ahead(
-        self, left_out: tuple[str, str], held: frozenset[str]
-    ) -> list[OutboxMessage] | None:
+    def _read_ahead(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage] | None:
         failpoints.stall("read_ahead")
         try:
             return self._fetch(left_out, held)
@@ -213,26 +211,25 @@ class Reader:
             raise StoreError("the reader is closing")
         return step()
 
-    def _fetch(self, left_out: tuple[str, str], held: frozenset[str]) -> list[OutboxMessage]:
+    def _fetch(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage]:
         started = time.perf_counter()
         try:
             return self._rounds(left_out, held)
         finally:
             metrics.FETCH_SECONDS.observe(time.perf_counter() - started)
 
-    def _rounds(self, left_out: tuple[str, str], held: frozenset[str]) -> list[OutboxMessage]:
-        ids, ranges = left_out  # relay/batch.py in_flight
+    def _rounds(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):
             fetched = self._store.fetch(
                 self.limits,
-                ids,
+                left_out.ids,
                 self._after_key,
                 held=sorted(held),
                 share_busy_keys=self._clock() >= self._look_for_others_at,
                 after_group=self._after_group,
-                in_flight_ranges=ranges,
+                in_flight_ranges=left_out.ranges,
             )
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to

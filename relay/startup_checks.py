@@ -58,8 +58,15 @@ def run(settings: Settings) -> None:
 
 
 def schema(conn: db.Conn, _settings: Settings) -> None:
-    """The migrations this release reads, or its statements fail every round (a relay
+    """PostgreSQL 14 or later (the fetch leaves out rows in flight by multirange), and
+    the migrations this release reads, or its statements fail every round (a relay
     deployed before `relay migrate` ran)."""
+    version = conn.info.server_version
+    if version < 140000:
+        raise SettingsError(
+            "RELAY_DATABASE_URL",
+            f"the server runs PostgreSQL {version // 10000}: this release needs 14 or later",
+        )
     lacking = missing(conn)
     if lacking:
         raise SettingsError(

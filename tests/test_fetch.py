@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from relay.batch import BatchLimits
+from relay.batch import BatchLimits, id_set, in_flight
 from relay.fetch import fetch_batch
 from relay.message import MalformedRow, OutboxMessage
 from relay.queries import QUERIES
@@ -672,9 +672,26 @@ def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it_kafka(
 
 def test_rows_in_flight_are_left_out_by_their_ids_and_by_their_spans(database: str) -> None:
     ids = insert_rows(database, "t", [(f"k{i}", f"k{i}:0".encode()) for i in range(10)])
+    left_out = in_flight([id_set(ids[0:3]), id_set([ids[5]]), id_set([ids[7], ids[9]])])
+    assert left_out.ids == f"{{{ids[7]},{ids[9]}}}"  # a gap: by id
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         for statement in drain_session_setup():
             conn.execute(statement)
-        spans = f"{{[{ids[0]},{ids[2]}],[{ids[5]},{ids[5]}]}}"
-        left = fetch_batch(conn, LIMITS, f"{{{ids[7]}}}", in_flight_ranges=spans).messages
-    assert [m.id for m in left] == [ids[3], ids[4], ids[6], ids[8], ids[9]]
+        left = fetch_batch(conn, LIMITS, left_out.ids, in_flight_ranges=left_out.ranges)
+    assert [m.id for m in left.messages] == [ids[3], ids[4], ids[6], ids[8]]
+
+
+def test_the_fair_fetch_leaves_out_spans_in_flight_past_the_head_too(database: str) -> None:
+    """A hot key fills the head; the other keys' rows past it come by the round over
+    keys (fetch_batch's `beyond`), minus those in flight."""
+    bulk(database, "t", "H", 300)
+    others = insert_rows(database, "t", [(f"k{i}", f"k{i}:0".encode()) for i in range(10)])
+    left_out = in_flight([id_set(others[:4])])
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        for statement in drain_session_setup():
+            conn.execute(statement)
+        fetched = fetch_batch(conn, LIMITS, left_out.ids, in_flight_ranges=left_out.ranges)
+    assert fetched.fair
+    came = {m.id for m in fetched.messages}
+    assert not came & set(others[:4])
+    assert set(others[4:]) <= came

@@ -452,7 +452,7 @@ class _FakeSettler:
         self.futures: list[Any] = []
 
     def submit(
-        self, token: Any, batch: list[Any], settlement: Any, held: frozenset[str], text: Any
+        self, token: Any, batch: list[Any], settlement: Any, held: frozenset[str], ids: Any
     ) -> Any:
         from concurrent.futures import Future
 
@@ -461,8 +461,8 @@ class _FakeSettler:
 
         future: Future[Any] = Future()
         self.futures.append(future)
-        ids = id_set([m.id for m in batch]) if text is None else text
-        return InFlight(token, ids, batch[0].id, batch[-1].id, settlement, held, future)
+        given = id_set([m.id for m in batch]) if ids is None else ids
+        return InFlight(token, given, batch[0].id, batch[-1].id, settlement, held, future)
 
     def close(self) -> None:
         return None
@@ -594,7 +594,22 @@ def test_a_batch_without_gaps_is_left_out_as_one_span_and_one_with_gaps_by_its_i
     assert id_set([5, 6, 7, 8]) == IdSet("5,6,7,8", (5, 8))
     assert id_set([8, 5, 7, 6]) == IdSet("8,5,7,6", (5, 8))  # unsorted: still every id
     assert id_set([5, 7, 8]) == IdSet("5,7,8", None)
+    assert id_set([5, 6, 6, 8]) == IdSet("5,6,6,8", None)  # 7 is not in flight
+    assert id_set([2**63 - 2, 2**63 - 1]).span is None  # [a, b] is stored as [a, b + 1)
     assert id_set([]) == IdSet("")
     parts = [IdSet(""), id_set([1, 2, 3]), id_set([10, 12]), id_set([20])]
     assert in_flight(parts) == ("{10,12}", "{[1,3],[20,20]}")
     assert in_flight([IdSet("")]) == ("{}", "{}")
+
+
+def test_a_server_older_than_postgresql_14_stops_start_up_naming_the_setting() -> None:
+    from types import SimpleNamespace
+
+    from relay import startup_checks
+    from relay.settings import SettingsError
+
+    conn = SimpleNamespace(info=SimpleNamespace(server_version=130011))
+    with pytest.raises(SettingsError) as caught:
+        startup_checks.schema(conn, None)  # type: ignore[arg-type]
+    assert caught.value.name == "RELAY_DATABASE_URL"
+    assert "PostgreSQL 13" in str(caught.value) and "14 or later" in str(caught.value)

@@ -391,8 +391,7 @@ SELECT {{candidate}},
        0::bigint AS walk
 FROM outbox AS o
 WHERE {{drainable}}
-  -- The batches published and not yet settled. The parameter is sent untyped, so
-  -- the cast makes it a bigint[] constant of the custom plan: a hash lookup.
+  -- The batches published and not yet settled.
   AND {{not_in_flight}}
   AND {{this_shard}}  -- this shard's rows only
 ORDER BY o.id

@@ -291,8 +291,9 @@ def _ids(literal: str) -> set[int]:
 
 def _spanned(literal: str) -> set[int]:
     """The ids of a multirange literal of closed spans, `{[1,3],[7,7]}`."""
-    ends = [int(n) for n in re.findall(r"-?\d+", literal)]
-    return {i for a, b in zip(ends[::2], ends[1::2], strict=True) for i in range(a, b + 1)}
+    spans = re.findall(r"\[(-?\d+),(-?\d+)\]", literal)
+    assert "{" + ",".join(f"[{a},{b}]" for a, b in spans) + "}" == literal, literal
+    return {i for a, b in spans for i in range(int(a), int(b) + 1)}
 
 
 def _message(row: Row, limits: BatchLimits) -> OutboxMessage:
