@@ -307,6 +307,8 @@ def test_a_dead_letter_is_found_inspected_requeued_and_delivered(
     page.fill("input[name=key]", key)
     page.fill("input[name=reason]", "SCHEMA VIOLATION")  # a case-insensitive substring
     page.click("#search button[type=submit]")
+    # count() does not wait: the search's page first (the click only starts its load).
+    page.wait_for_url(re.compile(rf".*/dead-letters\?.*key={key}.*"))
     rows = page.locator("#dead-letter-table tbody tr")
     assert rows.count() == 1
     assert "schema violation" in rows.first.inner_text()
