@@ -65,7 +65,8 @@ from bench import cpu
 from bench.common import BARE_PRODUCER, DUE, KEYS, PAYLOAD, TOPIC, preload, produce_batch
 from relay.batch import SentRows
 from relay.queries import QUERIES
-from relay.schema_options import KEY_INDEX
+from relay.schema_options import set_key_index
+from relay.settings import CommonSettings
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"
@@ -344,14 +345,12 @@ def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, A
 def _in_order(dsn: str, bootstrap: str, rows: int) -> dict[str, float]:
     """`relay run` with RELAY_FAIRNESS=off on `outbox` without its key index (dropped
     for the run, built again after it: the other ways read it)."""
-    index = sql.Identifier(KEY_INDEX)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+    settings = CommonSettings(database_url=dsn)
+    set_key_index(settings, False)
     try:
         return cpu.drain(dsn, bootstrap, rows, RELAY_FAIRNESS="off")
     finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL(QUERIES.key_index).format(index=index))
+        set_key_index(settings, True)
 
 
 # --- 3. the app's write path -------------------------------------------------------

@@ -62,8 +62,14 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.kill()
 
 
+def _stat(path: Path) -> list[str]:
+    """A /proc/<pid>/stat line's fields after the command (which may hold spaces):
+    [0] state, [1] ppid, [11:13] utime and stime, [13:15] cutime and cstime."""
+    return path.read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(Path(f"/proc/{pid}/stat"))
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
@@ -74,14 +80,14 @@ def server_cpu_seconds(conn: psycopg.Connection[Any]) -> float:
     time moves into the postmaster's cutime and is still counted."""
     row = conn.execute("SELECT pg_backend_pid()").fetchone()
     assert row is not None
-    postmaster = int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    postmaster = _stat(Path(f"/proc/{row[0]}/stat"))[1]
     total = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = _stat(stat)
         except OSError:  # exited while we looked: its time is in the postmaster's now
             continue
-        if stat.parent.name == str(postmaster) or fields[1] == str(postmaster):
+        if postmaster in (stat.parent.name, fields[1]):
             total += sum(int(f) for f in fields[11:15])
     return total / TICKS
 

@@ -122,26 +122,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     settings = load_settings(CommonSettings)
     configure(settings.log_format, settings.log_level)
-    if settings.outbox_table is not None and (args.without_key_index or args.with_key_index):
-        print(
-            "relay migrate: --with-key-index and --without-key-index are for the relay's own"
-            " outbox; an own table's indexes are `--own-table`'s",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
-    if args.without_key_index and args.fairness_group is not None:
-        print(
-            "relay migrate: --fairness-group builds an index for the fair fetch, which"
-            " --without-key-index is for turning off",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
-    if settings.outbox_table is not None and (args.notify_trigger or args.drop_notify_trigger):
-        print(
-            "relay migrate: the notify trigger is for the relay's own outbox; with"
-            " RELAY_OUTBOX_TABLE, NOTIFY from the app or a trigger of your own",
-            file=sys.stderr,
-        )
+    refused = _migrate_refusal(args, settings)
+    if refused is not None:
+        print(f"relay migrate: {refused}", file=sys.stderr)
         return EXIT_CONFIG
     if args.dry_run:
         texts = migrate_own_table(settings, dry_run=True)
@@ -188,6 +171,27 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         set_notify_trigger(settings, None)
         print("notify trigger: dropped")
     return EXIT_OK
+
+
+def _migrate_refusal(args: argparse.Namespace, settings: CommonSettings) -> str | None:
+    """Why these `relay migrate` flags do not go together with these settings, if so."""
+    own_table = settings.outbox_table is not None
+    if own_table and (args.without_key_index or args.with_key_index):
+        return (
+            "--with-key-index and --without-key-index are for the relay's own outbox; an"
+            " own table's indexes are `--own-table`'s"
+        )
+    if args.without_key_index and args.fairness_group is not None:
+        return (
+            "--fairness-group builds an index for the fair fetch, which --without-key-index"
+            " is for turning off"
+        )
+    if own_table and (args.notify_trigger or args.drop_notify_trigger):
+        return (
+            "the notify trigger is for the relay's own outbox; with RELAY_OUTBOX_TABLE,"
+            " NOTIFY from the app or a trigger of your own"
+        )
+    return None
 
 
 def _fairness_group(text: str) -> fairness.FairnessGroup:

@@ -5,7 +5,8 @@ away or back (`--without-key-index`, `--with-key-index`) and the NOTIFY trigger
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import psycopg
 from psycopg import sql
@@ -40,11 +41,30 @@ def shard_index_state(conn: db.Conn, shards: int) -> dict[str, bool]:
 
 def index_state(conn: db.Conn, names: Sequence[str]) -> dict[str, bool]:
     """Each of these indexes of the outbox: built and valid."""
-    found = {
+    found = _found(conn, names)
+    return {name: found.get(name, False) for name in names}
+
+
+def _found(conn: db.Conn, names: Sequence[str]) -> dict[str, bool]:
+    """Those of these indexes of the outbox that exist, each with whether it is valid
+    (an invalid one is the leftover of a CONCURRENTLY build that failed)."""
+    return {
         r["name"]: bool(r["valid"])
         for r in conn.execute(QUERIES.shard_index_state, {"names": list(names)})
     }
-    return {name: found.get(name, False) for name in names}
+
+
+@contextmanager
+def _concurrently(settings: CommonSettings) -> Iterator[db.Conn]:
+    """A session for CREATE / DROP INDEX CONCURRENTLY (outside a transaction, with no
+    statement timeout to cut a build short); its errors are migration errors."""
+    with db.connect(settings, purpose="migrate") as conn:
+        conn.autocommit = True
+        conn.execute(QUERIES.migrations_no_timeout)
+        try:
+            yield conn
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
 
 
 def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
@@ -56,26 +76,21 @@ def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
     if shards < 2:
         return []
     built: list[str] = []
-    with db.connect(settings, purpose="migrate") as conn:
-        conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside a transaction
-        conn.execute(QUERIES.migrations_no_timeout)
-        try:
-            keyed = bool(conn.execute(QUERIES.shard_index_state, {"names": [KEY_INDEX]}).fetchall())
-            names = shard_index_names(shards)[: 2 if keyed else 1]
-            state = shard_index_state(conn, shards)
-            for name, query in zip(
-                names, (QUERIES.shard_index_unsent, QUERIES.shard_index_keys), strict=False
-            ):
-                if state[name]:
-                    continue
-                index = sql.Identifier(name)
-                # An invalid leftover of a build that failed half-way goes first.
-                conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
-                conn.execute(sql.SQL(query).format(index=index, shards=sql.Literal(shards)))
-                built.append(name)
-                log.info("migration.shard_index", name=name, shards=shards)
-        except psycopg.Error as exc:
-            raise MigrationError(db.describe_error(exc)) from exc
+    with _concurrently(settings) as conn:
+        keyed = KEY_INDEX in _found(conn, [KEY_INDEX])
+        names = shard_index_names(shards)[: 2 if keyed else 1]
+        state = shard_index_state(conn, shards)
+        for name, query in zip(
+            names, (QUERIES.shard_index_unsent, QUERIES.shard_index_keys), strict=False
+        ):
+            if state[name]:
+                continue
+            index = sql.Identifier(name)
+            # An invalid leftover of a build that failed half-way goes first.
+            conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+            conn.execute(sql.SQL(query).format(index=index, shards=sql.Literal(shards)))
+            built.append(name)
+            log.info("migration.shard_index", name=name, shards=shards)
     return built
 
 
@@ -88,29 +103,21 @@ def set_key_index(settings: CommonSettings, wanted: bool) -> list[str]:
     (docs/howto/lean-writes.md). Idempotent; an invalid leftover of a failed build is
     dropped first. Returns the names built or dropped."""
     changed: list[str] = []
-    with db.connect(settings, purpose="migrate") as conn:
-        conn.autocommit = True  # CONCURRENTLY runs outside a transaction
-        conn.execute(QUERIES.migrations_no_timeout)
-        try:
-            names = [KEY_INDEX]
-            if not wanted:
-                names += [r["name"] for r in conn.execute(QUERIES.shard_key_indexes)]
-            valid = {
-                r["name"]: bool(r["valid"])
-                for r in conn.execute(QUERIES.shard_index_state, {"names": names})
-            }
-            for name in names:
-                index = sql.Identifier(name)
-                if wanted and valid.get(name):
-                    continue
-                if name in valid:  # not wanted, or an invalid leftover
-                    conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
-                if wanted:
-                    conn.execute(sql.SQL(QUERIES.key_index).format(index=index))
-                if wanted or name in valid:
-                    changed.append(name)
-        except psycopg.Error as exc:
-            raise MigrationError(db.describe_error(exc)) from exc
+    with _concurrently(settings) as conn:
+        names = [KEY_INDEX]
+        if not wanted:
+            names += [r["name"] for r in conn.execute(QUERIES.shard_key_indexes)]
+        valid = _found(conn, names)
+        for name in names:
+            index = sql.Identifier(name)
+            if wanted and valid.get(name):
+                continue
+            if name in valid:  # not wanted, or an invalid leftover
+                conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+            if wanted:
+                conn.execute(sql.SQL(QUERIES.key_index).format(index=index))
+            if wanted or name in valid:
+                changed.append(name)
     log.info("migration.key_index", wanted=wanted, changed=changed)
     return changed
 
@@ -121,36 +128,28 @@ def create_fairness_index(settings: CommonSettings, group: FairnessGroup, shards
     Whether it was built now."""
     name = group.index_name(shards)
     index = sql.Identifier(name)
-    with db.connect(settings, purpose="migrate") as conn:
-        conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside a transaction
-        conn.execute(QUERIES.migrations_no_timeout)
-        try:
-            if index_state(conn, [name])[name]:
-                return False
-            conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
-            shard_column = (
-                sql.SQL("outbox_shard(key, id, {}),").format(sql.Literal(shards))
-                if shards > 1
-                else sql.SQL("")
+    with _concurrently(settings) as conn:
+        if index_state(conn, [name])[name]:
+            return False
+        conn.execute(sql.SQL(QUERIES.shard_index_drop).format(index=index))
+        shard_column = (
+            sql.SQL("outbox_shard(key, id, {}),").format(sql.Literal(shards))
+            if shards > 1
+            else sql.SQL("")
+        )
+        conn.execute(
+            sql.SQL(QUERIES.fairness_index).format(
+                index=index,
+                shard_column=shard_column,
+                kind=sql.Literal(group.kind),
+                arg=sql.Literal(group.arg),
             )
-            conn.execute(
-                sql.SQL(QUERIES.fairness_index).format(
-                    index=index,
-                    shard_column=shard_column,
-                    kind=sql.Literal(group.kind),
-                    arg=sql.Literal(group.arg),
-                )
-            )
-            comment = f"RELAY_FAIRNESS_GROUP={group.spec}" + (
-                f" with RELAY_SHARDS={shards}" if shards > 1 else ""
-            )
-            conn.execute(
-                sql.SQL(QUERIES.fairness_index_comment).format(
-                    index=index, comment=sql.Literal(comment)
-                )
-            )
-        except psycopg.Error as exc:
-            raise MigrationError(db.describe_error(exc)) from exc
+        )
+        comment = f"RELAY_FAIRNESS_GROUP={group.spec}" + (
+            f" with RELAY_SHARDS={shards}" if shards > 1 else ""
+        )
+        comment_on = sql.SQL(QUERIES.fairness_index_comment)
+        conn.execute(comment_on.format(index=index, comment=sql.Literal(comment)))
     log.info("migration.fairness_index", name=name, group=group.spec, shards=shards)
     return True
 

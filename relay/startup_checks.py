@@ -19,7 +19,7 @@ from relay.logging import get_logger
 from relay.migrate import missing
 from relay.own_table import index_prefix
 from relay.queries import QUERIES
-from relay.schema_options import KEY_INDEX, index_state, shard_index_names, shard_index_state
+from relay.schema_options import KEY_INDEX, index_state, shard_index_names
 from relay.settings import Settings, SettingsError
 
 log = get_logger(__name__)
@@ -98,10 +98,8 @@ def key_index(conn: db.Conn, settings: Settings) -> None:
 def shard_indexes(conn: db.Conn, settings: Settings) -> None:
     """With shards, their indexes: without them every shard's fetch would read the
     whole backlog. RELAY_FAIRNESS=off reads only the first, by id."""
-    state = shard_index_state(conn, settings.shards)
-    if settings.fairness == "off":
-        state = {name: state[name] for name in shard_index_names(settings.shards)[:1]}
-    absent = [name for name, ok in state.items() if not ok]
+    names = shard_index_names(settings.shards)[: 1 if settings.fairness == "off" else 2]
+    absent = [name for name, ok in index_state(conn, names).items() if not ok]
     if absent:
         raise SettingsError(
             "RELAY_SHARDS",

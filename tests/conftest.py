@@ -135,7 +135,13 @@ def relay_command(*args: str) -> list[str]:
 
 def relay_migrate(database: str, *args: str) -> None:
     """`relay migrate ARGS` in a process of its own, which must succeed."""
-    done = subprocess.run(
+    done = relay_migrate_run(database, *args)
+    assert done.returncode == 0, done.stderr
+
+
+def relay_migrate_run(database: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`relay migrate ARGS` in a process of its own, however it ends."""
+    return subprocess.run(
         relay_command("migrate", *args),
         env=relay_env(database),
         capture_output=True,
@@ -143,7 +149,6 @@ def relay_migrate(database: str, *args: str) -> None:
         timeout=60,
         check=False,
     )
-    assert done.returncode == 0, done.stderr
 
 
 def start_relay(

@@ -23,7 +23,13 @@ from relay.message import OutboxMessage
 from relay.queries import QUERIES
 from relay.settings import SettingsError
 from relay.store.postgres import drain_session_setup
-from tests.conftest import SettingsFactory, relay_command, relay_env, relay_migrate
+from tests.conftest import (
+    SettingsFactory,
+    relay_command,
+    relay_env,
+    relay_migrate,
+    relay_migrate_run,
+)
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
     assert_per_key_order,
@@ -38,17 +44,6 @@ KEY_INDEX_PRESENT = (
     "SELECT count(*) FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
     " WHERE c.relname = 'outbox_due_key_hash_idx' AND i.indisvalid"
 )
-
-
-def migrate_output(database: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        relay_command("migrate", *args),
-        env=relay_env(database),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def drop_key_index(database: str) -> None:
@@ -82,6 +77,22 @@ def back_off(database: str, key: str) -> None:
         conn.execute("ANALYZE outbox")
 
 
+def head_params(**overrides: Any) -> dict[str, Any]:
+    """fetch_head's parameters for a batch of 100, nothing in flight."""
+    return {
+        "shards": 1,
+        "shard": 0,
+        "limit": 100,
+        "in_flight": "{}",
+        "in_flight_ranges": "{}",
+        "held": [],
+        "max_bytes": 8 << 20,
+        "message_max": 1 << 20,
+        "after": None,
+        **overrides,
+    }
+
+
 def fetch_in_order(database: str, limits: BatchLimits = IN_ORDER) -> list[OutboxMessage]:
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         for statement in drain_session_setup():  # as the drain's session plans
@@ -90,23 +101,23 @@ def fetch_in_order(database: str, limits: BatchLimits = IN_ORDER) -> list[Outbox
 
 
 def test_migrate_drops_the_key_index_and_builds_it_again(database: str) -> None:
-    dropped = migrate_output(database, "--without-key-index")
+    dropped = relay_migrate_run(database, "--without-key-index")
     assert dropped.returncode == 0, dropped.stderr
     assert "key index: dropped outbox_due_key_hash_idx" in dropped.stdout
     assert scalar(database, KEY_INDEX_PRESENT) == 0
-    again = migrate_output(database, "--without-key-index")
+    again = relay_migrate_run(database, "--without-key-index")
     assert again.returncode == 0 and "key index: already gone" in again.stdout
-    built = migrate_output(database, "--with-key-index")
+    built = relay_migrate_run(database, "--with-key-index")
     assert built.returncode == 0 and "key index: built outbox_due_key_hash_idx" in built.stdout
     assert scalar(database, KEY_INDEX_PRESENT) == 1
     # The same index as migration 0015's: the fair fetch's plan tests read it by name.
     definition = scalar(database, "SELECT pg_get_indexdef('outbox_due_key_hash_idx'::regclass)")
     assert "outbox_key_hash(key), id" in definition and "promoted_at IS NOT NULL" in definition
-    assert "already there" in migrate_output(database, "--with-key-index").stdout
+    assert "already there" in relay_migrate_run(database, "--with-key-index").stdout
 
 
 def test_migrate_refuses_to_drop_the_key_index_and_build_a_fairness_index(database: str) -> None:
-    done = migrate_output(database, "--without-key-index", "--fairness-group", "key-prefix::")
+    done = relay_migrate_run(database, "--without-key-index", "--fairness-group", "key-prefix::")
     assert done.returncode == 2
     assert "--without-key-index" in done.stderr
     assert scalar(database, KEY_INDEX_PRESENT) == 1
@@ -125,7 +136,7 @@ def test_with_shards_the_drop_takes_every_counts_key_index_and_none_comes_back(
 ) -> None:
     relay_migrate(database, "--shards", "3")
     relay_migrate(database, "--shards", "5")
-    done = migrate_output(database, "--without-key-index")
+    done = relay_migrate_run(database, "--without-key-index")
     assert done.returncode == 0, done.stderr
     names = outbox_indexes(database)
     assert {"outbox_shards_3_due_idx", "outbox_shards_5_due_idx"} <= names
@@ -272,17 +283,7 @@ def test_in_order_a_walk_keeps_to_the_byte_bound(database: str) -> None:
 def test_in_order_the_fetch_walks_the_primary_key_from_where_it_is_told(database: str) -> None:
     drop_key_index(database)
     ids = rows_of(database, "A", 1000)
-    params: dict[str, Any] = {
-        "shards": 1,
-        "shard": 0,
-        "limit": 100,
-        "in_flight": "{}",
-        "in_flight_ranges": "{}",
-        "held": [],
-        "max_bytes": 8 << 20,
-        "message_max": 1 << 20,
-        "after": ids[500],
-    }
+    params = head_params(after=ids[500])
     with psycopg.connect(database, autocommit=True) as conn:
         for statement in drain_session_setup():
             conn.execute(statement)
@@ -362,17 +363,7 @@ def test_in_order_with_shards_each_fetches_its_rows_by_its_index_in_id_order(
             seen += [m.id for m in batch]
         plan = conn.execute(
             "EXPLAIN " + QUERIES.fetch_head,
-            {
-                "shards": 3,
-                "shard": 1,
-                "limit": 100,
-                "in_flight": "{}",
-                "in_flight_ranges": "{}",
-                "held": [],
-                "max_bytes": 8 << 20,
-                "message_max": 1 << 20,
-                "after": None,
-            },
+            head_params(shards=3, shard=1),
         ).fetchall()
     assert sorted(seen) == sorted(ids)
     text = "\n".join(r["QUERY PLAN"] for r in plan)
