@@ -12,6 +12,7 @@ import pytest
 
 from relay.message import MalformedRow, OutboxMessage
 from relay.sinks import create_sink
+from relay.sinks.base import Outcome, Result
 from relay.sinks.rabbitmq import message_for
 from tests.conftest import SettingsFactory
 from tests.harness.rabbitmq import Queued, RabbitmqServer
@@ -129,5 +130,52 @@ def test_a_standby_probe_reaches_a_restarted_node_again(
             return True
 
         wait_until(reachable, timeout=60, interval=0.5, message="the probe to reconnect")
+    finally:
+        sink.close()
+
+
+def test_a_queue_missing_just_after_a_restart_waits_and_one_deleted_meanwhile_is_dead(
+    make_settings: SettingsFactory, rabbitmq_server: RabbitmqServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node restarted after a crash says it has no such queue until it recovered its
+    durable queues (seconds, under load): messages for a queue that took messages before
+    the restart wait (the sink is unavailable) instead of being dead-lettered. Here the
+    queue is really gone (deleted before the restart), which looks the same to the sink
+    until the grace ends. A queue deleted while the connection that fed it is open is
+    dead-lettered at once."""
+    from relay.sinks import rabbitmq
+
+    kept, deleted = (f"q-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    for name in (kept, deleted):
+        rabbitmq_server.declare_queue(name)
+    sink = create_sink(make_settings(sink="rabbitmq", rabbitmq_url=rabbitmq_server.url))
+
+    def send(queue: str, step: int) -> Result:
+        row = OutboxMessage(step, f"m-{uuid.uuid4()}", queue, "k", b"x", None, None, "", 0.0, 0)
+        return sink.start_publish([row], lambda: False).wait()[0]
+
+    def delete(name: str) -> None:
+        async def drop(connection: aio_pika.abc.AbstractConnection) -> None:
+            channel = await connection.channel()
+            await channel.queue_delete(name)
+
+        rabbitmq_server.call(drop)
+
+    try:
+        assert send(deleted, 1).outcome is Outcome.ACKED
+        delete(deleted)
+        assert send(deleted, 2).outcome is Outcome.DEAD  # gone under an open connection
+        assert send(kept, 3).outcome is Outcome.ACKED
+        delete(kept)
+        rabbitmq_server.restart()
+
+        def answered() -> Result | None:
+            result = send(kept, 4)
+            return result if "not running" in (result.error or "") else None
+
+        waiting = wait_until(answered, timeout=60, interval=0.5, message="the sink to reconnect")
+        assert waiting.outcome is Outcome.UNAVAILABLE
+        monkeypatch.setattr(rabbitmq, "_RECOVERY_SECONDS", 0.0)
+        assert send(kept, 5).outcome is Outcome.DEAD  # past the grace: dead-lettered
     finally:
         sink.close()

@@ -11,7 +11,10 @@ Outcomes:
 - Basic.Return (no queue bound for the routing key), a routing key or header the AMQP
   encoding cannot carry, a message over the broker's size limit: `DEAD`. Through the
   default exchange a return for a queue that exists (a node still recovering it after a
-  restart) is `UNAVAILABLE` instead: a passive declare tells the two apart.
+  restart) is `UNAVAILABLE` instead: a passive declare tells the two apart. A node just
+  restarted answers "no queue" even for a durable queue it has not recovered yet: for a
+  queue that took messages on an earlier connection, that answer in the first
+  _RECOVERY_SECONDS of a new connection is `UNAVAILABLE` too.
 - Basic.Nack (the broker could not take it): `RETRY`.
 - No connection, the channel or connection lost, no confirm in time, the exchange
   missing or access refused (a configuration the operator fixes; never the message's
@@ -52,6 +55,10 @@ if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
 log = get_logger("relay.sinks.rabbitmq")
 
 
+# How long after a new connection a queue that took messages on an earlier one may be
+# missing because the node is still recovering it (seen in the suite: a whole backlog
+# dead-lettered seconds after a restart).
+_RECOVERY_SECONDS = 30.0
 _CONNECT_BACKOFF_SECONDS = 0.5  # while the broker is down, one connect attempt per this
 _MAX_HEADER_NAME = 128  # RabbitMQ's limit on a field-table key
 # Names the relay sets itself; `content-type` becomes the AMQP property.
@@ -123,6 +130,11 @@ class RabbitmqSink(KeyedSink):
         self._lock: asyncio.Lock | None = None
         self._retry_at = 0.0
         self._last_error = ""
+        # Connections opened so far, when the current one opened, and by routing key the
+        # connection on which its queue last took a message (_recovering).
+        self._connections = 0
+        self._connected_at = 0.0
+        self._delivered: dict[str, int] = {}
         super().__init__(
             max_in_flight=options.rabbitmq_max_in_flight,
             batch_seconds=max(10.0, 3 * options.rabbitmq_publish_timeout_seconds),
@@ -171,6 +183,8 @@ class RabbitmqSink(KeyedSink):
             # aiormq's messages name the host, never the password.
             self._last_error = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
             raise
+        self._connections += 1
+        self._connected_at = time.monotonic()
         log.info("rabbitmq.connected", server=self._where)
         return connection  # type: ignore[return-value]  # connect() returns the plain kind
 
@@ -208,6 +222,7 @@ class RabbitmqSink(KeyedSink):
             if not result.reached:  # the connection is suspect: the next send opens anew
                 await self._drop(connection)
             return result
+        self._delivered[routing_key] = self._connections
         return ACKED
 
     async def _returned(self, exc: Exception, routing_key: str) -> Result:
@@ -228,7 +243,7 @@ class RabbitmqSink(KeyedSink):
         try:
             await asyncio.wait_for(channel.declare_queue(routing_key, passive=True), self._timeout)
         except aiormq.exceptions.ChannelNotFoundEntity as probe:
-            if queue_is_absent(probe):
+            if queue_is_absent(probe) and not self._recovering(routing_key):
                 return classify(exc, self._exchange_name)
             PUBLISH_ERRORS.labels("unavailable").inc()
             return Result(
@@ -249,6 +264,18 @@ class RabbitmqSink(KeyedSink):
             Outcome.UNAVAILABLE,
             f"queue {routing_key!r} exists but did not take the message (recovering?)",
             reached=True,
+        )
+
+    def _recovering(self, routing_key: str) -> bool:
+        """The queue took messages on an earlier connection and this one is young: a
+        node restarted after a crash says it has no such queue until it recovered it.
+        One that goes missing while a connection it took messages on is open was
+        deleted: its messages are dead-lettered at once."""
+        earlier = self._delivered.get(routing_key)
+        return (
+            earlier is not None
+            and earlier < self._connections
+            and time.monotonic() - self._connected_at < _RECOVERY_SECONDS
         )
 
     async def _drop(self, connection: AbstractRobustConnection | None) -> None:
