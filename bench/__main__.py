@@ -65,7 +65,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from relay.migrate import migrate
+from relay.admin.migrate import migrate
 from relay.settings import CommonSettings
 from tests.harness.kafka import TansuBroker
 from tests.harness.postgres import PostgresServer
@@ -112,7 +112,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (--compare)")
     args = parser.parse_args()
 
-    from relay.logging import configure
+    from relay.observe.logging import configure
 
     configure("console", "warning")
     if args.sink == "http":

@@ -63,10 +63,10 @@ from psycopg import sql
 
 from bench import cpu
 from bench.common import BARE_PRODUCER, DUE, KEYS, PAYLOAD, TOPIC, preload, produce_batch
-from relay.batch import SentRows
-from relay.queries import QUERIES
-from relay.schema_options import set_key_index
+from relay.admin.schema_options import set_key_index
+from relay.drain.batch import SentRows
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
 from tests.harness.postgres import find_pg_bin
 
 OUTBOX, MINIMAL, BARE = "outbox", "outbox_minimal", "outbox_bare"

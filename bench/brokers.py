@@ -27,7 +27,7 @@ import nats
 import psycopg
 
 from bench.common import KEYS, PAYLOAD, TOPIC
-from relay.app import RelayApp
+from relay.daemon.app import RelayApp
 from relay.settings import Settings
 from tests.harness.nats import NatsServer
 from tests.harness.rabbitmq import RabbitmqServer

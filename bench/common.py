@@ -15,7 +15,7 @@ PAYLOAD = b"x" * 200
 KEYS = 100
 TOPIC = "bench"
 # The relay's producer guarantees, for the bench's own bare loops (the relay's own
-# config is relay/sinks/kafka.py's producer_config).
+# config is relay/sinks/kafka/sink.py's producer_config).
 BARE_PRODUCER = {
     "enable.idempotence": True,
     "acks": "all",

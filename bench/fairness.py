@@ -20,9 +20,9 @@ from psycopg.rows import dict_row
 
 from bench.common import DUE, TOPIC, relay_settings
 from bench.processes import holder, rss_mib, start_relay, stop, wait_for
-from relay import fetch
-from relay.batch import BatchLimits
-from relay.queries import QUERIES
+from relay.drain.batch import BatchLimits
+from relay.sql import QUERIES
+from relay.store import fetch
 from tests.support import running_relay
 
 OTHERS = 50

@@ -19,7 +19,7 @@ import time
 import httpx
 import psycopg
 
-from relay.app import RelayApp
+from relay.daemon.app import RelayApp
 from relay.settings import Settings
 from tests.harness import free_port
 from tests.support import wait_until

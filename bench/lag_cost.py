@@ -23,10 +23,10 @@ from typing import Any, LiteralString
 import psycopg
 
 from bench.common import DUE
-from relay.lag import AGE_WINDOW
-from relay.migrate import migrate
-from relay.queries import QUERIES
+from relay.admin.migrate import migrate
+from relay.observe.lag import AGE_WINDOW
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
 from tests.harness.postgres import PostgresServer
 
 FULL_COUNT: LiteralString = "SELECT count(*) FROM outbox WHERE " + DUE

@@ -19,10 +19,10 @@ import psycopg
 
 from bench.common import PAYLOAD, TOPIC, relay_settings
 from relay.message import OutboxMessage
+from relay.observe.tracing import Tracing
 from relay.settings import Settings
 from relay.sinks import Outcome, Result, Sink, create_sink
 from relay.sinks.base import Pending
-from relay.tracing import Tracing
 from tests.support import running_relay
 
 
@@ -112,7 +112,7 @@ def timed_relay(settings: Settings) -> Iterator[list[TimedSink]]:
         sinks.append(sink)
         return sink
 
-    with patch("relay.app.create_sink", timed_sink), running_relay(settings):
+    with patch("relay.daemon.app.create_sink", timed_sink), running_relay(settings):
         yield sinks
 
 

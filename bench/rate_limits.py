@@ -27,7 +27,7 @@ import psycopg
 from prometheus_client import REGISTRY
 
 from bench.common import relay_settings
-from relay.migrate import migrate
+from relay.admin.migrate import migrate
 from relay.settings import CommonSettings
 from tests.harness.postgres import PostgresServer
 from tests.harness.webhook import LimitedTo, Reply, WebhookServer, most_in_a_window
@@ -148,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    from relay.logging import configure
+    from relay.observe.logging import configure
 
     configure("console", "warning")
     with PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-rl-")), durable=True) as pg:

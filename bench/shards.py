@@ -31,7 +31,7 @@ from psycopg import sql
 
 from bench.common import DUE, PAYLOAD, TOPIC
 from bench.processes import cpu_seconds, start_relay, stop, wait_for
-from relay.schema_options import create_shard_indexes, shard_index_names
+from relay.admin.schema_options import create_shard_indexes, shard_index_names
 from relay.settings import CommonSettings
 
 SHARD_COUNTS = (1, 2, 4)

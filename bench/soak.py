@@ -27,7 +27,7 @@ import psycopg
 
 from bench.common import KEYS, PAYLOAD, TOPIC
 from bench.processes import start_relay, stop
-from relay.queries import QUERIES
+from relay.sql import QUERIES
 
 RATE = 500  # rows a second, committed one per transaction
 SAMPLE_SECONDS = 30.0

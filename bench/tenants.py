@@ -24,10 +24,10 @@ from typing import Any
 import psycopg
 
 from bench.common import relay_settings
-from relay import fairness
-from relay.queries import QUERIES
-from relay.schema_options import create_fairness_index
+from relay.admin.schema_options import create_fairness_index
+from relay.drain import fairness
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
 from tests.harness.webhook import Reply, WebhookServer
 from tests.support import running_relay, wait_until
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psycopg
 
-from relay.migrate import migrations_dir
+from relay.admin.migrate import migrations_dir
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.postgres import PostgresServer
 from tests.support import scalar, wait_until

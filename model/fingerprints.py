@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.queries import QUERIES
+from relay.sql import QUERIES
 
 MODEL = Path(__file__).with_name("lease.pml")
 
@@ -34,7 +34,7 @@ def normalise(sql: str) -> str:
 
 
 def fingerprint(name: str) -> str:
-    """The first 16 hex digits of the SHA-256 of the statement as relay/queries.py loads
+    """The first 16 hex digits of the SHA-256 of the statement as relay/sql/__init__.py loads
     it (fragments filled in), normalised."""
     sql = normalise(QUERIES.get(name).sql)
     return hashlib.sha256(sql.encode()).hexdigest()[:16]

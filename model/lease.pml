@@ -15,7 +15,7 @@
  * is a pause (GC, SIGSTOP, a slow network) of any length.
  *
  * Every step names the statements of relay/sql/ it stands for, with a fingerprint of
- * the text relay/queries.py loads (tests/test_model.py holds them to it):
+ * the text relay/sql/__init__.py loads (tests/test_model.py holds them to it):
  *     sql: <file> <statement> sha256:<first 16 hex digits>
  * and says which isolation it relies on. A step is one atomic Spin step when
  * PostgreSQL makes it atomic: one statement, or one transaction whose first statement
@@ -231,7 +231,7 @@ inline acquire_rest(l) {
 #endif
 }
 
-/* --- the elector's other steps (relay/elector.py Elector.turn) ----------------------- */
+/* --- the elector's other steps (relay/lease/elector.py Elector.turn) ----------------------- */
 
 /* The fence: lease_renew's WHERE, word for word the settles' `fence` fragment. */
 #define FENCE_OK(L, r, e) (lh[L] == (r) + 1 && le[L] == (e) && !lrel[L])
@@ -275,7 +275,7 @@ inline release(l) {
     }
 }
 
-/* --- the drain loop (relay/drain.py Drainer, relay/pipeline.py) ---------------------- */
+/* --- the drain loop (relay/drain/loop.py Drainer, relay/drain/pipeline.py) ---------------------- */
 
 /* A row the fetch gives this lane (fetch_head / fetch_batch, one READ COMMITTED
  * statement; with RELAY_FAIRNESS=off, fetch_head's windows in one REPEATABLE READ
@@ -354,7 +354,7 @@ inline let_go(l) {
     }
 }
 
-/* --- the settler (relay/settler.py, relay/repository.py settle) ---------------------- */
+/* --- the settler (relay/drain/settler.py, relay/store/repository.py settle) ---------------------- */
 
 #ifdef MUTANT_NO_FENCE
 /* Mutant: the settle's writes do not wait for the fence to return a row. */

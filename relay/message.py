@@ -25,7 +25,7 @@ class OutboxMessage(NamedTuple):
     """Field order = the columns of `fetch_head` and `fetch_batch`.
 
     A named tuple so the fetch makes it straight from psycopg's row tuple, in C
-    (relay/fetch.py, _MAKE_MESSAGE): one object per row the relay ever moves, made without
+    (relay/store/fetch.py, _MAKE_MESSAGE): one object per row the relay ever moves, made without
     a line of Python.
     """
 

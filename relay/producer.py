@@ -22,7 +22,7 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from relay.message import RESERVED_HEADERS
-from relay.queries import QUERIES
+from relay.sql import QUERIES
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 certificates and keys checked at start-up, so a missing mount is a setting to fix, not
 a traceback later) and whether a host is this machine (where plaintext is no exposure).
 
-Shared by `relay.settings`, `relay.db` and the sinks' settings modules, which cannot
+Shared by `relay.settings`, `relay.store.db` and the sinks' settings modules, which cannot
 import `relay.settings` (it is made of them).
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay.migrate import migrate, migrations_dir
+from relay.admin.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings, Settings
 from tests import model_runs
 from tests.harness.kafka import TansuBroker

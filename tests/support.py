@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.app import RelayApp
+from relay.daemon.app import RelayApp
 from relay.settings import Settings
 from tests.harness.kafka import Record, consume
 

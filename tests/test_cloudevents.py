@@ -17,11 +17,11 @@ from cloudevents.core.bindings import kafka as ce_kafka
 from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 
-from relay.cloudevents import CloudEvents
 from relay.errors import SettingsError
 from relay.message import OutboxMessage
-from relay.sinks.nats import headers_for
-from relay.sinks.rabbitmq import message_for
+from relay.sinks.cloudevents import CloudEvents
+from relay.sinks.nats.sink import headers_for
+from relay.sinks.rabbitmq.sink import message_for
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import WebhookServer
@@ -193,9 +193,9 @@ def test_each_sinks_binding_sends_the_shared_attributes_its_own_way() -> None:
     """The bytes each binding sends, pinned: `ce_` text for Kafka, `ce-` percent-encoded
     for HTTP (bytes) and NATS (with `ce-datacontenttype`), `ce-` as they are for
     RabbitMQ; a row's look-alikes (any prefix, any case) give way in every sink."""
-    from relay.sinks.http import RequestBuilder
-    from relay.sinks.http_settings import HttpSettings
-    from relay.sinks.kafka import record_headers
+    from relay.sinks.http.settings import HttpSettings
+    from relay.sinks.http.sink import RequestBuilder
+    from relay.sinks.kafka.sink import record_headers
 
     ce = CloudEvents(SOURCE, "type")
     row = message(

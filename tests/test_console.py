@@ -27,10 +27,10 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
+from relay.admin.migrate import migrations_dir
 from relay.console import data as console_data
-from relay.migrate import migrations_dir
-from relay.queries import QUERIES
 from relay.settings import Settings
+from relay.sql import QUERIES
 from tests.conftest import REPO, TEMPLATE_DB, relay_command, relay_env
 from tests.harness import free_port
 from tests.harness.postgres import PostgresServer

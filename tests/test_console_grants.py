@@ -10,10 +10,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay import db
 from relay.console import data
-from relay.queries import QUERIES
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
+from relay.store import db
 from tests.harness.postgres import PostgresServer
 from tests.test_console import CONSOLE_ROLE, ROLE_PASSWORD, VIEWER_ROLE, grant_console
 

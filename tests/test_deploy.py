@@ -60,7 +60,7 @@ CUSTOM_RESOURCE_API_GROUPS = {"monitoring.coreos.com"}
 PROMETHEUS_SERIES = {"up"}
 
 # Time the relay needs after RELAY_SHUTDOWN_TIMEOUT_SECONDS: up to 5 s to flush the
-# producer and up to 5 s to join the elector and release the lease (relay/app.py).
+# producer and up to 5 s to join the elector and release the lease (relay/daemon/app.py).
 SHUTDOWN_AFTER_TIMEOUT_SECONDS = 10
 
 
@@ -948,7 +948,7 @@ def shard_metric_names() -> set[str]:
     runs one shard): one in-process sample's worth, then reset."""
     from prometheus_client import REGISTRY, generate_latest
 
-    from relay import lag
+    from relay.observe import lag
 
     lag.SHARD_LAG.set("x", [lag.ShardLag(0, 2, 0, 0.0, 1)])
     try:

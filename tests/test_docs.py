@@ -27,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from relay.cli import build_parser
+from relay.admin.cli import build_parser
 from relay.console import settings as console_settings
 from relay.settings import SECRET_FIELDS, Settings
 

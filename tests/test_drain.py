@@ -15,11 +15,11 @@ import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
-from relay import repository
-from relay.drain import Drainer
+from relay.drain.loop import Drainer
 from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, OnePhase, Outcome, Result
-from relay.sinks.kafka import KafkaSink
+from relay.sinks.kafka.sink import KafkaSink
+from relay.store import repository
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.postgres import PostgresServer
@@ -168,7 +168,7 @@ class ScriptedSink(OnePhase):
 def scripted(monkeypatch: pytest.MonkeyPatch) -> Callable[..., ScriptedSink]:
     def install(failures: dict[str, int], outcome: Outcome = Outcome.RETRY) -> ScriptedSink:
         sink = ScriptedSink(failures, outcome)
-        monkeypatch.setattr("relay.app.create_sink", lambda _settings, _tracing=None: sink)
+        monkeypatch.setattr("relay.daemon.app.create_sink", lambda _settings, _tracing=None: sink)
         return sink
 
     return install
@@ -240,7 +240,7 @@ def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_lande
     the next step lets that batch's settle land first, so nothing is in flight when the
     prefetched k0:1 comes up: it must still wait for k0:0's retry."""
     sink = ScriptedSink({"k0": 1})
-    monkeypatch.setattr("relay.app.create_sink", lambda _settings, _tracing=None: sink)
+    monkeypatch.setattr("relay.daemon.app.create_sink", lambda _settings, _tracing=None: sink)
     real_step = Drainer._step
 
     def step_slowly(self: Drainer, token: Any) -> None:

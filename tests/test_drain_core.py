@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from relay.batch import BatchLimits
-from relay.drain import DrainConfig, Drainer
-from relay.lease import Lease
+from relay.drain.batch import BatchLimits
+from relay.drain.loop import DrainConfig, Drainer
+from relay.lease.protocol import Lease
 from relay.message import OutboxMessage
-from relay.metrics import Health
+from relay.observe.metrics import Health
 from relay.shutdown import Shutdown
 from relay.sinks.base import ACKED, SKIPPED, OnePhase, Outcome, Result
 from relay.store.memory import MemoryStore
@@ -331,7 +331,7 @@ def test_a_surplus_shard_is_handed_over_once_its_last_settle_landed() -> None:
 
 
 def test_the_fair_share_hands_over_each_replicas_highest_shards() -> None:
-    from relay.lanes import FairShare
+    from relay.daemon.lanes import FairShare
 
     peers = [1]
     held = [0, 1, 2, 3, 4, 5]

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.elector import Elector, ElectorTimings
-from relay.lease import Lease
+from relay.lease.elector import Elector, ElectorTimings
+from relay.lease.protocol import Lease
 from relay.store.memory import MemoryStore
 
 pytestmark = pytest.mark.unit

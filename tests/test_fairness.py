@@ -15,14 +15,15 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from relay import fairness, fetch
-from relay.app import RelayApp
-from relay.batch import BatchLimits
+from relay.admin.schema_options import create_fairness_index
+from relay.daemon.app import RelayApp
+from relay.drain import fairness
+from relay.drain.batch import BatchLimits
 from relay.errors import SettingsError
 from relay.message import OutboxMessage
-from relay.queries import QUERIES
-from relay.schema_options import create_fairness_index
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
+from relay.store import fetch
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import Reply, WebhookServer

@@ -11,10 +11,10 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from relay.batch import BatchLimits, id_set, in_flight
-from relay.fetch import fetch_batch
+from relay.drain.batch import BatchLimits, id_set, in_flight
 from relay.message import MalformedRow, OutboxMessage
-from relay.queries import QUERIES
+from relay.sql import QUERIES
+from relay.store.fetch import fetch_batch
 from relay.store.port import Fetched
 from relay.store.postgres import drain_session_setup
 from tests.conftest import SettingsFactory

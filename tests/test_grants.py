@@ -11,10 +11,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay import db, dead_letters, repository
-from relay.batch import SetAside
-from relay.queries import QUERIES
+from relay.admin import dead_letters
+from relay.drain.batch import SetAside
 from relay.settings import CommonSettings, SettingsError
+from relay.sql import QUERIES
+from relay.store import db, repository
 from tests.conftest import RELAY_ROLE
 from tests.test_own_table import DEBEZIUM_TABLE, TABLE, VIEW_SCHEMA, migrate_own_table
 

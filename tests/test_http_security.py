@@ -23,8 +23,8 @@ from relay.settings import (
     is_setting_variable,
     load_settings,
 )
-from relay.sinks import http
-from relay.sinks.http import RequestBuilder, UrlTemplate
+from relay.sinks.http import sink as http
+from relay.sinks.http.sink import RequestBuilder, UrlTemplate
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.webhook import Delivery, WebhookServer
 from tests.support import insert_rows, running_relay, unsent_count, wait_until

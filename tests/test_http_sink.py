@@ -23,7 +23,7 @@ from standardwebhooks.webhooks import Webhook
 from relay.message import MalformedRow, OutboxMessage
 from relay.settings import Settings
 from relay.sinks.base import Outcome
-from relay.sinks.http import RequestBuilder, classify_response, parse_retry_after, sign
+from relay.sinks.http.sink import RequestBuilder, classify_response, parse_retry_after, sign
 from tests.conftest import SettingsFactory, relay_command, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.webhook import Delivery, Reply, WebhookServer
@@ -529,7 +529,7 @@ def test_check_reaches_the_endpoint_and_keeps_secrets(
 def test_abandon_mid_batch_returns_at_once_and_acks_nothing_unanswered(
     make_settings: SettingsFactory, server: WebhookServer
 ) -> None:
-    from relay.sinks.http import HttpSink
+    from relay.sinks.http.sink import HttpSink
 
     server.respond = lambda d: Reply(200, delay=0.05 if d.key == "fast" else 3.0)
     sink = HttpSink(http_settings(make_settings, server.url))
@@ -553,7 +553,7 @@ def test_an_endpoint_that_never_answers_holds_a_batch_for_about_two_timeouts(
     answers. Before: chains waiting for a slot started when it freed, one timeout per
     round of slots (15 s); now the batch ends within about two timeouts, the rows that
     never started stay untouched (SKIPPED, no attempt)."""
-    from relay.sinks.http import HttpSink
+    from relay.sinks.http.sink import HttpSink
 
     server.respond = lambda d: Reply(200, delay=30.0)
     settings = http_settings(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay.migrate import migrations_dir
+from relay.admin.migrate import migrations_dir
 from tests.conftest import RELAY_ROLE, RELAY_ROLE_PASSWORD, REPO
 from tests.harness import free_port
 from tests.harness.image import Podman, available

@@ -12,10 +12,10 @@ import pytest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
-from relay.batch import SentRows, Settlement
-from relay.lease import Acquired, HeldByOther, LeaseToken, LostRace
-from relay.repository import settle
+from relay.drain.batch import SentRows, Settlement
+from relay.lease.protocol import Acquired, HeldByOther, LeaseToken, LostRace
 from relay.store import lease as protocol
+from relay.store.repository import settle
 from tests.support import insert_rows, scalar, wait_until
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -248,8 +248,8 @@ def test_a_holder_frozen_inside_a_lease_transaction_blocks_takeover_for_a_ttl_at
 ) -> None:
     """A daemon session frozen mid-transaction (SIGSTOP during a settle) holds the lease
     row's lock; the server must end it within a ttl, not after its 30 s default."""
-    from relay import db
     from relay.settings import CommonSettings, Settings
+    from relay.store import db
 
     daemon = Settings(database_url=relay_dsn, kafka_bootstrap_servers="x:1", lease_ttl_seconds=3)
     with db.connect(daemon, purpose="drain") as conn:

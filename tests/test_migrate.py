@@ -10,9 +10,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from relay import db
-from relay.migrate import migrate, migrations_dir, schema_state
+from relay.admin.migrate import migrate, migrations_dir, schema_state
 from relay.settings import CommonSettings
+from relay.store import db
 from tests.conftest import REPO, relay_command, relay_env
 from tests.harness.postgres import PostgresServer
 
@@ -60,7 +60,7 @@ def test_migrate_twice_is_a_no_op(empty_db: str) -> None:
 def test_the_schema_version_stops_before_a_migration_that_waits_for_a_rollout(
     empty_db: str, tmp_path: Path
 ) -> None:
-    """A migration that waits for a rollout lets later ones in (relay/migrate.py). The
+    """A migration that waits for a rollout lets later ones in (relay/admin/migrate.py). The
     schema's version is then the last one with every earlier one applied, and the one
     waiting is named: the highest applied would claim the waiting one is in."""
     files = {

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from model import checker, fingerprints
-from relay.queries import QUERIES
+from relay.sql import QUERIES
 from tests import model_runs
 
 

@@ -7,13 +7,13 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from relay.message import OutboxMessage
-from relay.sinks.nats import headers_for
+from relay.sinks.nats.sink import headers_for
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.nats import NatsServer, Stored
@@ -35,15 +35,33 @@ def assert_each_once_in_key_order(stored: list[Stored], total: int) -> None:
         assert seen == sorted(seen), f"key {key} out of order: {seen}"
 
 
-def write_steadily(dsn: str, topic: str, steps: int, keys: int = 10) -> threading.Thread:
-    def run() -> None:
-        for step in range(steps):
-            insert_rows(dsn, topic, [(f"k{k}", f"k{k}:{step}".encode()) for k in range(keys)])
-            time.sleep(0.02)
+class SteadyWriter(threading.Thread):
+    """Commits one row per key every 20 ms: at least `steps` steps, and on until
+    `until()` holds, so a fault armed mid-drain always has rows to fire on."""
 
-    writer = threading.Thread(target=run)
-    writer.start()
-    return writer
+    def __init__(
+        self,
+        dsn: str,
+        topic: str,
+        steps: int,
+        keys: int = 10,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__()
+        self.dsn, self.topic, self.steps, self.keys = dsn, topic, steps, keys
+        self.until = until or (lambda: True)
+        self.written = 0
+        self.start()
+
+    def run(self) -> None:
+        step = 0
+        deadline = time.monotonic() + 60
+        while step < self.steps or (not self.until() and time.monotonic() < deadline):
+            rows = [(f"k{k}", f"k{k}:{step}".encode()) for k in range(self.keys)]
+            insert_rows(self.dsn, self.topic, rows)
+            self.written += len(rows)
+            step += 1
+            time.sleep(0.02)
 
 
 @pytest.fixture
@@ -80,7 +98,11 @@ def test_jetstream_holds_each_row_once_after_the_leader_dies_between_ack_and_mar
                 RELAY_FAILPOINTS=str(failpoints),
             )
             procs.append(start_relay(env, tmp_path / f"relay-{n}.log"))
-        writer = write_steadily(database, subject, steps=40)
+        # The writer goes on until a replica has died, so the armed point always meets
+        # a publish however fast the first rows drain.
+        writer = SteadyWriter(
+            database, subject, steps=40, until=lambda: any(p.poll() is not None for p in procs)
+        )
         wait_until(lambda: len(nats_server.read_stream(name)) >= 100, timeout=30, interval=0.1)
         # The leader dies after its next batch is acknowledged and before it is marked:
         # the survivor publishes that batch again.
@@ -89,9 +111,10 @@ def test_jetstream_holds_each_row_once_after_the_leader_dies_between_ack_and_mar
             lambda: next((p for p in procs if p.poll() is not None), None), timeout=20
         )
         survivor = ports[1 - procs.index(dead)]
-        writer.join(timeout=60)
+        writer.join(timeout=70)
+        assert not writer.is_alive()
         wait_until(lambda: unsent_count(database) == 0, timeout=30, interval=0.1)
-        assert_each_once_in_key_order(nats_server.read_stream(name), total=400)
+        assert_each_once_in_key_order(nats_server.read_stream(name), total=writer.written)
         # The crash did cost a redelivery, and JetStream dropped it.
         duplicates = wait_until(lambda: metric(survivor, "relay_nats_duplicates_total"), timeout=10)
         assert duplicates >= 1
@@ -111,12 +134,13 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         server.create_stream(name, [subject])
         settings = make_settings(sink="nats", nats_url=server.url, nats_publish_timeout_seconds=1.0)
         with running_relay(settings):
-            writer = write_steadily(database, subject, steps=30)
+            writer = SteadyWriter(database, subject, steps=30)
             wait_until(lambda: len(server.read_stream(name)) >= 50, timeout=30, interval=0.1)
             server.kill()
             time.sleep(0.5)  # an outage, not a blip: the relay must notice and back off
             server.start()
-            writer.join(timeout=60)
+            writer.join(timeout=70)
+            assert not writer.is_alive()
             wait_until(lambda: unsent_count(database) == 0, timeout=60, interval=0.1)
         assert scalar(database, "SELECT count(*) FROM outbox_dead_letters") == 0
         assert_each_once_in_key_order(server.read_stream(name), total=300)

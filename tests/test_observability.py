@@ -21,15 +21,15 @@ import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
-from relay.lag import measure
-from relay.metrics import OTHER_TOPIC, TOPIC_LABEL_MAX_CHARS, Health, TopicLabels
-from relay.metrics_server import (
+from relay.observe.lag import measure
+from relay.observe.metrics import OTHER_TOPIC, TOPIC_LABEL_MAX_CHARS, Health, TopicLabels
+from relay.observe.server import (
     CONNECTION_TIMEOUT_SECONDS,
     HANDLER_THREADS,
     MAX_CONNECTIONS,
     MetricsServer,
 )
-from relay.queries import QUERIES
+from relay.sql import QUERIES
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker

@@ -8,8 +8,8 @@ import uuid
 
 import psycopg
 
-from relay.cli import health_url
-from relay.migrate import migrations_dir
+from relay.admin.cli import health_url
+from relay.admin.migrate import migrations_dir
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker, consume

@@ -1,14 +1,14 @@
-"""The outcome policy (relay/outcomes.py): pure, no database, no sink."""
+"""The outcome policy (relay/drain/outcomes.py): pure, no database, no sink."""
 
 from __future__ import annotations
 
 import pytest
 
 from relay.backoff import Backoff, retry_delay
+from relay.drain.outcomes import decide
+from relay.drain.stragglers import Stragglers
 from relay.message import OutboxMessage
-from relay.outcomes import decide
 from relay.sinks.base import ACKED, IN_FLIGHT, SKIPPED, Outcome, Result
-from relay.stragglers import Stragglers
 
 pytestmark = pytest.mark.unit
 

@@ -13,10 +13,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay import db, startup_checks
 from relay.errors import SettingsError
-from relay.queries import QUERIES
 from relay.settings import CommonSettings, Settings, load_settings
+from relay.sql import QUERIES
+from relay.store import db, startup_checks
 from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import Record, TansuBroker, consume
 from tests.support import assert_per_key_order, insert_rows, running_relay, scalar, wait_until

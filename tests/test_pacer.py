@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 import pytest
 from prometheus_client import REGISTRY
 
-from relay.batch import BatchLimits
-from relay.configs import batch_limits, drain_config
-from relay.drain import DrainConfig, Drainer
-from relay.lease import Lease
+from relay.daemon.configs import batch_limits, drain_config
+from relay.drain.batch import BatchLimits
+from relay.drain.loop import DrainConfig, Drainer
+from relay.drain.pacer import TICK_SECONDS, Allowance, PaceLimits, message_bytes
+from relay.lease.protocol import Lease
 from relay.message import OutboxMessage
-from relay.metrics import Health
-from relay.pacer import TICK_SECONDS, Allowance, PaceLimits, message_bytes
+from relay.observe.metrics import Health
 from relay.settings import Settings
 from relay.shutdown import Shutdown
 from relay.sinks.base import Result

@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.rows import dict_row
 
-from relay import db, lag
-from relay.app import RelayApp
-from relay.batch import BatchLimits
+from relay.daemon.app import RelayApp
+from relay.drain.batch import BatchLimits
 from relay.errors import SettingsError
+from relay.observe import lag
+from relay.store import db
 from tests import test_own_table
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume

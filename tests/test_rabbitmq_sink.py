@@ -13,7 +13,7 @@ import pytest
 from relay.message import MalformedRow, OutboxMessage
 from relay.sinks import create_sink
 from relay.sinks.base import Outcome, Result
-from relay.sinks.rabbitmq import message_for
+from relay.sinks.rabbitmq.sink import message_for
 from tests.conftest import SettingsFactory
 from tests.harness.rabbitmq import Queued, RabbitmqServer
 from tests.support import insert_rows, running_relay, scalar, unsent_count, wait_until

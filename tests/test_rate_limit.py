@@ -1,6 +1,6 @@
 """Rate limits per HTTP destination origin, without a server: the budget
 (relay/sinks/rate_limit.py) on a fake clock, the per-origin settings, and the keyed
-sink's waits (relay/sinks/http_budgets.py) on its own loop with a sink that sends
+sink's waits (relay/sinks/http/budgets.py) on its own loop with a sink that sends
 nowhere."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 from relay.message import OutboxMessage
 from relay.settings import Settings, SettingsError, load_settings
 from relay.sinks.base import ACKED, Outcome, Result
-from relay.sinks.http_budgets import OriginBudgets
-from relay.sinks.http_destinations import Origin, origin_limits
-from relay.sinks.http_settings import HttpSettings
+from relay.sinks.http.budgets import OriginBudgets
+from relay.sinks.http.destinations import Origin, origin_limits
+from relay.sinks.http.settings import HttpSettings
 from relay.sinks.keyed import Batch, KeyedSink, Slots, Turn
 from relay.sinks.rate_limit import Budget, RecentRate
 

@@ -1,4 +1,4 @@
-"""The reader's own thread (relay/reader.py) without servers: the read-ahead runs beside
+"""The reader's own thread (relay/drain/reader.py) without servers: the read-ahead runs beside
 the loop, every use of the session runs after it, one at a time, and neither closing
 nor forgetting a read loses what went wrong in it."""
 
@@ -11,10 +11,10 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import REGISTRY
 
-from relay.batch import BatchLimits, IdSet
-from relay.lease import Shard
+from relay.drain.batch import BatchLimits, IdSet
+from relay.drain.reader import CLOSE_SECONDS, Reader
+from relay.lease.protocol import Shard
 from relay.message import OutboxMessage
-from relay.reader import CLOSE_SECONDS, Reader
 from relay.shutdown import Shutdown
 from relay.store.port import Fetched, Promoted, StoreError
 

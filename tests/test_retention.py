@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
-from relay import repository
-from relay.app import RelayApp
+from relay.daemon.app import RelayApp
 from relay.errors import SettingsError
-from relay.purge import Purger
-from relay.queries import QUERIES
+from relay.sql import QUERIES
+from relay.store import repository
+from relay.store.purge import Purger
 from tests.conftest import SettingsFactory, relay_env
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import Reply, WebhookServer

@@ -13,12 +13,13 @@ import pytest
 from psycopg.rows import dict_row
 
 import relay
-from relay import lag, repository
+from relay.admin.migrate import migrate
+from relay.admin.schema_options import create_shard_indexes, shard_index_names
 from relay.errors import MigrationError
-from relay.migrate import migrate
-from relay.queries import QUERIES
-from relay.schema_options import create_shard_indexes, shard_index_names
+from relay.observe import lag
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
+from relay.store import repository
 from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (

@@ -16,8 +16,8 @@ from relay.settings import (
     is_setting_variable,
     load_settings,
 )
-from relay.sinks.kafka import producer_config
-from relay.sinks.kafka_settings import LIBRDKAFKA_SECRETS
+from relay.sinks.kafka.settings import LIBRDKAFKA_SECRETS
+from relay.sinks.kafka.sink import producer_config
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker
 
@@ -190,7 +190,7 @@ def test_check_with_a_malformed_url_exits_2_without_the_password() -> None:
 
 
 def test_synchronous_commit_reaches_every_daemon_session(make_settings: SettingsFactory) -> None:
-    from relay import db
+    from relay.store import db
 
     settings = make_settings(database_synchronous_commit="remote_apply")
     with db.connect(settings, purpose="settle") as conn:

@@ -20,14 +20,15 @@ from prometheus_client import REGISTRY, generate_latest
 from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 
-from relay import db, fetch, lag
-from relay.batch import BatchLimits
-from relay.configs import lag_config
-from relay.lease import Acquired, LostRace, OtherShardCount, Shard
-from relay.metrics import Health
-from relay.queries import QUERIES
-from relay.schema_options import create_shard_indexes, shard_index_names
+from relay.admin.schema_options import create_shard_indexes, shard_index_names
+from relay.daemon.configs import lag_config
+from relay.drain.batch import BatchLimits
+from relay.lease.protocol import Acquired, LostRace, OtherShardCount, Shard
+from relay.observe import lag
+from relay.observe.metrics import Health
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
+from relay.store import db, fetch
 from relay.store import lease as protocol
 from relay.store.port import Fetched
 from relay.store.postgres import drain_session_setup

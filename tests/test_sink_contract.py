@@ -197,7 +197,7 @@ def test_the_relay_dead_letters_a_refused_row_and_delivers_the_rest(
 def test_the_relay_leaves_rows_untouched_while_the_sink_is_unreachable(
     target: Target, make_settings: SettingsFactory, database: str
 ) -> None:
-    from relay import metrics
+    from relay.observe import metrics
 
     insert_rows(database, target.topic, [("a", b"a:0"), ("b", b"b:0")])
     settings: Settings = make_settings(**target.unreachable())

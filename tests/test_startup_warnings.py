@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from relay import db
-from relay.app import startup_warnings
+from relay.daemon.app import startup_warnings
 from relay.settings import CommonSettings, Settings
-from relay.sinks.kafka_settings import plaintext_sasl_warnings
+from relay.sinks.kafka.settings import plaintext_sasl_warnings
+from relay.store import db
 from tests.conftest import relay_command, relay_env, start_relay
 from tests.support import wait_until
 

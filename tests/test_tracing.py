@@ -153,7 +153,7 @@ def test_enqueue_keeps_the_apps_own_trace_headers_whole_and_can_leave_them_out(
 
 def test_a_batch_span_links_a_traceparent_whatever_the_case_of_its_name() -> None:
     from relay.message import OutboxMessage
-    from relay.tracing import Tracing
+    from relay.observe.tracing import Tracing
 
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     rows = [
@@ -173,9 +173,9 @@ def test_an_http_request_span_replaces_the_rows_trace_context_with_its_own(
     receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from relay.message import OutboxMessage
+    from relay.observe.tracing import Tracing
     from relay.sinks.base import Outcome, Result
-    from relay.sinks.http_tracing import RequestSpans
-    from relay.tracing import Tracing
+    from relay.sinks.http.tracing import RequestSpans
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -207,10 +207,13 @@ def test_with_tracing_off_no_module_imports_opentelemetry(tmp_path: Path) -> Non
     the loop's and every sink's modules, an HTTP sink made and closed."""
     script = """
 import sys
-from relay import app, tracing
+from relay.daemon import app
+from relay.observe import tracing
 from relay.settings import Settings
-from relay.sinks import kafka, nats, rabbitmq
-from relay.sinks.http import HttpSink
+from relay.sinks.kafka import sink as kafka
+from relay.sinks.nats import sink as nats
+from relay.sinks.rabbitmq import sink as rabbitmq
+from relay.sinks.http.sink import HttpSink
 settings = Settings(
     database_url="postgresql://h/db", sink="http", http_url="http://127.0.0.1:9/h",
     cloudevents="binary", cloudevents_source="/s",

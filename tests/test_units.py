@@ -11,12 +11,12 @@ from aiormq.exceptions import ChannelNotFoundEntity
 from confluent_kafka import KafkaError
 
 from relay.backoff import Backoff
-from relay.metrics import Health
-from relay.progress import Progress
-from relay.queries import QUERIES, load, parse
+from relay.drain.progress import Progress
+from relay.observe.metrics import Health
 from relay.sinks.base import Outcome
-from relay.sinks.kafka import classify
-from relay.sinks.rabbitmq_outcomes import queue_is_absent
+from relay.sinks.kafka.sink import classify
+from relay.sinks.rabbitmq.outcomes import queue_is_absent
+from relay.sql import QUERIES, load, parse
 
 pytestmark = pytest.mark.unit
 
@@ -260,7 +260,7 @@ def test_the_batch_histogram_exports_what_a_prometheus_histogram_does() -> None:
     must be the standard one, bucket for bucket (bounds are inclusive: le)."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from relay.metrics import LATENCY_BUCKETS, BatchHistogram
+    from relay.observe.metrics import LATENCY_BUCKETS, BatchHistogram
 
     values = [0.0, 0.0005, 0.001, 0.0011, 0.3, 2.0, 10.0, 50.0, 0.01]
     registry = CollectorRegistry()
@@ -291,10 +291,10 @@ def test_the_batch_histogram_exports_what_a_prometheus_histogram_does() -> None:
 
 def test_the_collector_is_tuned_once_start_up_is_done() -> None:
     """`relay run` freezes what start-up made and collects the young generation less
-    often (relay/runtime.py); the test process gets its collector back as it was."""
+    often (relay/daemon/runtime.py); the test process gets its collector back as it was."""
     import gc
 
-    from relay import runtime
+    from relay.daemon import runtime
 
     before = gc.get_threshold()
     try:
@@ -311,7 +311,7 @@ def test_the_batch_histogram_skips_ages_that_are_not_finite() -> None:
     the batch was published and before it was settled: the same batch again, forever."""
     from prometheus_client import CollectorRegistry
 
-    from relay.metrics import LATENCY_BUCKETS, BatchHistogram
+    from relay.observe.metrics import LATENCY_BUCKETS, BatchHistogram
 
     histogram = BatchHistogram("h", "d", "sink", LATENCY_BUCKETS, registry=CollectorRegistry())
     histogram.observe_many("kafka", [float("inf"), float("-inf"), float("nan"), 0.1])
@@ -334,8 +334,8 @@ class _FakePeers:
 
 
 def test_give_way_is_due_after_the_window_only_when_a_peer_can_deliver() -> None:
-    from relay.give_way import GiveWay
-    from relay.progress import Progress
+    from relay.drain.give_way import GiveWay
+    from relay.drain.progress import Progress
 
     now = [100.0]
     progress = Progress(lambda: now[0])
@@ -355,8 +355,8 @@ def test_give_way_is_due_after_the_window_only_when_a_peer_can_deliver() -> None
 
 
 def test_each_give_way_doubles_the_window_until_the_sink_answers() -> None:
-    from relay.give_way import MAX_DOUBLINGS, GiveWay
-    from relay.progress import Progress
+    from relay.drain.give_way import MAX_DOUBLINGS, GiveWay
+    from relay.drain.progress import Progress
 
     now = [0.0]
     progress = Progress(lambda: now[0])
@@ -384,13 +384,13 @@ def test_each_give_way_doubles_the_window_until_the_sink_answers() -> None:
 
 
 def _lease(now: list[float]) -> Any:
-    from relay.lease import Lease
+    from relay.lease.protocol import Lease
 
     return Lease("default", "me", ttl=10.0, margin=2.0, clock=lambda: now[0])
 
 
 def test_a_lease_is_trusted_until_the_acquiring_transaction_began_plus_ttl_minus_margin() -> None:
-    from relay.lease import LeaseToken
+    from relay.lease.protocol import LeaseToken
 
     now = [100.0]
     lease = _lease(now)
@@ -404,7 +404,7 @@ def test_a_lease_is_trusted_until_the_acquiring_transaction_began_plus_ttl_minus
 
 
 def test_a_renewal_extends_only_its_own_token_and_never_shortens() -> None:
-    from relay.lease import LeaseToken
+    from relay.lease.protocol import LeaseToken
 
     now = [0.0]
     lease = _lease(now)
@@ -423,7 +423,7 @@ def test_a_renewal_extends_only_its_own_token_and_never_shortens() -> None:
 
 
 def test_giving_up_and_being_fenced_stop_publishing_at_once_and_are_reported_once() -> None:
-    from relay.lease import LeaseToken
+    from relay.lease.protocol import LeaseToken
 
     now = [0.0]
     lease = _lease(now)
@@ -456,8 +456,8 @@ class _FakeSettler:
     ) -> Any:
         from concurrent.futures import Future
 
-        from relay.batch import id_set
-        from relay.settler import InFlight
+        from relay.drain.batch import id_set
+        from relay.drain.settler import InFlight
 
         future: Future[Any] = Future()
         self.futures.append(future)
@@ -477,9 +477,9 @@ def _row(row_id: int, key: str) -> Any:
 def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_the_next() -> None:
     import datetime as dt
 
-    from relay.batch import IdSet, Settlement
-    from relay.lease import LeaseToken
-    from relay.pipeline import SettlePipeline
+    from relay.drain.batch import IdSet, Settlement
+    from relay.drain.pipeline import SettlePipeline
+    from relay.lease.protocol import LeaseToken
 
     now = [0.0]
     lease = _lease(now)
@@ -506,7 +506,7 @@ def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_th
 
 
 def _elector(now: list[float]) -> tuple[Any, Any]:
-    from relay.elector import Elector, ElectorTimings
+    from relay.lease.elector import Elector, ElectorTimings
 
     class NoDatabase:
         def __getattr__(self, name: str) -> Any:
@@ -518,7 +518,7 @@ def _elector(now: list[float]) -> tuple[Any, Any]:
 
 
 def test_the_elector_polls_as_a_standby_and_wakes_to_renew_and_to_see_its_deadline() -> None:
-    from relay.lease import LeaseToken
+    from relay.lease.protocol import LeaseToken
 
     now = [0.0]
     elector, lease = _elector(now)
@@ -533,7 +533,7 @@ def test_the_elector_polls_as_a_standby_and_wakes_to_renew_and_to_see_its_deadli
 
 
 def test_the_elector_renews_only_when_due_and_drops_a_lease_past_its_deadline() -> None:
-    from relay.lease import LeaseToken
+    from relay.lease.protocol import LeaseToken
 
     now = [0.0]
     elector, lease = _elector(now)
@@ -548,7 +548,7 @@ def test_the_elector_renews_only_when_due_and_drops_a_lease_past_its_deadline() 
 
 
 def test_a_migration_that_retires_indexes_waits_for_the_rollout_of_the_one_it_follows() -> None:
-    from relay.migrate import Migration, _waits_for_rollout
+    from relay.admin.migrate import Migration, _waits_for_rollout
 
     retire = Migration("0010", "0010_x.sql", "-- after-rollout-of: 0009\nDROP INDEX i;")
     assert retire.after_rollout_of == "0009"
@@ -560,12 +560,12 @@ def test_a_migration_that_retires_indexes_waits_for_the_rollout_of_the_one_it_fo
 
 
 def test_a_migration_that_waits_for_a_rollout_only_retires() -> None:
-    """The migrations after a waiting one go in without it (relay/migrate.py): safe only
+    """The migrations after a waiting one go in without it (relay/admin/migrate.py): safe only
     while nothing later can need what a waiting one does, that is while each only drops
     indexes, moves the dead letters an earlier release marked in place into outbox_dead
     (every reader reads them in either place: outbox_dead_letters), or starts moving
     rows scheduled for later out (every reader reads them in either place too)."""
-    from relay.migrate import load
+    from relay.admin.migrate import load
 
     retiring = [m for m in load() if m.after_rollout_of is not None]
     assert retiring
@@ -589,7 +589,7 @@ def test_a_migration_that_waits_for_a_rollout_only_retires() -> None:
 
 
 def test_a_batch_without_gaps_is_left_out_as_one_span_and_one_with_gaps_by_its_ids() -> None:
-    from relay.batch import IdSet, id_set, in_flight
+    from relay.drain.batch import IdSet, id_set, in_flight
 
     assert id_set([5, 6, 7, 8]) == IdSet("5,6,7,8", (5, 8))
     assert id_set([8, 5, 7, 6]) == IdSet("8,5,7,6", (5, 8))  # unsorted: still every id
@@ -605,11 +605,27 @@ def test_a_batch_without_gaps_is_left_out_as_one_span_and_one_with_gaps_by_its_i
 def test_a_server_older_than_postgresql_14_stops_start_up_naming_the_setting() -> None:
     from types import SimpleNamespace
 
-    from relay import startup_checks
     from relay.settings import SettingsError
+    from relay.store import startup_checks
 
     conn = SimpleNamespace(info=SimpleNamespace(server_version=130011))
     with pytest.raises(SettingsError) as caught:
         startup_checks.schema(conn, None)  # type: ignore[arg-type]
     assert caught.value.name == "RELAY_DATABASE_URL"
     assert "PostgreSQL 13" in str(caught.value) and "14 or later" in str(caught.value)
+
+
+def test_settings_are_made_of_exactly_the_registered_sinks() -> None:
+    """The registry and `Settings`' bases are both written out: a sink added to one
+    and not the other would lose its variables or its `RELAY_SINK` name."""
+    from relay.settings import CommonSettings, Settings
+    from relay.sinks import sink_specs
+
+    bases = [base for base in Settings.__bases__ if base is not CommonSettings]
+    assert bases == [spec.settings for spec in sink_specs().values()]
+
+
+def test_at_most_twelve_modules_sit_directly_in_the_package() -> None:
+    """Each part is a package (docs/DESIGN.md, "Layout"); the top holds what all share."""
+    top = sorted(path.name for path in Path("relay").glob("*.py"))
+    assert len(top) <= 12, top

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay.migrate import migrate, migrations_dir
+from relay.admin.migrate import migrate, migrations_dir
 from relay.settings import CommonSettings
 from tests.conftest import REPO, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume

@@ -14,14 +14,14 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from relay import fetch
-from relay.app import RelayApp
-from relay.batch import BatchLimits
 from relay.console import data
 from relay.console.render import count
+from relay.daemon.app import RelayApp
+from relay.drain.batch import BatchLimits
 from relay.message import OutboxMessage
-from relay.queries import QUERIES
 from relay.settings import SettingsError
+from relay.sql import QUERIES
+from relay.store import fetch
 from relay.store.postgres import drain_session_setup
 from tests.conftest import (
     SettingsFactory,

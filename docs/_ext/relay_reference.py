@@ -7,7 +7,7 @@ committed, so the references cannot drift from the code:
 
 - settings: every field of `relay.settings.Settings` (the common settings, the daemon's,
   each sink's) and of `relay.console.settings.ConsoleSettings`, from the pydantic models;
-- command line: every command, subcommand and option of `relay.cli.build_parser()`;
+- command line: every command, subcommand and option of `relay.admin.cli.build_parser()`;
 - metrics: every metric the relay's modules register in prometheus_client's registry;
 - runbooks: every alert of deploy/monitoring/relay-alerts.yml, in file order (severity,
   `for:`, expression), with its `### <AlertName>` runbook from deploy/README.md's
@@ -268,7 +268,7 @@ def setting_sections() -> list[Section]:
 
 def _kafka_pass_through_secrets() -> list[str]:
     try:
-        from relay.sinks.kafka_settings import LIBRDKAFKA_SECRETS
+        from relay.sinks.kafka.settings import LIBRDKAFKA_SECRETS
     except ImportError:  # pragma: no cover - a build without the Kafka sink
         return []
     return sorted(LIBRDKAFKA_SECRETS)
@@ -408,14 +408,14 @@ def _walk(
 
 def commands() -> list[Command]:
     """Every command of `relay`, the program itself first."""
-    from relay.cli import build_parser
+    from relay.admin.cli import build_parser
 
     parser = build_parser()
     return list(_walk(parser, ("relay",), parser.description))
 
 
 def cli_markdown() -> str:
-    from relay import cli
+    from relay.admin import cli
 
     lines = [
         "Every command of `relay` (also `python -m relay`); each also takes `-h` "
@@ -475,9 +475,9 @@ def metric_modules() -> list[str]:
 def _example_collector(collector: Any) -> Any:
     """A filled copy of a collector whose series exist only once the relay runs,
     so their labels show. Others as they are."""
-    from relay.lag import ShardLag, ShardLagCollector
-    from relay.lease import Shard
-    from relay.lease_metrics import LeaseCollector
+    from relay.lease.metrics import LeaseCollector
+    from relay.lease.protocol import Shard
+    from relay.observe.lag import ShardLag, ShardLagCollector
 
     if isinstance(collector, ShardLagCollector):
         lag = ShardLagCollector()
@@ -513,7 +513,7 @@ def _entries_of(collector: Any, group: str) -> Iterator[MetricEntry]:
                 _scraped_name(family), family.type, labels, family.documentation, group
             )
         return
-    fixed = getattr(collector, "_label", None)  # relay.metrics.BatchHistogram
+    fixed = getattr(collector, "_label", None)  # relay.observe.metrics.BatchHistogram
     for family in _example_collector(collector).collect():
         if isinstance(fixed, str):
             labels = (fixed,)

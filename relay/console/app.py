@@ -27,7 +27,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from relay import db
 from relay.console import data, forms, render
 from relay.console.auth import COOKIE, Auth, Identity
 from relay.console.headers import SecurityHeaders
@@ -36,8 +35,9 @@ from relay.console.limits import BodyLimit, LoginThrottle
 from relay.console.pool import Pool, capped
 from relay.console.rate import RateSampler
 from relay.console.settings import ConsoleSettings
-from relay.logging import get_logger
+from relay.observe.logging import get_logger
 from relay.settings import CommonSettings
+from relay.store import db
 
 log = get_logger("relay.console")
 

@@ -13,13 +13,15 @@ from typing import Any, Literal
 
 from psycopg.types.json import Jsonb
 
-from relay import db, dead_letters, lag, repository
-from relay.batch import SetAside
-from relay.logging import get_logger
-from relay.migrate import SchemaState, schema_state
-from relay.queries import QUERIES
-from relay.rows import LeaseRow, ReplicaRow
-from relay.schema_options import shard_index_state
+from relay.admin import dead_letters
+from relay.admin.migrate import SchemaState, schema_state
+from relay.admin.schema_options import shard_index_state
+from relay.drain.batch import SetAside
+from relay.observe import lag
+from relay.observe.logging import get_logger
+from relay.sql import QUERIES
+from relay.store import db, repository
+from relay.store.rows import LeaseRow, ReplicaRow
 
 log = get_logger("relay.console")
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from relay.logging import get_logger
+from relay.observe.logging import get_logger
 from relay.setting_checks import is_loopback
 
 log = get_logger("relay.console")

@@ -10,13 +10,13 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from relay import db
 from relay.settings import CommonSettings
+from relay.store import db
 
 
 def capped(settings: CommonSettings, ceiling_ms: int) -> CommonSettings:
     """The database settings with the statement timeout at most `ceiling_ms` (0, no
-    timeout, becomes the ceiling), which relay.db.connect then sets on each session."""
+    timeout, becomes the ceiling), which relay.store.db.connect then sets on each session."""
     configured = settings.database_statement_timeout_ms
     timeout = ceiling_ms if configured == 0 else min(configured, ceiling_ms)
     return settings.model_copy(update={"database_statement_timeout_ms": timeout})

@@ -7,10 +7,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from relay import db
-from relay.logging import get_logger
-from relay.queries import QUERIES
+from relay.observe.logging import get_logger
 from relay.settings import CommonSettings
+from relay.sql import QUERIES
+from relay.store import db
 
 log = get_logger("relay.console")
 

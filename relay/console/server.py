@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from relay.console.app import create_app
 from relay.console.settings import load_all
-from relay.logging import configure, get_logger
+from relay.observe.logging import configure, get_logger
 
 log = get_logger("relay.console")
 
 
 def serve() -> int:
-    """Raises SettingsError (exit 2 in relay/cli.py) before anything listens."""
+    """Raises SettingsError (exit 2 in relay/admin/cli.py) before anything listens."""
     import uvicorn
 
     common, settings = load_all()

@@ -1,23 +1,23 @@
 """Sinks: where outbox rows go, chosen by RELAY_SINK.
 
-The registry is the set of `relay/sinks/<name>_settings.py` modules, each declaring
-`SINK = SinkSpec(...)`: a new sink registers itself by adding that file, and its
-client library is imported only when it is the one chosen.
+Each sink is a package, `relay/sinks/<name>/`, whose `settings` module declares
+`SINK = SinkSpec(...)`: its settings, secrets and where its implementation lives.
+`SINK_SETTINGS` below lists them; a new sink is added there. A sink's client library
+is imported only when it is the one chosen.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import pkgutil
 from typing import TYPE_CHECKING, cast
 
 from relay.errors import SettingsError
 from relay.sinks.base import Outcome, Result, Sink, SinkSpec
 
 if TYPE_CHECKING:  # relay.settings is made of the sinks' own settings modules
+    from relay.observe.tracing import Tracing
     from relay.settings import Settings
-    from relay.tracing import Tracing
 
 __all__ = [
     "Outcome",
@@ -29,19 +29,23 @@ __all__ = [
     "sink_specs",
 ]
 
-_SETTINGS_SUFFIX = "_settings"
+# The settings module of every sink this installation knows, each declaring SINK.
+SINK_SETTINGS = (
+    "relay.sinks.http.settings",
+    "relay.sinks.kafka.settings",
+    "relay.sinks.nats.settings",
+    "relay.sinks.rabbitmq.settings",
+)
 
 
 @functools.cache
 def sink_specs() -> dict[str, SinkSpec]:
     """Every sink this installation knows, by name."""
     found: dict[str, SinkSpec] = {}
-    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if not module.name.endswith(_SETTINGS_SUFFIX):
-            continue
-        spec = getattr(importlib.import_module(f"{__name__}.{module.name}"), "SINK", None)
+    for module_name in SINK_SETTINGS:
+        spec = getattr(importlib.import_module(module_name), "SINK", None)
         if not isinstance(spec, SinkSpec):
-            raise TypeError(f"{__name__}.{module.name} declares no SINK = SinkSpec(...)")
+            raise TypeError(f"{module_name} declares no SINK = SinkSpec(...)")
         if spec.name in found:
             raise TypeError(f"two sinks named {spec.name!r}")
         found[spec.name] = spec

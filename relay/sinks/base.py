@@ -1,9 +1,9 @@
 """The sink interface: publish a batch, report one outcome per message.
 
 A sink owns its client, its concurrency, its settings and its metrics; the drain loop
-owns the database. Adding a sink touches nothing outside its own modules: one
-implementing `Sink`, and `relay/sinks/<name>_settings.py` declaring its settings and
-a `SINK = SinkSpec(...)` that the registry (`relay.sinks`) finds by that file name.
+owns the database. A sink is a package, `relay/sinks/<name>/`: a module implementing
+`Sink`, and `settings.py` declaring its settings and a `SINK = SinkSpec(...)`, listed
+in the registry (`relay.sinks.SINK_SETTINGS`).
 
 The one ordering rule a sink must keep: within a batch, it must not deliver a message
 of a key after an earlier message of the same key failed. It reports such later
@@ -153,7 +153,7 @@ class OnePhase:
 
 @dataclass(frozen=True)
 class SinkSpec:
-    """A sink as the registry knows it (`SINK` in its `relay/sinks/<name>_settings.py`):
+    """A sink as the registry knows it (`SINK` in its `relay/sinks/<name>/settings.py`):
     enough to load and validate its settings without importing its client library."""
 
     name: str  # the value of RELAY_SINK

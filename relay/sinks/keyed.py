@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TypeVar
 
-from relay.logging import get_logger
 from relay.message import OutboxMessage
+from relay.observe.logging import get_logger
 from relay.sinks.base import SKIPPED, OnePhase, Outcome, Result
 
 log = get_logger("relay.sinks.keyed")

@@ -124,7 +124,7 @@ class Budget:
 class RecentRate:
     """Requests started in about the last second (ten buckets of 100 ms), read from
     another thread (a scrape): a torn read is off by a request, never an error. The
-    drain's pacer (relay/pacer.py) counts messages and bytes with it, `count` at once."""
+    drain's pacer (relay/drain/pacer.py) counts messages and bytes with it, `count` at once."""
 
     _BUCKETS = 10
     _WIDTH = 0.1

@@ -1,4 +1,4 @@
--- The drain's hot path (relay/fetch.py and relay/repository.py for relay/drain.py): the
+-- The drain's hot path (relay/store/fetch.py and relay/store/repository.py for relay/drain/loop.py): the
 -- drain session's planner settings, the fetch, the promotion of scheduled rows and the
 -- settles.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
@@ -41,7 +41,7 @@ SELECT set_config('enable_bitmapscan', 'off', true),
 --
 -- A rule the fetches (and the promotion) share is written once, as a fragment: a
 -- statement's {{name}} is the text under `-- fragment: name`, put in its place when
--- relay/queries.py loads this file, so the server plans it as if it were written out.
+-- relay/sql/__init__.py loads this file, so the server plans it as if it were written out.
 -- The fragments read the candidate row as `o`, the fetched row as `m`. fetch_batch is
 -- too long to read at once, so it is an outline of CTEs whose longer bodies are
 -- fragments, written after it, a page each (they use the shared ones too).
@@ -254,7 +254,7 @@ FROM (SELECT head.*,
                     AND {{not_in_flight}}
                     AND {{this_shard}}
                     -- RELAY_FAIRNESS=off walks on past a window it could not fill
-                    -- (relay/fetch.py): from its last id. NULL: from the first.
+                    -- (relay/store/fetch.py): from its last id. NULL: from the first.
                     AND (%(after)s::bigint IS NULL OR o.id > %(after)s::bigint)
                   ORDER BY o.id
                   LIMIT %(limit)s) AS o) AS head
@@ -262,7 +262,7 @@ FROM (SELECT head.*,
 ORDER BY m.id;
 
 -- name: one_snapshot
--- RELAY_FAIRNESS=off's walk past a window it could not fill (relay/fetch.py): every
+-- RELAY_FAIRNESS=off's walk past a window it could not fill (relay/store/fetch.py): every
 -- window in one snapshot with one now(), so a row that may not go holds back its key's
 -- later rows in every window alike. Read only: the walk writes nothing.
 SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
@@ -363,7 +363,7 @@ AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
 
 -- fragment: not_in_flight
 -- Not in a batch published and not yet settled: `in_flight`, the ids of those with
--- gaps, and `in_flight_ranges`, the spans of those without (relay/batch.py in_flight;
+-- gaps, and `in_flight_ranges`, the spans of those without (relay/drain/batch.py in_flight;
 -- a batch fetched in id order is one span). Both are sent untyped, so the casts make
 -- them constants of the custom plan: the array a hash lookup, the multirange a binary
 -- search. The planner prices the multirange in one step and the array element by

@@ -1,10 +1,10 @@
--- What the elector and the presence heartbeat run (relay/lease.py, relay/presence.py):
+-- What the elector and the presence heartbeat run (relay/lease/protocol.py, relay/store/presence.py):
 -- the lease, its group, and the replicas of a lease. `relay status` reads these tables
 -- with operations.sql; the drain's settles renew the lease through drain.sql.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
 ------------------------------------------------------------------------------------
--- Lease (see relay/lease.py for the protocol)
+-- Lease (see relay/lease/protocol.py for the protocol)
 ------------------------------------------------------------------------------------
 
 -- name: lease_ensure
@@ -107,7 +107,7 @@ WHERE name = %(name)s
   AND epoch = %(epoch)s;
 
 ------------------------------------------------------------------------------------
--- Replicas (relay/presence.py)
+-- Replicas (relay/store/presence.py)
 ------------------------------------------------------------------------------------
 
 -- name: replica_beat

@@ -1,11 +1,11 @@
--- What `relay migrate` runs (relay/migrate.py, and relay/schema_options.py for what it
+-- What `relay migrate` runs (relay/admin/migrate.py, and relay/admin/schema_options.py for what it
 -- builds on request) beside the migrations/ files themselves.
 -- {placeholders} are composed by psycopg.sql (identifiers and literals), never pasted
 -- in as text.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
 ------------------------------------------------------------------------------------
--- Migrations (relay/migrate.py)
+-- Migrations (relay/admin/migrate.py)
 ------------------------------------------------------------------------------------
 
 -- name: migrations_no_timeout
@@ -34,7 +34,7 @@ SELECT version, checksum FROM schema_migrations ORDER BY version;
 INSERT INTO schema_migrations (version, checksum) VALUES (%(version)s, %(checksum)s);
 
 ------------------------------------------------------------------------------------
--- Indexes on request (relay/schema_options.py): `relay migrate --shards N`, the key
+-- Indexes on request (relay/admin/schema_options.py): `relay migrate --shards N`, the key
 -- index's `--with-key-index` / `--without-key-index`, `--fairness-group`
 ------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 -- What operators see and do, through the CLI or the daemon's side threads: `relay
--- status` and `relay check`, the lag gauges (relay/lag.py), `relay dead-letter`, and the
--- retention purge (relay/purge.py, `relay purge`).
+-- status` and `relay check`, the lag gauges (relay/observe/lag.py), `relay dead-letter`, and the
+-- retention purge (relay/store/purge.py, `relay purge`).
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
 ------------------------------------------------------------------------------------

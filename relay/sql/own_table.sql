@@ -1,4 +1,4 @@
--- What only `relay migrate --own-table` runs (relay/own_table.py).
+-- What only `relay migrate --own-table` runs (relay/store/own_table.py).
 --
 -- The relay reads an existing table (RELAY_OUTBOX_TABLE) through a view named outbox in
 -- a schema of its own, relay_<schema>_<table>, that renames its columns to the relay's

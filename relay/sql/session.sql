@@ -1,4 +1,4 @@
--- What relay/db.py runs as it opens a session, for the daemon, the CLI or a migration,
+-- What relay/store/db.py runs as it opens a session, for the daemon, the CLI or a migration,
 -- before anything else. Python asks for any statement of relay/sql/ as QUERIES.<name>.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 

@@ -1,12 +1,11 @@
-"""The lease protocol's SQL steps (relay/lease.py has the protocol; relay/sql/lease.sql
+"""The lease protocol's SQL steps (relay/lease/protocol.py has the protocol; relay/sql/lease.sql
 the statements), run by the elector on its REPEATABLE READ session."""
 
 from __future__ import annotations
 
 from psycopg import errors
 
-from relay.db import Conn
-from relay.lease import (
+from relay.lease.protocol import (
     Acquired,
     Attempt,
     HeldByOther,
@@ -15,7 +14,8 @@ from relay.lease import (
     OtherShardCount,
     Shard,
 )
-from relay.queries import QUERIES
+from relay.sql import QUERIES
+from relay.store.db import Conn
 
 
 def ensure_row(conn: Conn, name: str, shard: Shard | None = None) -> None:

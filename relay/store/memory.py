@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from relay.batch import BatchLimits, SentRows, Settlement
-from relay.lease import Acquired, Attempt, HeldByOther, LeaseToken
+from relay.drain.batch import BatchLimits, SentRows, Settlement
+from relay.lease.protocol import Acquired, Attempt, HeldByOther, LeaseToken
 from relay.message import OutboxMessage
 from relay.store.port import Fetched, Promoted, StoreError
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from relay.batch import BatchLimits, SentRows, Settlement
-from relay.lease import Attempt, LeaseToken
+from relay.drain.batch import BatchLimits, SentRows, Settlement
+from relay.lease.protocol import Attempt, LeaseToken
 from relay.message import OutboxMessage
 
 
@@ -64,7 +64,7 @@ class ReadStore(Protocol):
     ) -> Fetched:
         """The next batch (README "Fetching: fair and bounded"): unsent rows in id
         order, minus the rows published and not settled (`in_flight`, an `id_array`,
-        and `in_flight_ranges`, their spans: relay/batch.py `in_flight`) and the `held`
+        and `in_flight_ranges`, their spans: relay/drain/batch.py `in_flight`) and the `held`
         keys; a key blocked by an earlier waiting row skipped. With
         `limits.group`, fair across groups first (`after_group`: where that round
         starts)."""
@@ -106,7 +106,7 @@ class DrainStore(Protocol):
 
 
 class LeaseStore(Protocol):
-    """The elector's session, for one lease row (relay/lease.py has the protocol)."""
+    """The elector's session, for one lease row (relay/lease/protocol.py has the protocol)."""
 
     def try_acquire(self, holder: str, ttl: float) -> Attempt:
         """One compare-and-swap attempt on the row (and its group's shard count)."""

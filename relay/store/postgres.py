@@ -1,5 +1,5 @@
 """The stores on PostgreSQL: the named statements of relay/sql/drain.sql (run by
-relay/fetch.py and relay/repository.py) and relay/sql/lease.sql (relay/store/lease.py),
+relay/store/fetch.py and relay/store/repository.py) and relay/sql/lease.sql (relay/store/lease.py),
 each session opened on first use and again after a failure."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from datetime import datetime
 import psycopg
 from psycopg import IsolationLevel
 
-from relay import db, fetch, repository
-from relay.batch import BatchLimits, SentRows, SetAside, Settlement
-from relay.lease import Attempt, LeaseToken, Shard
-from relay.queries import QUERIES
+from relay.drain.batch import BatchLimits, SentRows, SetAside, Settlement
+from relay.lease.protocol import Attempt, LeaseToken, Shard
 from relay.settings import Settings
+from relay.sql import QUERIES
+from relay.store import db, fetch, repository
 from relay.store import lease as lease_steps
 from relay.store.port import Fetched, Promoted, StoreError
 
@@ -39,7 +39,7 @@ def _failing_as_store_error(session: db.Session) -> Iterator[None]:
 
 
 class PostgresReadStore:
-    """Used on the reader's thread alone (relay/reader.py), but for `interrupt`.
+    """Used on the reader's thread alone (relay/drain/reader.py), but for `interrupt`.
     `set_aside`: whether rows scheduled for later move out of the outbox."""
 
     def __init__(self, connect: Callable[[], db.Conn], shard: Shard, set_aside: SetAside) -> None:
@@ -129,7 +129,7 @@ class PostgresSettleStore:
 
 class PostgresLeaseStore:
     """The elector's session: REPEATABLE READ, which the CAS acquisition relies on
-    (relay/lease.py); opening it makes sure the lease row exists."""
+    (relay/lease/protocol.py); opening it makes sure the lease row exists."""
 
     def __init__(self, settings: Settings, shard: Shard) -> None:
         self._settings = settings

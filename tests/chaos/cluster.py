@@ -26,9 +26,9 @@ from typing import Any
 
 import psycopg
 
-from relay.lease import shard_lease_name
-from relay.migrate import migrate, migrations_dir
-from relay.schema_options import create_shard_indexes
+from relay.admin.migrate import migrate, migrations_dir
+from relay.admin.schema_options import create_shard_indexes
+from relay.lease.protocol import shard_lease_name
 from relay.settings import CommonSettings
 from tests.chaos.producer import LEDGER_DDL
 from tests.chaos.sinks import TOPIC, ChaosSink

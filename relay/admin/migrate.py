@@ -1,0 +1,202 @@
+"""`relay migrate`: apply migrations/*.sql in order, once each, from any number of replicas."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import psycopg
+
+from relay.errors import MigrationError
+from relay.observe.logging import get_logger
+from relay.settings import CommonSettings
+from relay.sql import QUERIES
+from relay.store import db
+
+log = get_logger("relay.migrate")
+
+_FILE = re.compile(r"^(?P<version>\d{4})_[a-z0-9_]+\.sql$")
+# A migration that finds the database not ready for it yet (rows an earlier release left
+# that it must not strand, say) raises this SQLSTATE, saying why: it is rolled back and
+# waits for a later run, as one waiting for a rollout does.
+WAITS_SQLSTATE = "RLW01"
+
+
+# A migration that removes what relays of an earlier release read says which migration
+# those relays predate: it is applied only once that one was applied by an earlier run.
+_AFTER_ROLLOUT = re.compile(r"^-- after-rollout-of: (?P<version>\d{4})$", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: str
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def after_rollout_of(self) -> str | None:
+        found = _AFTER_ROLLOUT.search(self.sql)
+        return found["version"] if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """What a `relay migrate` run did."""
+
+    applied: list[str]
+    # The migrations held back until a rolling upgrade is done, and why (one line
+    # each); None when none is.
+    waiting: str | None = None
+
+
+def migrations_dir() -> Path:
+    """Inside an installed wheel the files ship as relay/migrations; in a checkout they
+    live at the top of the repository, where a DBA finds them."""
+    packaged = Path(str(resources.files("relay"))) / "migrations"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+def load(directory: Path | None = None) -> list[Migration]:
+    folder = directory or migrations_dir()
+    found = []
+    for path in sorted(folder.glob("*.sql")):
+        match = _FILE.match(path.name)
+        if match:  # grants.sql and other helpers are not migrations
+            found.append(Migration(match["version"], path.name, path.read_text("utf-8")))
+    if not found:
+        raise MigrationError(f"no migrations found in {folder}")
+    return found
+
+
+def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated:
+    """Apply what is pending, in order, each in its transaction. Safe to run concurrently.
+
+    A migration marked `-- after-rollout-of: NNNN` drops what relays from before NNNN
+    read: it waits while this run is the one that applied NNNN, since replicas of that
+    earlier release may still be running; a fresh database (nothing applied yet) has
+    none, and takes everything at once. The migrations after a waiting one still go
+    in: this release's relays need them, and nothing a later migration does needs an
+    index dropped first (a test holds every after-rollout file to DROP statements).
+    """
+    # Those that only retire indexes go last: one that fails (its lock timeout) then
+    # leaves nothing this release needs unapplied.
+    migrations = sorted(load(directory), key=lambda m: m.after_rollout_of is not None)
+    applied_now: list[str] = []
+    waiting: list[str] = []
+    with db.connect(settings, purpose="migrate") as conn:
+        # DDL may wait behind the app's traffic; do not let the relay's own timeouts
+        # (meant for the hot path) cut a migration short.
+        conn.execute(QUERIES.migrations_no_timeout)
+        conn.execute(QUERIES.migrations_lock)
+        try:
+            conn.execute(QUERIES.migrations_table)
+            applied = {
+                r["version"]: r["checksum"] for r in conn.execute(QUERIES.migrations_applied)
+            }
+            for migration in migrations:
+                if migration.version in applied:
+                    _check_unchanged(migration, applied[migration.version])
+                    continue
+                waits = _waits_for_rollout(migration, applied)
+                if waits is not None:
+                    log.warning("migration.waiting", name=migration.name, reason=waits)
+                    waiting.append(waits)
+                    continue
+                try:
+                    with conn.transaction():
+                        # A migration file is trusted SQL shipped with the relay.
+                        conn.execute(migration.sql)
+                        conn.execute(
+                            QUERIES.migrations_record,
+                            {"version": migration.version, "checksum": migration.checksum},
+                        )
+                except psycopg.Error as exc:
+                    # Only a migration that retires may wait: this release needs every
+                    # other one (`missing`), and the ones after it may build on it.
+                    if exc.sqlstate != WAITS_SQLSTATE or migration.after_rollout_of is None:
+                        raise
+                    waits = f"{migration.name} waits: {exc.diag.message_primary}"
+                    log.warning("migration.waiting", name=migration.name, reason=waits)
+                    waiting.append(waits)
+                    continue
+                applied_now.append(migration.name)
+                log.info("migration.applied", name=migration.name)
+        except psycopg.Error as exc:
+            raise MigrationError(db.describe_error(exc)) from exc
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute(QUERIES.migrations_unlock)
+    return Migrated(applied_now, "\n".join(waiting) or None)
+
+
+def missing(conn: db.Conn, directory: Path | None = None) -> list[str]:
+    """The migrations this release's relay needs and the database lacks: every one but
+    those that only retire what an earlier release read, which wait for a rollout."""
+    applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
+    return [
+        m.name for m in load(directory) if m.after_rollout_of is None and m.version not in applied
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaState:
+    """Where a database's schema stands, as this release counts it."""
+
+    # The last of this release's migrations with every one before it applied (None:
+    # none applied); not the highest applied, which may be past one still waiting.
+    version: str | None
+    not_applied: list[str]  # this release's migrations the database lacks, by name
+    newer: list[str] = field(default_factory=list)  # applied, unknown to this release
+
+    def describe(self) -> str:
+        """`0016`, or `0016; not applied: 0017_retire_key_index.sql` (one that waits
+        for a rollout, or a database an older `relay migrate` left behind), and the
+        versions a newer release applied, if any."""
+        parts = [self.version or "none"]
+        if self.not_applied:
+            parts.append(f"not applied: {', '.join(self.not_applied)}")
+        if self.newer:
+            parts.append(f"applied by a newer release: {', '.join(self.newer)}")
+        return "; ".join(parts)
+
+
+def schema_state(conn: db.Conn, directory: Path | None = None) -> SchemaState:
+    applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
+    version: str | None = None
+    not_applied: list[str] = []
+    known = load(directory)  # in version order
+    for migration in known:
+        if migration.version not in applied:
+            not_applied.append(migration.name)
+        elif not not_applied:
+            version = migration.version
+    newer = sorted(applied - {m.version for m in known})
+    return SchemaState(version, not_applied, newer)
+
+
+def _check_unchanged(migration: Migration, checksum: str) -> None:
+    if checksum != migration.checksum:
+        raise MigrationError(
+            f"{migration.name} was changed after it was applied; add a new migration instead"
+        )
+
+
+def _waits_for_rollout(migration: Migration, applied_before: dict[str, str]) -> str | None:
+    """Why `migration` may not run in this run, if it may not."""
+    needs = migration.after_rollout_of
+    if needs is None or not applied_before or needs in applied_before:
+        return None
+    return (
+        f"{migration.name} waits: it drops what relays from before migration {needs}"
+        f" read, and this run applied {needs}; run `relay migrate` again once every"
+        " replica runs this release"
+    )

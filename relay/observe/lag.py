@@ -1,0 +1,249 @@
+"""How far behind the outbox is: one bounded query, sampled on an interval.
+
+Every replica samples, leader or standby, on its own connection, so a scrape of any
+replica tells the truth about the outbox. The query (`lag_sample` in operations.sql) walks
+only the partial indexes and stops counting at a cap: its cost follows the cap, not the
+table (README, "Lag metrics: cost"). A scrape reads the last sample and never touches
+the database. With shards (RELAY_SHARDS > 1) each shard's backlog and oldest age are
+sampled too, through the shard index, and exported with a `shard` label beside the
+unlabelled totals.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from psycopg.pq import TransactionStatus
+
+from relay.observe import metrics
+from relay.observe.logging import OutageLog, get_logger
+from relay.observe.metrics import Health
+from relay.sql import QUERIES
+from relay.store import db
+from relay.store.db import Conn
+
+log = get_logger("relay.lag")
+
+
+# The oldest age is the longest wait among this many rows at the head (lag_sample).
+AGE_WINDOW = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class LagSample:
+    unsent: int
+    oldest_unsent_age_seconds: float
+    blocked: int
+    dead_lettered: int
+    count_cap: int
+    # Scheduled rows not yet due (not lag), and in how many seconds the next one is
+    # due (None: none is scheduled).
+    scheduled: int = 0
+    next_due_in_seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextmanager
+def _walking_in_order(conn: Conn) -> Iterator[None]:
+    """The lag statements' walks stop at their caps whatever the statistics: planned
+    with bitmap scans and sorts off (drain.sql, walk_indexes_in_order), for one
+    transaction, on whichever session asks (the lag sampler's, `relay status`, the
+    console's). A caller inside its own transaction keeps its settings."""
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        with conn.transaction():
+            conn.execute(QUERIES.walk_indexes_in_order_here)
+            yield
+    else:
+        yield
+
+
+def measure(conn: Conn, cap: int) -> LagSample:
+    with _walking_in_order(conn):
+        row = conn.execute(QUERIES.lag_sample, {"cap": cap, "age_window": AGE_WINDOW}).fetchone()
+    assert row is not None  # an aggregate-only SELECT always returns one row
+    return LagSample(
+        unsent=int(row["unsent"]),
+        oldest_unsent_age_seconds=float(row["oldest_unsent_age_seconds"] or 0.0),
+        blocked=int(row["blocked"]),
+        dead_lettered=int(row["dead_lettered"]),
+        count_cap=cap,
+        scheduled=int(row["scheduled"]),
+        next_due_in_seconds=(
+            None if row["next_due_in_seconds"] is None else float(row["next_due_in_seconds"])
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLag:
+    shard: int
+    shards: int
+    unsent: int
+    oldest_unsent_age_seconds: float
+    count_cap: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shard_count_cap(cap: int, shards: int) -> int:
+    """Each shard's count stops at its part of the cap: a sample of all the shards walks
+    no more index entries than the unsharded count does."""
+    return max(1, cap // shards)
+
+
+def measure_shards(conn: Conn, shards: int, cap: int) -> list[ShardLag]:
+    """Per-shard lag; `conn` must plan with custom plans (QUERIES.force_custom_plans),
+    or the shard count is no constant and no shard index matches."""
+    part = shard_count_cap(cap, shards)
+    with _walking_in_order(conn):
+        rows = conn.execute(QUERIES.lag_sample_shards, {"shards": shards, "cap": part}).fetchall()
+    return [
+        ShardLag(
+            shard=int(row["shard"]),
+            shards=shards,
+            unsent=int(row["unsent"]),
+            oldest_unsent_age_seconds=float(row["oldest_unsent_age_seconds"]),
+            count_cap=part,
+        )
+        for row in rows
+    ]
+
+
+class ShardLagCollector(Collector):
+    """`relay_outbox_shard_*{lease,shard}`: absent without shards, so an unsharded
+    relay's metrics are exactly what they were before shards existed."""
+
+    def __init__(self) -> None:
+        self._lease = ""
+        self._shards: list[ShardLag] = []
+
+    def set(self, lease: str, shards: list[ShardLag]) -> None:
+        self._lease, self._shards = lease, shards  # one reference swap: scrapes see a whole sample
+
+    def collect(self) -> Iterator[Metric]:
+        lease, shards = self._lease, self._shards
+        if not shards:
+            return
+        unsent = Metric(
+            "relay_outbox_shard_unsent_rows",
+            "Unsent, not dead-lettered rows of one shard (counted up to the cap / shards).",
+            "gauge",
+        )
+        oldest = Metric(
+            "relay_outbox_shard_oldest_unsent_age_seconds",
+            "Age of one shard's oldest unsent row, by the database clock; 0 when none.",
+            "gauge",
+        )
+        for s in shards:
+            labels = {"lease": lease, "shard": str(s.shard)}
+            unsent.add_sample("relay_outbox_shard_unsent_rows", labels, s.unsent)
+            oldest.add_sample(
+                "relay_outbox_shard_oldest_unsent_age_seconds", labels, s.oldest_unsent_age_seconds
+            )
+        yield from (unsent, oldest)
+
+
+SHARD_LAG = ShardLagCollector()
+REGISTRY.register(SHARD_LAG)
+
+
+def publish(sample: LagSample) -> None:
+    metrics.OUTBOX_UNSENT.set(sample.unsent)
+    metrics.OUTBOX_OLDEST_AGE.set(sample.oldest_unsent_age_seconds)
+    metrics.OUTBOX_BLOCKED.set(sample.blocked)
+    metrics.OUTBOX_DEAD.set(sample.dead_lettered)
+    metrics.OUTBOX_SCHEDULED.set(sample.scheduled)
+    metrics.OUTBOX_COUNT_CAP.set(sample.count_cap)
+
+
+@dataclass(frozen=True, slots=True)
+class LagConfig:
+    """What the sampler reads of the settings (`relay.daemon.configs.lag_config`)."""
+
+    lease_name: str  # RELAY_LEASE_NAME, the `lease` label of the per-shard series
+    interval_seconds: float  # RELAY_LAG_SAMPLE_SECONDS
+    count_cap: int  # RELAY_LAG_COUNT_CAP
+    shards: int  # RELAY_SHARDS; above 1, each shard is sampled too
+
+
+class LagSampler(threading.Thread):
+    """Refreshes the lag gauges every `interval_seconds`.
+
+    On a failed sample the gauges keep their last values (the errors counter and
+    `relay_lag_sample_age_seconds` say they are stale) rather than drop to zero, which
+    would read as "no lag" exactly when the database is in trouble.
+    """
+
+    def __init__(
+        self,
+        config: LagConfig,
+        connect: Callable[[str], db.Conn],
+        health: Health,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="relay-lag", daemon=True)
+        self._config = config
+        self._connect = connect
+        self._health = health
+        self._clock = clock
+        self._stop_event = threading.Event()
+        self._session = db.Session(self._open)
+        self._sampled_at = clock()
+        self._outage = OutageLog(log, "lag.sample_failed", "lag.sample_recovered")
+        metrics.LAG_SAMPLE_AGE.set_function(lambda: self._clock() - self._sampled_at)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self._health.beat("lag")
+                self.sample_once()
+                self._stop_event.wait(self._config.interval_seconds)
+        finally:
+            self._session.close()
+
+    def sample_once(self) -> LagSample | None:
+        started = self._clock()
+        config = self._config
+        try:
+            conn = self._session.get()
+            sample = measure(conn, config.count_cap)
+            shards = (
+                measure_shards(conn, config.shards, config.count_cap) if config.shards > 1 else []
+            )
+        except Exception as exc:
+            # Any failure, not only the database's: this thread only feeds metrics, and
+            # its death would fail /healthz and restart a healthy leader.
+            metrics.LAG_SAMPLE_ERRORS.inc()
+            self._outage.failure(db.describe_error(exc))
+            self._session.close()
+            return None
+        self._outage.success()
+        publish(sample)
+        SHARD_LAG.set(config.lease_name, shards)
+        self._sampled_at = self._clock()
+        metrics.LAG_SAMPLE_SECONDS.set(self._sampled_at - started)
+        return sample
+
+    def _open(self) -> Conn:
+        conn = self._connect("lag")
+        try:
+            # No JIT for millisecond queries; custom plans match the shard indexes.
+            conn.execute(QUERIES.force_custom_plans)
+        except BaseException:
+            conn.close()
+            raise
+        return conn

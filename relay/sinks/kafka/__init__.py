@@ -1,0 +1,1 @@
+"""The Kafka sink (confluent-kafka): idempotent producer, per-key partitions."""

@@ -1,0 +1,1 @@
+"""The NATS JetStream sink (nats-py): publish with `Nats-Msg-Id`, acknowledged by the stream."""

@@ -1,0 +1,140 @@
+"""The NATS JetStream sink's settings (`RELAY_NATS_*`): fields, their validation, and
+the secrets among them. Registered as `RELAY_SINK=nats` by `SINK` below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+
+from relay.errors import SettingsError
+from relay.sinks.base import SinkSpec
+
+# A server URL may carry user:password or a token.
+NATS_SECRETS = ("nats_url", "nats_password", "nats_token")
+
+
+class NatsSettings(BaseModel):
+    nats_url: SecretStr | None = Field(
+        default=None,
+        description="Server URL(s), comma-separated: nats://host:4222 or tls://host:4222.",
+    )
+    nats_user: str | None = Field(default=None, description="User name for user and password auth.")
+    nats_password: SecretStr | None = Field(
+        default=None, description="Its password; needs RELAY_NATS_USER."
+    )
+    nats_token: SecretStr | None = Field(
+        default=None, description="An authorization token, for token auth."
+    )
+    nats_creds_file: str | None = Field(
+        default=None, description="A .creds file (JWT and NKey seed) for decentralized auth."
+    )
+    nats_tls_ca_file: str | None = Field(
+        default=None,
+        description="A PEM bundle of CAs to verify the servers against when the connection "
+        "uses TLS (tls:// URLs, or a server that requires it). Default: the system's CAs.",
+    )
+    nats_tls_cert_file: str | None = Field(
+        default=None,
+        description="A client certificate (PEM) for mutual TLS; its key too, unless "
+        "RELAY_NATS_TLS_KEY_FILE holds it.",
+    )
+    nats_tls_key_file: str | None = Field(
+        default=None,
+        description="The private key (PEM) of RELAY_NATS_TLS_CERT_FILE, when that file does "
+        "not hold it.",
+    )
+    nats_subject_map: dict[str, str] = Field(
+        default_factory=dict,
+        description='JSON: outbox topic -> subject, e.g. {"orders": "prod.orders"}.',
+    )
+    nats_publish_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="How long one publish waits for JetStream's acknowledgement.",
+    )
+    nats_max_in_flight: int = Field(
+        default=64, ge=1, le=4096, description="Publishes awaiting their ack at once (keys)."
+    )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _url_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            nats_servers(value)
+        return value
+
+    @field_validator("nats_subject_map")
+    @classmethod
+    def _subjects_shape(cls, value: dict[str, str]) -> dict[str, str]:
+        for topic, subject in value.items():
+            problem = subject_problem(subject)
+            if problem:
+                raise ValueError(f"topic {topic!r}: {problem}")
+        return value
+
+    @field_validator("nats_password", "nats_token", mode="before")
+    @classmethod
+    def _strip_secret(cls, value: Any) -> Any:
+        return value.strip() if isinstance(value, str) else value  # `echo pw > file`
+
+    @model_validator(mode="after")
+    def _pairs(self) -> NatsSettings:
+        if self.nats_tls_key_file and not self.nats_tls_cert_file:
+            raise SettingsError(
+                "RELAY_NATS_TLS_CERT_FILE", "is required with RELAY_NATS_TLS_KEY_FILE"
+            )
+        if self.nats_password is not None and not self.nats_user:
+            raise SettingsError("RELAY_NATS_USER", "is required with RELAY_NATS_PASSWORD")
+        return self
+
+
+def nats_servers(url: SecretStr) -> list[str]:
+    """The server URLs of RELAY_NATS_URL. Errors never quote it: it may hold a password."""
+    servers = [part.strip() for part in url.get_secret_value().split(",") if part.strip()]
+    if not servers:
+        raise ValueError("must name at least one server")
+    for server in servers:
+        parts = urlsplit(server)
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise ValueError("must be nats:// or tls:// URLs with a host, comma-separated")
+        try:
+            parts.port  # noqa: B018 - raises on an out-of-range port
+        except ValueError:
+            raise ValueError("has an invalid port") from None
+    return servers
+
+
+def subject_problem(subject: str) -> str | None:
+    """Why `subject` cannot be published to, or None. Publishing never takes wildcards."""
+    if not subject or len(subject) > 1024:
+        return "a subject must be 1-1024 characters"
+    if any(ch.isspace() or not ch.isprintable() for ch in subject):
+        return f"subject {subject!r} has whitespace or control characters"
+    tokens = subject.split(".")
+    if any(not token for token in tokens):
+        return f"subject {subject!r} has an empty token (leading, trailing or double dot)"
+    if any(token in ("*", ">") for token in tokens):
+        return f"subject {subject!r} has a wildcard: a message is published to one subject"
+    return None
+
+
+def _require(settings: NatsSettings) -> None:
+    if settings.nats_url is None:
+        raise SettingsError("RELAY_NATS_URL", "is required when RELAY_SINK=nats")
+
+
+SINK = SinkSpec(
+    name="nats",
+    settings=NatsSettings,
+    implementation="relay.sinks.nats.sink:NatsSink",
+    secrets=NATS_SECRETS,
+    require=_require,
+    extra="nats",
+    # The server's default max_payload; a server configured higher needs
+    # RELAY_MESSAGE_MAX_BYTES to match.
+    message_max_bytes=lambda _settings: 1 << 20,
+)

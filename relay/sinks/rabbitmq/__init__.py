@@ -1,0 +1,1 @@
+"""The RabbitMQ sink (aio-pika): publisher confirms, mandatory routing."""
