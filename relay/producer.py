@@ -2,7 +2,7 @@
 
 The helper never commits: the outbox row must land in the same transaction as the
 business write it announces, or not at all. It is the `enqueue` statement of
-producer.sql, which apps on other stacks can run as plain SQL (README, "Writing to the
+producer.sql, which apps on other stacks can run as plain SQL (README, "Write to the
 outbox").
 """
 
@@ -195,9 +195,9 @@ def enqueue(
     RELAY_NOTIFY_CHANNEL, to wake them at commit instead of at their next poll.
     `available_at` (timezone-aware) or `delay` (seconds or a timedelta, from the
     transaction's start): not published before then, by the database clock; later
-    rows of the same key wait for it (README "Scheduled delivery").
+    rows of the same key wait for it (docs/howto/scheduled-delivery.md).
     `trace_context`: inside an active OpenTelemetry span, write its W3C trace context
-    into the headers (README "Tracing"); False keeps it out (say, for a webhook to a
+    into the headers (docs/howto/tracing.md); False keeps it out (say, for a webhook to a
     third party).
     """
     _require_transaction(conn.autocommit, conn.info.transaction_status)
@@ -237,7 +237,7 @@ def cancel(conn: psycopg.Connection[Any], row_id: int) -> bool:
     if it did, and then the row is never published once that transaction commits. A row
     already due and let in may be on its way to the sink: it is left, and this says
     False. A DELETE on `outbox` alone can miss a scheduled row: the relay moves those
-    due later out into `outbox_scheduled` (README "Scheduled delivery")."""
+    due later out into `outbox_scheduled` (docs/howto/scheduled-delivery.md)."""
     ids = {"ids": [_row_id(row_id)]}
     with conn.cursor(row_factory=tuple_row) as cur:
         for _ in range(2):  # again: a row moved between the tables while we waited

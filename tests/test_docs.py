@@ -261,7 +261,7 @@ def test_every_metric_has_help_and_known_labels() -> None:
 
 def unlinked(markdown: str) -> str:
     """Markdown with its links as their text, and a repository path the runbooks page
-    puts after a link's text, ` (`deploy/x.yaml`)`, left out."""
+    puts after a link's text, ` (`deploy/<file>`)`, left out."""
     text = re.sub(r"\[([^\]]*)\]\([^()\s]*\)", r"\1", markdown)
     return re.sub(r" \(`[\w.-]+/[\w./#-]*`\)", "", text)
 

@@ -156,7 +156,8 @@ def create_fairness_index(settings: CommonSettings, group: FairnessGroup, shards
 
 def set_notify_trigger(settings: CommonSettings, channel: str | None) -> None:
     """`relay migrate --notify-trigger CHANNEL` (or `--drop-notify-trigger`: None): the
-    outbox's optional NOTIFY trigger for plain-SQL apps (README "Instant wake-up")."""
+    outbox's optional NOTIFY trigger for plain-SQL apps (docs/howto/wake-up.md, "Instant
+    wake-up")."""
     with db.connect(settings, purpose="migrate") as conn:
         try:
             if channel is None:

@@ -5,7 +5,7 @@ callbacks). With CPython's default thresholds that starts a young-generation col
 every 700 allocations, and every so often a full one that walks every object the
 imports made (pydantic, prometheus-client, confluent-kafka...), none of which will ever
 be garbage. Measured on a 100,000-row drain: about a quarter of the relay's CPU time per
-message (README "Benchmark").
+message (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """When a leader should hand its lease to a peer for want of the sink (docs/DESIGN.md,
-"Giving way"): nothing delivered for RELAY_GIVE_WAY_SECONDS while rows wait, and a live
+"The lease"): nothing delivered for RELAY_GIVE_WAY_SECONDS while rows wait, and a live
 peer says it reaches the sink. Nobody able: keep the lease, nothing is lost.
 
 The decision only; the drain loop carries it out (the last settle first, then the sink's

@@ -3,7 +3,7 @@
 Every replica samples, leader or standby, on its own connection, so a scrape of any
 replica tells the truth about the outbox. The query (`lag_sample` in operations.sql) walks
 only the partial indexes and stops counting at a cap: its cost follows the cap, not the
-table (README, "Lag metrics: cost"). A scrape reads the last sample and never touches
+table (docs/howto/tuning.md, "Lag sampling"). A scrape reads the last sample and never touches
 the database. With shards (RELAY_SHARDS > 1) each shard's backlog and oldest age are
 sampled too, through the shard index, and exported with a `shard` label beside the
 unlabelled totals.

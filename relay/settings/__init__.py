@@ -456,7 +456,7 @@ class Settings(CommonSettings, HttpSettings, KafkaSettings, NatsSettings, Rabbit
         le=50_000,
         description="Rows per fetch. Larger batches spread the per-batch costs (a fetch, "
         "a settle, a flush) over more rows; a crash re-publishes up to about three "
-        'batches (two unsettled, a batch of stragglers). README "Benchmark".',
+        "batches (two unsettled, a batch of stragglers). docs/benchmarks.md.",
     )
     batch_max_bytes: int = Field(
         default=8 * 1024 * 1024,

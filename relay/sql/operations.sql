@@ -9,7 +9,7 @@
 
 -- name: lag_sample
 -- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
--- outbox (README "Lag metrics: cost"): counts stop at the cap, each walking its index in
+-- outbox (docs/howto/tuning.md, "Lag sampling"): counts stop at the cap, each walking its index in
 -- order; the oldest unsent row is found among the first age_window rows of the primary
 -- key (the outbox holds only rows to send, migrations 0018-0022); "blocked" counts, among at most
 -- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the

@@ -1,5 +1,5 @@
 -- What an app runs inside its own transaction, through the producer helper
--- (relay.enqueue, relay/producer.py), or as plain SQL from any stack (README, "Writing
+-- (relay.enqueue, relay/producer.py), or as plain SQL from any stack (README, "Write
 -- to the outbox").
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
@@ -14,7 +14,7 @@ RETURNING id, message_id;
 -- enqueue, plus a NOTIFY on %(channel)s (relay.enqueue(notify=...)): delivered to the
 -- listening relays when the app's transaction commits, never if it rolls back; several
 -- in one transaction arrive as one. NOTIFY serialises committing transactions on a
--- database-wide lock (README "Instant wake-up" has the measured cost).
+-- database-wide lock (docs/howto/wake-up.md, "Why it is off by default", has the measured cost).
 WITH added AS (
     INSERT INTO outbox (topic, key, payload, headers)
     VALUES (%(topic)s, %(key)s, %(payload)s, %(headers)s)

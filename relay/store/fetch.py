@@ -31,7 +31,7 @@ def fetch_batch(
     after_group: str | None = None,
     in_flight_ranges: str = "{}",
 ) -> Fetched:
-    """The next batch (README "Fetching: fair and bounded").
+    """The next batch (docs/concepts/delivery-guarantees.md, "Fair across keys, at a bounded cost").
 
     `in_flight`: ids (an `id_array`) published but not settled yet: left out; and
     `in_flight_ranges` (a multirange literal), runs of such ids without a gap.

@@ -62,10 +62,11 @@ class ReadStore(Protocol):
         after_group: str | None = None,
         in_flight_ranges: str = "{}",
     ) -> Fetched:
-        """The next batch (README "Fetching: fair and bounded"): unsent rows in id
-        order, minus the rows published and not settled (`in_flight`, an `id_array`,
-        and `in_flight_ranges`, their spans: relay/drain/batch.py `in_flight`) and the `held`
-        keys; a key blocked by an earlier waiting row skipped. With
+        """The next batch (docs/concepts/delivery-guarantees.md, "Fair across keys, at a
+        bounded cost"): unsent rows in id order, minus the rows published and not
+        settled (`in_flight`, an `id_array`, and `in_flight_ranges`, their spans:
+        relay/drain/batch.py `in_flight`) and the `held` keys; a key blocked by an
+        earlier waiting row skipped. With
         `limits.group`, fair across groups first (`after_group`: where that round
         starts)."""
         ...

@@ -1,6 +1,6 @@
 """Instant wake-up (opt-in, RELAY_NOTIFY_CHANNEL): a session LISTENing for the apps'
 NOTIFY, so the first row after a quiet spell goes out at once instead of at the next
-poll (README "Instant wake-up").
+poll (docs/howto/wake-up.md, "Instant wake-up").
 
 Polling stays the safety net: a lost notification (the listen session down, an app that
 does not NOTIFY) costs at most one poll interval, never a row. A notification is only a

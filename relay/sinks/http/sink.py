@@ -10,7 +10,7 @@ Outcomes, from the endpoint's answer:
 - 408, 425, 429, 500 and other 5xx, timeouts, a connection dropped mid-request: `RETRY`
   (the row backs off; `Retry-After` is honoured).
 - 429 or 503 with a `Retry-After`: the origin (scheme, host, port) asked for a pause,
-  and it is paused as a whole (`http_budgets`): no attempt is spent, its rows wait it
+  and it is paused as a whole (`budgets`): no attempt is spent, its rows wait it
   out, other origins go on. Each origin's rate limit is kept there too.
 - 502, 503, 504 and refused or failed connections, with ONE endpoint configured:
   `UNAVAILABLE` (the endpoint is down, not the message wrong): the whole sink backs off
@@ -22,7 +22,7 @@ Outcomes, from the endpoint's answer:
 
 What a row decides is bounded: its topic fills `{topic}` as one path segment (a topic
 that would make an empty or dot segment, and so another path, is `DEAD`), and the
-credentials a request carries are its destination's (`http_destinations.destinations`),
+credentials a request carries are its destination's (`destinations.destinations`),
 never another's.
 
 Long: a sink is one module by design (adding a sink touches its own modules only):
