@@ -1,4 +1,5 @@
-"""relay: a transactional outbox relay for PostgreSQL, publishing to Kafka.
+"""relay: a transactional outbox relay for PostgreSQL, publishing to Kafka, HTTP, NATS
+JetStream or RabbitMQ.
 
 Apps write messages with `relay.enqueue(conn, topic, payload, key=None, headers=None)`
 (or `relay.enqueue_async`) inside their own transaction; `relay run` publishes them.
