@@ -495,6 +495,23 @@ def cmd_console(_args: argparse.Namespace) -> int:
     return serve()
 
 
+def cmd_sql(args: argparse.Namespace) -> int:
+    from relay.admin import statements
+    from relay.sql import QUERIES
+
+    if args.list or args.name is None:
+        print(statements.listing())
+        return 0
+    if args.name not in QUERIES.names():
+        print(
+            f"relay sql: no statement named {args.name!r} (relay sql --list names them)",
+            file=sys.stderr,
+        )
+        return 2
+    print(statements.for_psql(args.name))
+    return 0
+
+
 def cmd_purge(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     total = 0
@@ -552,6 +569,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _dead_letter_commands(sub.add_parser("dead-letter", help="list or requeue dead-lettered rows"))
     add("console", cmd_console, "serve the operators' web console (RELAY_CONSOLE_* settings)")
+    statement = add(
+        "sql", cmd_sql, "print the SQL statements the relay runs, ready to paste into psql"
+    )
+    statement.add_argument(
+        "--list", action="store_true", help="name every statement (the default with no NAME)"
+    )
+    statement.add_argument(
+        "name", nargs="?", metavar="NAME", help="print this statement, fragments filled in"
+    )
     purge = add("purge", cmd_purge, "delete sent rows older than a duration, in small batches")
     purge.add_argument(
         "--older-than",
