@@ -123,14 +123,14 @@ def run(sink: str, dsn: str, rows: int, batches: list[int], in_flight: int) -> l
             def raw() -> float:
                 return raw_nats(server.url, rows, in_flight)
 
-            options: dict[str, Any] = {"nats_url": server.url, "nats_max_in_flight": in_flight}
+            options: dict[str, Any] = {"nats_url": server.url, "sink_max_in_flight": in_flight}
         else:
             server.declare_queue(TOPIC)
 
             def raw() -> float:
                 return raw_rabbitmq(server.url, rows, in_flight)
 
-            options = {"rabbitmq_url": server.url, "rabbitmq_max_in_flight": in_flight}
+            options = {"rabbitmq_url": server.url, "sink_max_in_flight": in_flight}
         print(f"{sink} sink, {in_flight} in flight, {rows} rows of {len(PAYLOAD)} B, {KEYS} keys")
         print(f"{'batch':>6} {'raw msg/s':>12} {'relay msg/s':>13} {'ratio':>6}")
         raw()  # warm up the server (and its disk)

@@ -86,7 +86,7 @@ def relay_post(dsn: str, url: str, rows: int, batch: int, in_flight: int) -> flo
         database_url=dsn,
         sink="http",
         http_url=url,
-        http_max_in_flight=in_flight,
+        sink_max_in_flight=in_flight,
         batch_size=batch,
         metrics_enabled=False,
         log_level="warning",

@@ -83,7 +83,7 @@ def run(dsn: str, quick: bool) -> dict[str, Any]:
     }
     base: dict[str, Any] = {
         "sink": "http",
-        "http_max_in_flight": 16,
+        "sink_max_in_flight": 16,
         "retention_seconds": 3600.0,  # kept: attempts can be read afterwards
     }
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -156,7 +156,7 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
         "b_keys": B_KEYS,
     }
     with WebhookServer(lambda _: Reply(200, delay=DELAY_MS / 1000)) as receiver:
-        http = {"sink": "http", "http_url": receiver.url + "/in", "http_max_in_flight": 16}
+        http = {"sink": "http", "http_url": receiver.url + "/in", "sink_max_in_flight": 16}
         report["http"] = {
             "delay_ms": DELAY_MS,
             "grouped": _scene(dsn, {**http, "fairness_group": GROUP.spec}),

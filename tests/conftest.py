@@ -99,7 +99,7 @@ def make_settings(relay_dsn: str, request: pytest.FixtureRequest) -> SettingsFac
             "lease_ttl_seconds": 3.0,
             "standby_poll_seconds": 0.2,
             "batch_size": 100,
-            "kafka_delivery_timeout_ms": 5_000,
+            "sink_timeout_seconds": 5.0,
             "retry_base_seconds": 0.1,
             "retry_max_seconds": 1.0,
             "log_format": "json",

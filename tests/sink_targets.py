@@ -79,7 +79,7 @@ class KafkaTarget:
         return {
             "sink": "kafka",
             "kafka_bootstrap_servers": f"127.0.0.1:{free_port()}",
-            "kafka_delivery_timeout_ms": 1_500,
+            "sink_timeout_seconds": 1.5,
         }
 
     def received(self, at_least: int, timeout: float = 20.0) -> list[Received]:

@@ -167,7 +167,7 @@ def metric(port: int, name: str, **labels: str) -> float | None:
 # broker (or the partition's leader) is silent just past the delivery timeout.
 OVERTAKE_SETTINGS: dict[str, Any] = {
     "batch_size": 200,
-    "kafka_delivery_timeout_ms": 1_500,
+    "sink_timeout_seconds": 1.5,
     # A small queue, and requests of two messages: the queue fills while the broker is
     # silent, and the rest of the batch waits to be produced.
     "kafka": {"queue_buffering_max_messages": "20", "batch_num_messages": "2"},

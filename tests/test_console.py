@@ -928,15 +928,15 @@ def test_a_slow_or_lost_database_answers_503_and_shows_nothing_of_it(
 
 
 def test_the_console_caps_its_sessions_statement_timeout(world: World) -> None:
-    """RELAY_DATABASE_STATEMENT_TIMEOUT_MS=0 (no timeout) would let a slow query hold
+    """RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS=0 (no timeout) would let a slow query hold
     one of the console's few sessions for ever: the console's own ceiling holds."""
     from relay.console.app import Console
     from relay.console.pool import Pool
     from relay.console.settings import ConsoleSettings
     from relay.settings import CommonSettings
 
-    unbounded = CommonSettings(database_url=world.console_dsn, database_statement_timeout_ms=0)
-    pool = Pool(unbounded, 1, statement_timeout_ms=200)
+    unbounded = CommonSettings(database_url=world.console_dsn, database_statement_timeout_seconds=0)
+    pool = Pool(unbounded, 1, statement_timeout=0.2)
     try:
         with pool.connection() as conn:
             assert conn.execute("SHOW statement_timeout").fetchone() == {
@@ -946,8 +946,8 @@ def test_the_console_caps_its_sessions_statement_timeout(world: World) -> None:
             conn.execute("SELECT pg_sleep(5)")
     finally:
         pool.close()
-    lower = unbounded.model_copy(update={"database_statement_timeout_ms": 100})
-    pool = Pool(lower, 1, statement_timeout_ms=200)
+    lower = unbounded.model_copy(update={"database_statement_timeout_seconds": 0.1})
+    pool = Pool(lower, 1, statement_timeout=0.2)
     try:
         with pool.connection() as conn:  # a lower database setting stays
             assert conn.execute("SHOW statement_timeout").fetchone() == {
@@ -956,7 +956,7 @@ def test_the_console_caps_its_sessions_statement_timeout(world: World) -> None:
     finally:
         pool.close()
     console = Console(unbounded, ConsoleSettings(token=TOKEN))  # the rate sampler's too
-    assert console.rate.settings.database_statement_timeout_ms == 5_000
+    assert console.rate.settings.database_statement_timeout_seconds == 5.0
 
 
 # --- settings ------------------------------------------------------------------------
@@ -982,8 +982,8 @@ def test_the_console_caps_its_sessions_statement_timeout(world: World) -> None:
             "RELAY_CONSOLE_ALLOWED_HOSTS: '*' (any host) stands alone",
         ),
         (
-            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_STATEMENT_TIMEOUT_MS": "0"},
-            "RELAY_CONSOLE_STATEMENT_TIMEOUT_MS: Input should be greater than 0",
+            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS": "0"},
+            "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS: Input should be greater than 0",
         ),
     ],
 )

@@ -407,7 +407,7 @@ def test_nothing_queued_is_sent_after_the_deadline_while_the_read_ahead_is_stuck
     monkeypatch.setattr("relay.failpoints._DIRECTORY", str(tmp_path))
     settings = make_settings(
         batch_size=200,
-        kafka_delivery_timeout_ms=60_000,
+        sink_timeout_seconds=60.0,
         kafka={"batch_num_messages": "2"},  # five requests in flight hold ten messages
     )
     stall = tmp_path / "stall_read_ahead"
@@ -497,7 +497,9 @@ def test_a_read_stuck_on_the_database_does_not_hold_up_the_leases_release_at_sto
     """The drain's read waits on a lock the app holds (no lock or statement timeout to
     end it soon). Stopping cancels it: the lease is given up while the lock is still
     held, so a standby takes over at its next poll, not once the read gives up."""
-    settings = make_settings(database_lock_timeout_ms=0, database_statement_timeout_ms=60_000)
+    settings = make_settings(
+        database_lock_timeout_seconds=0, database_statement_timeout_seconds=60.0
+    )
     with running_relay(settings) as app, psycopg.connect(database) as locker:
         insert_rows(database, topic, [("warm", b"warm:0")])
         wait_until(lambda: unsent_count(database) == 0, timeout=20, message="warm")
@@ -543,7 +545,7 @@ def test_broker_outage_marks_nothing_unacked_and_delivers_all_after(
 ) -> None:
     """SIGSTOP the broker mid-drain: rows stay unsent (never marked without an ack),
     then everything arrives once it is back."""
-    settings = make_settings(kafka_delivery_timeout_ms=2_000, retention_seconds=3600, batch_size=20)
+    settings = make_settings(sink_timeout_seconds=2.0, retention_seconds=3600, batch_size=20)
     total = 0
     with running_relay(settings):
         total += len(insert_rows(database, topic, keyed_rows(keys=4, per_key=10)))
@@ -586,7 +588,7 @@ def test_broker_killed_mid_drain_marks_nothing_unacked_and_delivers_after_restar
 ) -> None:
     """SIGKILL the broker (its in-memory log dies with it), restart it on the same port:
     no row is marked while it is gone, and every row marked afterwards is in the new log."""
-    settings = make_settings(kafka_delivery_timeout_ms=2_000, retention_seconds=3600, batch_size=20)
+    settings = make_settings(sink_timeout_seconds=2.0, retention_seconds=3600, batch_size=20)
     with running_relay(settings):
         insert_rows(database, topic, keyed_rows(keys=4, per_key=10))
         wait_until(lambda: unsent_count(database) == 0, timeout=20)
@@ -618,7 +620,7 @@ def test_a_broker_that_comes_back_empty_does_not_wedge_the_producer(
     next rows: the idempotent producer's old id is unknown there and every delivery
     times out. The sink must start a fresh producer rather than time out forever while
     it keeps the lease (found by the chaos suite)."""
-    settings = make_settings(kafka_delivery_timeout_ms=2_000, batch_size=20)
+    settings = make_settings(sink_timeout_seconds=2.0, batch_size=20)
     with running_relay(settings):
         insert_rows(database, topic, keyed_rows(keys=4, per_key=5))
         wait_until(lambda: unsent_count(database) == 0, timeout=20)

@@ -240,7 +240,7 @@ def test_over_http_a_small_tenant_arrives_while_the_big_one_waits(
         settings = make_settings(
             sink="http",
             http_url=receiver.url + "/hooks/{topic}",
-            http_max_in_flight=8,
+            sink_max_in_flight=8,
             fairness_group=group,
         )
         with running_relay(settings):

@@ -52,7 +52,7 @@ class Replica:
             dsn,
             RELAY_SINK="http",
             RELAY_HTTP_URL=endpoint.url + "/hooks/{topic}",
-            RELAY_HTTP_TIMEOUT_SECONDS="2",
+            RELAY_SINK_TIMEOUT_SECONDS="2",
             RELAY_REPLICA_ID=name,
             RELAY_LEASE_TTL_SECONDS="3",
             RELAY_STANDBY_POLL_SECONDS="0.2",

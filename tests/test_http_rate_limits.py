@@ -44,9 +44,9 @@ def settings_for(
         "http_topic_urls": {
             LIMITED: {"url": limited.url + "/limited", "max_requests_per_second": 40}
         },
-        "http_max_in_flight": 8,
+        "sink_max_in_flight": 8,
         "http_read_timeout_seconds": 2.0,
-        "http_timeout_seconds": 5.0,
+        "sink_timeout_seconds": 5.0,
         "retry_max_seconds": 30.0,
         "retention_seconds": 3600.0,  # rows kept once sent: their attempts can be read
     }
@@ -161,7 +161,7 @@ def test_one_origin_with_a_limit_waits_for_its_budget_without_writing_a_row(
             sink="http",
             http_url=server.url + "/hooks/{topic}",
             http_max_requests_per_second=20,
-            http_max_in_flight=8,
+            sink_max_in_flight=8,
             retry_max_seconds=30.0,
             retention_seconds=3600.0,
         )

@@ -43,9 +43,9 @@ def http_settings(make_settings: SettingsFactory, url: str, **overrides: Any) ->
     values: dict[str, Any] = {
         "sink": "http",
         "http_url": url + "/hooks/{topic}",
-        "http_max_in_flight": 8,
+        "sink_max_in_flight": 8,
         "http_read_timeout_seconds": 2.0,
-        "http_timeout_seconds": 5.0,
+        "sink_timeout_seconds": 5.0,
     }
     values.update(overrides)
     return make_settings(**values)
@@ -462,7 +462,7 @@ def test_killed_mid_delivery_duplicates_only_in_flight(
         relay_dsn,
         RELAY_SINK="http",
         RELAY_HTTP_URL=server.url + "/hooks/{topic}",
-        RELAY_HTTP_MAX_IN_FLIGHT="8",
+        RELAY_SINK_MAX_IN_FLIGHT="8",
         RELAY_BATCH_SIZE=str(batch),
         RELAY_LEASE_TTL_SECONDS="2",
     )
@@ -556,11 +556,12 @@ def test_an_endpoint_that_never_answers_holds_a_batch_for_about_two_timeouts(
     from relay.sinks.http.sink import HttpSink
 
     server.respond = lambda d: Reply(200, delay=30.0)
+    timeout = 1.0
     settings = http_settings(
         make_settings,
         server.url,
-        http_max_in_flight=2,
-        http_timeout_seconds=1.0,
+        sink_max_in_flight=2,
+        sink_timeout_seconds=timeout,
         http_read_timeout_seconds=1.0,
     )
     sink = HttpSink(settings)
@@ -571,7 +572,7 @@ def test_an_endpoint_that_never_answers_holds_a_batch_for_about_two_timeouts(
         elapsed = time.monotonic() - started
     finally:
         sink.close()
-    assert elapsed < 2 * settings.http_timeout_seconds + 0.5, f"batch took {elapsed:.1f}s"
+    assert elapsed < 2 * timeout + 0.5, f"batch took {elapsed:.1f}s"
     outcomes = [r.outcome for r in results]
     assert outcomes.count(Outcome.RETRY) <= 4  # the requests that started: timed out
     assert outcomes.count(Outcome.SKIPPED) >= 26  # never started: no attempt spent

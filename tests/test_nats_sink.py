@@ -132,7 +132,7 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         suffix = uuid.uuid4().hex[:8]
         subject, name = f"orders.{suffix}", f"ORDERS_{suffix}"
         server.create_stream(name, [subject])
-        settings = make_settings(sink="nats", nats_url=server.url, nats_publish_timeout_seconds=1.0)
+        settings = make_settings(sink="nats", nats_url=server.url, sink_timeout_seconds=1.0)
         with running_relay(settings):
             writer = SteadyWriter(database, subject, steps=30)
             wait_until(lambda: len(server.read_stream(name)) >= 50, timeout=30, interval=0.1)

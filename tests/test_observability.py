@@ -77,7 +77,7 @@ def replicas(relay_dsn: str, kafka: TansuBroker, tmp_path: Path) -> Iterator[lis
             kafka.bootstrap_servers,
             RELAY_LEASE_TTL_SECONDS="3",
             RELAY_STANDBY_POLL_SECONDS="0.2",
-            RELAY_KAFKA_DELIVERY_TIMEOUT_MS="3000",
+            RELAY_SINK_TIMEOUT_SECONDS="3",
             RELAY_METRICS_ENABLED="true",
             RELAY_METRICS_PORT=str(port),
             RELAY_LAG_SAMPLE_SECONDS="0.2",

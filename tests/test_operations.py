@@ -189,7 +189,7 @@ def test_dead_letters_are_listed_then_requeued_and_delivered_in_key_order(
     """A bad topic mapping dead-letters every row; once fixed, requeueing by key and by id
     delivers them all, each key in its original order."""
     insert_rows(database, topic, keyed_rows(keys=2, per_key=4))
-    with running_relay(make_settings(kafka_topic_map={topic: "not a topic!"})):
+    with running_relay(make_settings(topic_map={topic: "not a topic!"})):
         wait_until(lambda: dead_count(database) == 8, timeout=20, message="8 dead letters")
     env = relay_env(relay_dsn)
 

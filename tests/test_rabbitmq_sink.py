@@ -44,7 +44,7 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
     queue = f"orders-{uuid.uuid4().hex[:8]}"
     rabbitmq_server.declare_queue(queue)
     settings = make_settings(
-        sink="rabbitmq", rabbitmq_url=rabbitmq_server.url, rabbitmq_publish_timeout_seconds=2.0
+        sink="rabbitmq", rabbitmq_url=rabbitmq_server.url, sink_timeout_seconds=2.0
     )
 
     def write() -> None:
@@ -143,7 +143,7 @@ def test_a_queue_missing_just_after_a_restart_waits_and_one_deleted_meanwhile_is
     queue is really gone (deleted before the restart), which looks the same to the sink
     until the grace ends. A queue deleted while the connection that fed it is open is
     dead-lettered at once."""
-    from relay.sinks import rabbitmq
+    from relay.sinks.rabbitmq import sink as rabbitmq
 
     kept, deleted = (f"q-{uuid.uuid4().hex[:8]}" for _ in range(2))
     for name in (kept, deleted):

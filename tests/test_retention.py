@@ -168,7 +168,7 @@ def test_a_rotation_that_waits_on_a_reader_does_not_skip_the_purge_of_rows_marke
         )
     errors = REGISTRY.get_sample_value("relay_purge_errors_total") or 0.0
     settings = make_settings(
-        retention_seconds=HOUR, purge_interval_seconds=0.1, database_lock_timeout_ms=200
+        retention_seconds=HOUR, purge_interval_seconds=0.1, database_lock_timeout_seconds=0.2
     )
     with psycopg.connect(database) as reader:
         reader.execute("SELECT count(*) FROM outbox_sent_1").fetchone()  # holds its lock
@@ -228,7 +228,7 @@ def test_a_settle_landing_in_the_old_generation_during_a_rotation_is_before_the_
 ) -> None:
     """The rotation's timing argument: every row of a generation was sent before the next
     generation began. A rotation waits for its TRUNCATE (a reader of the generation it
-    empties, up to RELAY_DATABASE_LOCK_TIMEOUT_MS, or the other leader's FOR UPDATE);
+    empties, up to RELAY_DATABASE_LOCK_TIMEOUT_SECONDS, or the other leader's FOR UPDATE);
     a settle meanwhile still lands in the old current generation, stamped sent now. The
     new generation must not be said to have begun before those rows were sent (it is
     stamped with the rotation's transaction start now, so the old generation is emptied

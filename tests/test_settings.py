@@ -16,6 +16,7 @@ from relay.settings import (
     is_setting_variable,
     load_settings,
 )
+from relay.settings.retired import RETIRED
 from relay.sinks.kafka.settings import LIBRDKAFKA_SECRETS
 from relay.sinks.kafka.sink import producer_config
 from tests.conftest import SettingsFactory, relay_command, relay_env
@@ -293,10 +294,7 @@ def test_a_map_secret_file_that_is_no_json_object_is_named_and_not_quoted(
         ("RELAY_DATABASE_URL", "RELAY_DATABASE_URL_FILE"),
         ("RELAY_HTTP_TOPIC_URLS", "RELAY_HTTP_TOPIC_URLS_FILE"),
         ("RELAY_HTTP_TOPIC_URLS__ORDERS", "RELAY_HTTP_TOPIC_URLS_FILE"),  # a map, in parts
-        ("RELAY_KAFKA_SASL_PASSWORD", "RELAY_KAFKA_SASL_PASSWORD_FILE"),
         ("RELAY_KAFKA__SASL_PASSWORD", "RELAY_KAFKA__SASL_PASSWORD_FILE"),
-        ("RELAY_KAFKA_SASL_PASSWORD", "RELAY_KAFKA__SASL_PASSWORD_FILE"),
-        ("RELAY_KAFKA_SASL_PASSWORD", "RELAY_KAFKA__SASL_PASSWORD"),
     ],
 )
 def test_a_secret_given_two_ways_is_refused_naming_both(
@@ -405,21 +403,21 @@ NATS = {"RELAY_SINK": "nats", "RELAY_NATS_URL": "tls://nats.example:4222"}
 RABBITMQ = {"RELAY_SINK": "rabbitmq", "RELAY_RABBITMQ_URL": "amqps://u:s3cr3t-pw@mq.example/"}
 FILE_SETTINGS = [
     ("RELAY_DATABASE_SSLROOTCERT", KAFKA),
-    ("RELAY_HTTP_CA_FILE", HTTPS),
-    ("RELAY_HTTP_CLIENT_CERT_FILE", HTTPS),
-    ("RELAY_HTTP_CLIENT_KEY_FILE", {**HTTPS, "RELAY_HTTP_CLIENT_CERT_FILE": "{cert}"}),
+    ("RELAY_SINK_TLS_CA_FILE", HTTPS),
+    ("RELAY_SINK_TLS_CERT_FILE", HTTPS),
+    ("RELAY_SINK_TLS_KEY_FILE", {**HTTPS, "RELAY_SINK_TLS_CERT_FILE": "{cert}"}),
     ("RELAY_KAFKA__SSL_CA_LOCATION", KAFKA),
     ("RELAY_KAFKA__SSL_CERTIFICATE_LOCATION", KAFKA),
     ("RELAY_KAFKA__SSL_KEY_LOCATION", KAFKA),
     ("RELAY_KAFKA__SSL_KEYSTORE_LOCATION", KAFKA),
     ("RELAY_KAFKA__SSL_CRL_LOCATION", KAFKA),
-    ("RELAY_NATS_TLS_CA_FILE", NATS),
-    ("RELAY_NATS_TLS_CERT_FILE", NATS),
-    ("RELAY_NATS_TLS_KEY_FILE", {**NATS, "RELAY_NATS_TLS_CERT_FILE": "{cert}"}),
+    ("RELAY_SINK_TLS_CA_FILE", NATS),
+    ("RELAY_SINK_TLS_CERT_FILE", NATS),
+    ("RELAY_SINK_TLS_KEY_FILE", {**NATS, "RELAY_SINK_TLS_CERT_FILE": "{cert}"}),
     ("RELAY_NATS_CREDS_FILE", NATS),
-    ("RELAY_RABBITMQ_TLS_CA_FILE", RABBITMQ),
-    ("RELAY_RABBITMQ_TLS_CERT_FILE", RABBITMQ),
-    ("RELAY_RABBITMQ_TLS_KEY_FILE", {**RABBITMQ, "RELAY_RABBITMQ_TLS_CERT_FILE": "{cert}"}),
+    ("RELAY_SINK_TLS_CA_FILE", RABBITMQ),
+    ("RELAY_SINK_TLS_CERT_FILE", RABBITMQ),
+    ("RELAY_SINK_TLS_KEY_FILE", {**RABBITMQ, "RELAY_SINK_TLS_CERT_FILE": "{cert}"}),
 ]
 
 
@@ -446,10 +444,10 @@ def test_a_missing_tls_file_is_a_settings_error_naming_it(
 def test_a_directory_where_a_file_belongs_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    env_for(monkeypatch, **file_env(tmp_path, HTTPS, RELAY_HTTP_CA_FILE=str(tmp_path)))
+    env_for(monkeypatch, **file_env(tmp_path, HTTPS, RELAY_SINK_TLS_CA_FILE=str(tmp_path)))
     with pytest.raises(SettingsError) as caught:
         load_settings(Settings)
-    assert caught.value.name == "RELAY_HTTP_CA_FILE"
+    assert caught.value.name == "RELAY_SINK_TLS_CA_FILE"
     assert "Is a directory" in caught.value.message
 
 
@@ -482,8 +480,8 @@ def test_the_special_locations_are_no_files(
 
 
 def test_the_files_of_a_sink_not_chosen_are_not_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    env_for(monkeypatch, RELAY_DATABASE_URL=URL, **KAFKA, RELAY_HTTP_CA_FILE=MISSING)
-    assert load_settings(Settings).http_ca_file == MISSING
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL, **KAFKA, RELAY_NATS_CREDS_FILE=MISSING)
+    assert load_settings(Settings).nats_creds_file == MISSING
 
 
 @pytest.mark.parametrize(
@@ -492,11 +490,11 @@ def test_the_files_of_a_sink_not_chosen_are_not_checked(monkeypatch: pytest.Monk
         ("run", "RELAY_DATABASE_SSLROOTCERT", KAFKA),
         ("check", "RELAY_DATABASE_SSLROOTCERT", KAFKA),
         ("migrate", "RELAY_DATABASE_SSLROOTCERT", {}),
-        ("run", "RELAY_HTTP_CA_FILE", HTTPS),
-        ("check", "RELAY_HTTP_CA_FILE", HTTPS),
+        ("run", "RELAY_SINK_TLS_CA_FILE", HTTPS),
+        ("check", "RELAY_SINK_TLS_CA_FILE", HTTPS),
         ("run", "RELAY_KAFKA__SSL_CA_LOCATION", KAFKA),
-        ("run", "RELAY_NATS_TLS_CA_FILE", NATS),
-        ("run", "RELAY_RABBITMQ_TLS_CA_FILE", RABBITMQ),
+        ("run", "RELAY_SINK_TLS_CA_FILE", NATS),
+        ("run", "RELAY_SINK_TLS_CA_FILE", RABBITMQ),
     ],
 )
 def test_a_missing_ca_file_exits_2_naming_it(
@@ -515,7 +513,7 @@ def test_a_missing_ca_file_exits_2_naming_it(
     assert "s3cr3t" not in done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("variable", ["RELAY_RABBITMQ_TLS_CA_FILE", "RELAY_RABBITMQ_TLS_CERT_FILE"])
+@pytest.mark.parametrize("variable", ["RELAY_SINK_TLS_CA_FILE", "RELAY_SINK_TLS_CERT_FILE"])
 def test_rabbitmq_tls_settings_with_an_amqp_url_are_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str
 ) -> None:
@@ -529,3 +527,65 @@ def test_rabbitmq_tls_settings_with_an_amqp_url_are_refused(
     assert "s3cr3t" not in str(caught.value)
     env_for(monkeypatch, **file_env(tmp_path, RABBITMQ, **{variable: "{cert}"}))
     assert load_settings(Settings).rabbitmq_url is not None
+
+
+@pytest.mark.parametrize("variable", sorted(RETIRED))
+def test_a_variable_1_0_retired_stops_start_up_naming_what_replaces_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """A deployment that still sets an old name must not lose the setting silently."""
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL, **KAFKA, **{variable: "1"})
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == variable
+    assert caught.value.message == f"was renamed or removed in 1.0: use {RETIRED[variable]}"
+
+
+def test_relay_run_with_a_retired_variable_exits_2_naming_its_replacement() -> None:
+    env = relay_env(URL, "k:9092", RELAY_KAFKA_DELIVERY_TIMEOUT_MS="3000")
+    done = subprocess.run(
+        relay_command("run"), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "RELAY_KAFKA_DELIVERY_TIMEOUT_MS" in done.stderr
+    assert "RELAY_SINK_TIMEOUT_SECONDS (seconds, not milliseconds)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "variable", "says"),
+    [
+        ({**HTTPS, "RELAY_TOPIC_MAP": '{"a": "b"}'}, "RELAY_TOPIC_MAP", "RELAY_HTTP_TOPIC_URLS"),
+        ({**KAFKA, "RELAY_SINK_MAX_IN_FLIGHT": "8"}, "RELAY_SINK_MAX_IN_FLIGHT", "whole batch"),
+        ({**KAFKA, "RELAY_SINK_TLS_CA_FILE": "/x"}, "RELAY_SINK_TLS_CA_FILE", "SSL_CA_LOCATION"),
+        (
+            {**KAFKA, "RELAY_SINK_TIMEOUT_SECONDS": "0.5"},
+            "RELAY_SINK_TIMEOUT_SECONDS",
+            "at least 1",
+        ),
+        ({**NATS, "RELAY_TOPIC_MAP": '{"a": "b.*"}'}, "RELAY_TOPIC_MAP", "wildcard"),
+        ({**RABBITMQ, "RELAY_TOPIC_MAP": json.dumps({"a": "k" * 256})}, "RELAY_TOPIC_MAP", "255"),
+    ],
+)
+def test_a_shared_sink_setting_the_chosen_sink_cannot_take_is_refused(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, str], variable: str, says: str
+) -> None:
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL, **extra)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(Settings)
+    assert caught.value.name == variable
+    assert says in caught.value.message
+
+
+def test_the_shared_sink_settings_reach_each_sink_with_its_own_defaults() -> None:
+    from relay.sinks.http.sink import DEFAULT_MAX_IN_FLIGHT as HTTP_IN_FLIGHT
+    from relay.sinks.kafka.sink import DEFAULT_TIMEOUT_SECONDS as KAFKA_TIMEOUT
+    from relay.sinks.nats.sink import DEFAULT_TIMEOUT_SECONDS as NATS_TIMEOUT
+
+    assert (HTTP_IN_FLIGHT, KAFKA_TIMEOUT, NATS_TIMEOUT) == (16, 30.0, 5.0)
+    settings = Settings(
+        database_url=URL, kafka_bootstrap_servers="k:9092", topic_map={"orders": "prod.orders"}
+    )
+    config = producer_config(settings)
+    assert (config["compression.type"], config["linger.ms"]) == ("lz4", 5)
+    tuned = Settings(database_url=URL, kafka_bootstrap_servers="k:9092", kafka={"linger_ms": "20"})
+    assert producer_config(tuned)["linger.ms"] == "20"

@@ -3,7 +3,7 @@
 A three-broker cluster (librdkafka's mock cluster, real sockets) with one broker's port
 blackholed by iptables: the partitions it leads take messages and never answer, the
 others answer at once. Before, every batch waited for its slowest report, up to
-RELAY_KAFKA_DELIVERY_TIMEOUT_MS, so one sick partition throttled every key.
+RELAY_SINK_TIMEOUT_SECONDS, so one sick partition throttled every key.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def test_a_sick_partition_holds_back_its_own_keys_only(
 
     settings = make_settings(
         kafka_bootstrap_servers=cluster.bootstrap_servers,
-        kafka_delivery_timeout_ms=60_000,  # a sick partition would stall a batch this long
-        kafka_straggler_ms=500,
+        sink_timeout_seconds=60.0,  # a sick partition would stall a batch this long
+        kafka_straggler_seconds=0.5,
         batch_size=50,
     )
     with running_relay(settings):

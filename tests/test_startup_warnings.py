@@ -85,40 +85,26 @@ def kafka_settings(**values: Any) -> Settings:
 
 
 @pytest.mark.parametrize(
-    ("values", "variable", "mechanism"),
+    ("values", "mechanism"),
     [
+        ({"security_protocol": "sasl_plaintext", "sasl_mechanism": "PLAIN"}, "PLAIN"),
         (
-            {"kafka_security_protocol": "sasl_plaintext", "kafka_sasl_mechanism": "PLAIN"},
-            "RELAY_KAFKA_SECURITY_PROTOCOL",
-            "PLAIN",
-        ),
-        (
-            {"kafka": {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512"}},
-            "RELAY_KAFKA__SECURITY_PROTOCOL",
+            {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512"},
             "SCRAM-SHA-512",
         ),
-        (
-            {"kafka_security_protocol": "sasl_plaintext", "kafka": {"sasl_mechanisms": "plain"}},
-            "RELAY_KAFKA_SECURITY_PROTOCOL",
-            "PLAIN",
-        ),
-        (
-            {"kafka": {"security_protocol": "sasl_plaintext", "sasl_mechanism": "OAUTHBEARER"}},
-            "RELAY_KAFKA__SECURITY_PROTOCOL",
-            "OAUTHBEARER",
-        ),
+        ({"security_protocol": "sasl_plaintext", "sasl_mechanisms": "plain"}, "PLAIN"),
+        ({"security_protocol": "sasl_plaintext", "sasl_mechanism": "OAUTHBEARER"}, "OAUTHBEARER"),
     ],
 )
 def test_sasl_credentials_over_plaintext_are_warned_about(
-    values: dict[str, Any], variable: str, mechanism: str
+    values: dict[str, Any], mechanism: str
 ) -> None:
     settings = kafka_settings(
         kafka_bootstrap_servers="127.0.0.1:9092,kafka-1.example.internal:9092",
-        kafka_sasl_password="s3cr3t-pw",
-        **values,
+        kafka={**values, "sasl_password": "s3cr3t-pw"},
     )
     ((named, warning),) = plaintext_sasl_warnings(settings)
-    assert named == variable
+    assert named == "RELAY_KAFKA__SECURITY_PROTOCOL"
     assert f"SASL {mechanism} over sasl_plaintext" in warning and "sasl_ssl" in warning
     assert "s3cr3t" not in warning
 
@@ -126,23 +112,23 @@ def test_sasl_credentials_over_plaintext_are_warned_about(
 @pytest.mark.parametrize(
     ("bootstrap", "values"),
     [
-        ("kafka.example.internal:9092", {"kafka_security_protocol": "sasl_ssl"}),
-        ("kafka.example.internal:9092", {"kafka_security_protocol": "plaintext"}),
-        ("kafka.example.internal:9092", {"kafka_security_protocol": "sasl_plaintext"}),  # GSSAPI
+        ("kafka.example.internal:9092", {"security_protocol": "sasl_ssl"}),
+        ("kafka.example.internal:9092", {"security_protocol": "plaintext"}),
+        ("kafka.example.internal:9092", {"security_protocol": "sasl_plaintext"}),  # GSSAPI
         (
             "kafka.example.internal:9092",
-            {"kafka_security_protocol": "sasl_plaintext", "kafka_sasl_mechanism": "GSSAPI"},
+            {"security_protocol": "sasl_plaintext", "sasl_mechanism": "GSSAPI"},
         ),
         (
             "localhost:9092,127.0.0.1:9093,[::1]:9094,SASL_PLAINTEXT://127.0.0.2:9095",
-            {"kafka_security_protocol": "sasl_plaintext", "kafka_sasl_mechanism": "PLAIN"},
+            {"security_protocol": "sasl_plaintext", "sasl_mechanism": "PLAIN"},
         ),
     ],
 )
 def test_no_sasl_warning_over_tls_for_kerberos_or_on_loopback(
     bootstrap: str, values: dict[str, Any]
 ) -> None:
-    settings = kafka_settings(kafka_bootstrap_servers=bootstrap, **values)
+    settings = kafka_settings(kafka_bootstrap_servers=bootstrap, kafka=values)
     assert plaintext_sasl_warnings(settings) == []
 
 
@@ -151,8 +137,7 @@ def test_only_the_kafka_sinks_warnings_apply_to_the_kafka_sink() -> None:
         database_url="postgresql://relay@/app",
         sink="http",
         http_url="https://hooks.example/in",
-        kafka_security_protocol="sasl_plaintext",
-        kafka_sasl_mechanism="PLAIN",
+        kafka={"security_protocol": "sasl_plaintext", "sasl_mechanism": "PLAIN"},
         kafka_bootstrap_servers="kafka.example.internal:9092",
     )
     assert startup_warnings(settings) == []
@@ -196,18 +181,18 @@ def test_relay_run_warns_at_start_up_naming_the_settings(tmp_path: Path) -> None
     env = relay_env(
         "postgresql://relay:s3cr3t-pw@db.invalid:5432/app?connect_timeout=1",
         "kafka.invalid:9092",
-        RELAY_KAFKA_SECURITY_PROTOCOL="sasl_plaintext",
-        RELAY_KAFKA_SASL_MECHANISM="PLAIN",
-        RELAY_KAFKA_SASL_USERNAME="relay",
+        RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
+        RELAY_KAFKA__SASL_MECHANISM="PLAIN",
+        RELAY_KAFKA__SASL_USERNAME="relay",
         RELAY_KAFKA__SASL_PASSWORD_FILE=str(password),
     )
     log = tmp_path / "relay.log"
     events = _run_until(env, log, "relay.started")
     warned = {e["setting"]: e for e in events if e.get("event") == "settings.insecure"}
-    assert set(warned) == {"RELAY_DATABASE_SSLMODE", "RELAY_KAFKA_SECURITY_PROTOCOL"}
+    assert set(warned) == {"RELAY_DATABASE_SSLMODE", "RELAY_KAFKA__SECURITY_PROTOCOL"}
     assert all(e["level"] == "warning" for e in warned.values())
     assert "sslmode=prefer" in warned["RELAY_DATABASE_SSLMODE"]["problem"]
-    assert "in clear" in warned["RELAY_KAFKA_SECURITY_PROTOCOL"]["problem"]
+    assert "in clear" in warned["RELAY_KAFKA__SECURITY_PROTOCOL"]["problem"]
     assert "s3cr3t" not in log.read_text(errors="replace")
 
 

@@ -357,7 +357,10 @@ def test_a_rolling_upgrade_moves_dead_letters_out_of_the_outbox_and_loses_none(
         output = relay_migrate(db_at_0017)
         assert "0018" in output and "0019_move_dead_letters.sql waits" in output, output
         insert_rows(db_at_0017, topic, good[100:200])  # the old relay drains on
-        new = start(REPO, db_at_0017, kafka, "new", **bad_map)
+        # This release names the map RELAY_TOPIC_MAP (1.0's one name for every sink).
+        new = start(
+            REPO, db_at_0017, kafka, "new", RELAY_TOPIC_MAP=bad_map["RELAY_KAFKA_TOPIC_MAP"]
+        )
         stop_cleanly(old)
         wait_until(lambda: holder(db_at_0017) == "new", timeout=20, message="new takes over")
         insert_rows(db_at_0017, refused, bad[30:])

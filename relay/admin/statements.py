@@ -2,8 +2,8 @@
 
 A statement is printed as the relay sends it, its fragments filled in, with its
 parameters as psql variables: `%(shard)s` becomes `:'shard'` (a quoted literal the
-statement's own casts turn into its type) and a `{index}` placeholder of
-`psycopg.sql` becomes `:"index"` (an identifier). A header lists the `\\set` lines
+statement's own casts turn into its type) and a `{index}` placeholder, which
+psycopg's sql module fills with an identifier, becomes `:"index"`. A header lists the `\\set` lines
 to give them values, so the text can be pasted into psql as it is.
 """
 

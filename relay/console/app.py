@@ -50,10 +50,10 @@ class Console:
         self.settings = settings
         self.auth = Auth(settings)
         self.hosts = settings.hosts
-        self.pool = Pool(common, settings.pool_size, settings.statement_timeout_ms)
+        self.pool = Pool(common, settings.pool_size, settings.statement_timeout_seconds)
         self.templates = render.environment()
         self.rate = RateSampler(
-            capped(common, settings.statement_timeout_ms), settings.rate_window_seconds
+            capped(common, settings.statement_timeout_seconds), settings.rate_window_seconds
         )
         self.throttle = LoginThrottle()
 

@@ -1,6 +1,6 @@
 """The console's database sessions: a few long-lived ones shared by the request
 threads, never in the drain's path, each under the console's statement-timeout ceiling
-(RELAY_CONSOLE_STATEMENT_TIMEOUT_MS): with RELAY_DATABASE_STATEMENT_TIMEOUT_MS at 0 a
+(RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS): with RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS at 0 a
 slow query would otherwise hold one of the few sessions for as long as it runs."""
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from relay.settings import CommonSettings
 from relay.store import db
 
 
-def capped(settings: CommonSettings, ceiling_ms: int) -> CommonSettings:
-    """The database settings with the statement timeout at most `ceiling_ms` (0, no
+def capped(settings: CommonSettings, ceiling: float) -> CommonSettings:
+    """The database settings with the statement timeout at most `ceiling` seconds (0, no
     timeout, becomes the ceiling), which relay.store.db.connect then sets on each session."""
-    configured = settings.database_statement_timeout_ms
-    timeout = ceiling_ms if configured == 0 else min(configured, ceiling_ms)
-    return settings.model_copy(update={"database_statement_timeout_ms": timeout})
+    configured = settings.database_statement_timeout_seconds
+    timeout = ceiling if configured == 0 else min(configured, ceiling)
+    return settings.model_copy(update={"database_statement_timeout_seconds": timeout})
 
 
 class Pool:
     """A few long-lived sessions shared by the request threads; a session whose
     statement failed is closed rather than handed out again."""
 
-    def __init__(self, settings: CommonSettings, size: int, statement_timeout_ms: int) -> None:
-        self._settings = capped(settings, statement_timeout_ms)
+    def __init__(self, settings: CommonSettings, size: int, statement_timeout: float) -> None:
+        self._settings = capped(settings, statement_timeout)
         self._idle: queue.LifoQueue[db.Conn] = queue.LifoQueue()
         self._slots = threading.BoundedSemaphore(size)
 

@@ -23,7 +23,7 @@ def serve() -> int:
         read_only=settings.read_only,
         proxy_header=settings.trusted_user_header,
         allowed_hosts=str(settings.hosts),
-        statement_timeout_ms=settings.statement_timeout_ms,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     uvicorn.run(
         app,

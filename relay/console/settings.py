@@ -141,12 +141,12 @@ class ConsoleSettings(BaseSettings):
         description="Database sessions the console keeps open for its requests; a request "
         "that finds them all busy for 30 s answers 503.",
     )
-    statement_timeout_ms: int = Field(
-        default=5_000,
+    statement_timeout_seconds: float = Field(
+        default=5.0,
         gt=0,
-        le=3_600_000,
+        le=3_600,
         description="A ceiling on the console's statement timeout (a lower, non-zero "
-        "RELAY_DATABASE_STATEMENT_TIMEOUT_MS stays): no query holds a session for long.",
+        "RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS stays): no query holds a session for long.",
     )
 
     @field_validator("token", "viewer_token")

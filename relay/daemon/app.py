@@ -39,7 +39,7 @@ class RelayApp:
         # connect and a statement timeout against a sick database.
         db_wait = (
             settings.database_connect_timeout_seconds
-            + 2 * settings.database_statement_timeout_ms / 1000
+            + 2 * settings.database_statement_timeout_seconds
         )
         shards = [Shard(settings.lease_name, n, settings.shards) for n in range(settings.shards)]
         # Before the sinks and loops, which take it at birth.

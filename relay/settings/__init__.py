@@ -43,11 +43,13 @@ from relay.drain import fairness
 from relay.drain.batch import SentRows, SetAside
 from relay.errors import SettingsError
 from relay.setting_checks import read_secret, unreadable
+from relay.settings.retired import replacement
 from relay.sinks import sink_specs
 from relay.sinks.http.settings import HttpSettings
 from relay.sinks.kafka.settings import KafkaSettings
 from relay.sinks.nats.settings import NatsSettings
 from relay.sinks.rabbitmq.settings import RabbitmqSettings
+from relay.sinks.settings import SinkSettings
 
 __all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
 
@@ -174,22 +176,25 @@ class CommonSettings(BaseSettings):
         description="libpq connect_timeout: how long opening a database session may take "
         "before it fails.",
     )
-    database_statement_timeout_ms: int = Field(
-        default=10_000,
+    database_statement_timeout_seconds: float = Field(
+        default=10.0,
         ge=0,
+        le=86_400,
         description="statement_timeout on every relay session, so a statement stuck on a "
         "sick database fails and is retried instead of stalling a loop; 0: no limit.",
     )
-    database_lock_timeout_ms: int = Field(
-        default=2_000,
+    database_lock_timeout_seconds: float = Field(
+        default=2.0,
         ge=0,
+        le=86_400,
         description="lock_timeout on every relay session: how long a statement waits for a "
         "lock before it fails (a lease race lost, a purge put off to its next run); 0: no "
         "limit.",
     )
-    database_idle_in_transaction_timeout_ms: int = Field(
-        default=30_000,
+    database_idle_in_transaction_timeout_seconds: float = Field(
+        default=30.0,
         ge=0,
+        le=86_400,
         description="idle_in_transaction_session_timeout on every relay session; 0: none. "
         "`relay run` caps it at the lease ttl, so a replica frozen inside a transaction "
         "holds the lease row's lock a ttl at most.",
@@ -345,11 +350,14 @@ class CommonSettings(BaseSettings):
         return (init_settings, env_settings, _FileSecretsSource(settings_cls))
 
 
-class Settings(CommonSettings, HttpSettings, KafkaSettings, NatsSettings, RabbitmqSettings):
+class Settings(
+    CommonSettings, SinkSettings, HttpSettings, KafkaSettings, NatsSettings, RabbitmqSettings
+):
     """Everything `relay run` needs, from `RELAY_*` environment variables (12-factor).
     Each sink's own settings live with it (relay/sinks/<name>/settings.py): a sink reads
-    them through `sink_options`, typed. The bases are the sinks of
-    `relay.sinks.SINK_SETTINGS`, and a test holds the two lists equal."""
+    them through `sink_options`, typed, and what every sink takes under one name from
+    `SinkSettings`. The other bases are the sinks of `relay.sinks.SINK_SETTINGS`, and a
+    test holds the two lists equal."""
 
     # --- sink ---
     sink: str = Field(default="kafka", description="Where rows go: " + ", ".join(sink_specs()))
@@ -362,20 +370,6 @@ class Settings(CommonSettings, HttpSettings, KafkaSettings, NatsSettings, Rabbit
         description="How long a lease lasts after each acquisition or renewal, by the "
         "database's clock: after a crash (no release) a standby takes over within about "
         "this long; shorter also means renewing more often.",
-    )
-    lease_renew_interval_seconds: float | None = Field(
-        default=None,
-        gt=0,
-        description="A leader renews its lease when no settle has renewed it for this long "
-        "(each settled batch renews it too). Default: a third of the ttl; must be shorter "
-        "than the ttl minus the safety margin.",
-    )
-    lease_safety_margin_seconds: float | None = Field(
-        default=None,
-        ge=0,
-        description="A leader stops publishing this long before its lease would expire, "
-        "counted on its own clock from before the acquiring or renewing transaction, to "
-        "cover clock drift and slow commits. Default: a fifth of the ttl, at most 2.",
     )
     standby_poll_seconds: float = Field(
         default=0.5,
@@ -626,11 +620,6 @@ class Settings(CommonSettings, HttpSettings, KafkaSettings, NatsSettings, Rabbit
             raise SettingsError(
                 "RELAY_POLL_INTERVAL_MIN_SECONDS", "must not exceed RELAY_POLL_INTERVAL_MAX_SECONDS"
             )
-        if self.renew_interval >= self.lease_ttl_seconds - self.safety_margin:
-            raise SettingsError(
-                "RELAY_LEASE_RENEW_INTERVAL_SECONDS",
-                "must be shorter than RELAY_LEASE_TTL_SECONDS minus the safety margin",
-            )
         if self.cloudevents_source is not None and any(
             ch.isspace() or not ch.isprintable() for ch in self.cloudevents_source
         ):
@@ -680,9 +669,9 @@ class Settings(CommonSettings, HttpSettings, KafkaSettings, NatsSettings, Rabbit
 
     @property
     def safety_margin(self) -> float:
-        """Time subtracted from the ttl for the local deadline (clock drift, slow commits)."""
-        if self.lease_safety_margin_seconds is not None:
-            return self.lease_safety_margin_seconds
+        """A leader stops publishing this long before its lease would expire, counted on
+        its own clock from before the acquiring or renewing transaction: clock drift and
+        slow commits. A fifth of the ttl, at most 2 s."""
         return min(2.0, self.lease_ttl_seconds * 0.2)
 
     @property
@@ -692,8 +681,8 @@ class Settings(CommonSettings, HttpSettings, KafkaSettings, NatsSettings, Rabbit
 
     @property
     def renew_interval(self) -> float:
-        if self.lease_renew_interval_seconds is not None:
-            return self.lease_renew_interval_seconds
+        """A leader renews its lease when no settle has for this long (each settled batch
+        renews it too): a third of the ttl, well inside the ttl minus the margin."""
         return self.lease_ttl_seconds / 3
 
     @property
@@ -776,6 +765,9 @@ def check_unknown_variables(environ: Mapping[str, str]) -> None:
     names, nested = _setting_names()
     for variable in sorted(environ):
         name = variable.upper()  # settings are case-insensitive
+        instead = replacement(name)
+        if instead is not None:
+            raise SettingsError(variable, f"was renamed or removed in 1.0: use {instead}")
         if (
             not name.startswith(ENV_PREFIX)
             or name in names
@@ -806,7 +798,7 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
 def check_sink_files(settings: Settings) -> None:
     """Every file the chosen sink reads at start (its settings named *_file: CA,
     client certificate and key, credentials) is readable now, or a setting to fix."""
-    for field in sink_specs()[settings.sink].settings.model_fields:
+    for field in [*SinkSettings.model_fields, *sink_specs()[settings.sink].settings.model_fields]:
         path = getattr(settings, field)
         if field.endswith("_file") and isinstance(path, str):
             problem = unreadable(path)

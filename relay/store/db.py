@@ -32,7 +32,7 @@ def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
         "keepalives_count": 3,
         # Keepalives only cover an idle socket; this bounds a request whose packets go
         # unacknowledged (a partition mid-query), which otherwise blocks for ~15 minutes.
-        "tcp_user_timeout": max(10_000, settings.database_statement_timeout_ms),
+        "tcp_user_timeout": max(10_000, milliseconds(settings.database_statement_timeout_seconds)),
     }
     if settings.database_password is not None:
         kwargs["password"] = settings.database_password.get_secret_value()
@@ -104,12 +104,13 @@ def connect(
         row_factory=dict_row,
         **connect_kwargs(settings),
     )
+    statement_ms = milliseconds(settings.database_statement_timeout_seconds)
     try:
         conn.execute(
             QUERIES.set_session_timeouts,
             {
-                "statement_timeout": f"{settings.database_statement_timeout_ms}ms",
-                "lock_timeout": f"{settings.database_lock_timeout_ms}ms",
+                "statement_timeout": f"{statement_ms}ms",
+                "lock_timeout": f"{milliseconds(settings.database_lock_timeout_seconds)}ms",
                 "idle_timeout": f"{idle_in_transaction_timeout_ms(settings)}ms",
                 "application_name": f"relay:{purpose}",
             },
@@ -205,6 +206,11 @@ class Session:
             conn.cancel_safe(timeout=timeout)
 
 
+def milliseconds(seconds: float) -> int:
+    """A setting in seconds as PostgreSQL's timeouts take it; 0 stays 0 (no limit)."""
+    return round(seconds * 1000)
+
+
 def idle_in_transaction_timeout_ms(settings: CommonSettings) -> int:
     """The configured timeout, capped at the lease ttl for the daemon's sessions.
 
@@ -212,7 +218,7 @@ def idle_in_transaction_timeout_ms(settings: CommonSettings) -> int:
     lock. A replica frozen inside one (SIGSTOP, a VM pause) would otherwise block every
     standby's takeover until the server's timeout, 30 s by default, instead of a ttl.
     """
-    configured = settings.database_idle_in_transaction_timeout_ms
+    configured = milliseconds(settings.database_idle_in_transaction_timeout_seconds)
     if not isinstance(settings, Settings):
         return configured
     cap = int(settings.lease_ttl_seconds * 1000)

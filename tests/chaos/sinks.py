@@ -118,7 +118,7 @@ class KafkaChaosSink:
         return {
             "RELAY_SINK": "kafka",
             "RELAY_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-            "RELAY_KAFKA_DELIVERY_TIMEOUT_MS": str(int(self.publish_timeout * 1000)),
+            "RELAY_SINK_TIMEOUT_SECONDS": str(self.publish_timeout),
         }
 
     def replica_command(self, replica: Replica, workdir: Path) -> list[str] | None:
@@ -203,7 +203,7 @@ class NatsChaosSink(_ProxiedSink):
         return {
             "RELAY_SINK": "nats",
             "RELAY_NATS_URL": f"nats://{self.host(replica)}:{self.port}",
-            "RELAY_NATS_PUBLISH_TIMEOUT_SECONDS": str(self.publish_timeout),
+            "RELAY_SINK_TIMEOUT_SECONDS": str(self.publish_timeout),
         }
 
     def kill_and_restart(self, cluster: Cluster) -> str:
@@ -238,7 +238,7 @@ class RabbitmqChaosSink(_ProxiedSink):
         return {
             "RELAY_SINK": "rabbitmq",
             "RELAY_RABBITMQ_URL": f"amqp://guest:guest@{self.host(replica)}:{self.port}/",
-            "RELAY_RABBITMQ_PUBLISH_TIMEOUT_SECONDS": str(self.publish_timeout),
+            "RELAY_SINK_TIMEOUT_SECONDS": str(self.publish_timeout),
         }
 
     def kill_and_restart(self, cluster: Cluster) -> str:

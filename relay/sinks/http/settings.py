@@ -23,7 +23,6 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
-    model_validator,
 )
 
 from relay.errors import SettingsError
@@ -34,6 +33,7 @@ from relay.sinks.http.destinations import (
     destinations,
     origin_limits,
 )
+from relay.sinks.settings import SinkSettings, refuse
 
 MAX_RATE = 1_000_000.0  # requests a second: past this a limit is no limit, likely a typo
 
@@ -99,13 +99,6 @@ class HttpSettings(BaseModel):
         "origin (scheme, host, port) and to topic URLs on that origin; a topic URL on "
         "another origin gets them only with share_credentials, or has its own.",
     )
-    http_max_in_flight: int = Field(
-        default=16,
-        ge=1,
-        le=1024,
-        description="Requests in flight at once, across keys (a key's rows go one at a "
-        "time); also the size of the connection pool.",
-    )
     http_max_requests_per_second: float | None = Field(
         default=None,
         gt=0,
@@ -127,33 +120,10 @@ class HttpSettings(BaseModel):
         description="How long sending the request or reading the answer may go without a "
         "byte moving.",
     )
-    http_timeout_seconds: float = Field(
-        default=30.0,
-        gt=0,
-        le=3600,
-        description="The whole request, waiting for a connection included, until the "
-        "answer; a request past it is retried. No new request of a batch starts after this "
-        "long, so a slow endpoint holds a batch about twice this at most.",
-    )
     http_tls_verify: bool = Field(
         default=True,
         description="Verify the endpoint's certificate and host name; false accepts anyone "
         "who answers (logged as a warning at start).",
-    )
-    http_ca_file: str | None = Field(
-        default=None,
-        description="A PEM bundle of CAs to verify endpoints against (a private CA). "
-        "Default: the system's CAs.",
-    )
-    http_client_cert_file: str | None = Field(
-        default=None,
-        description="A client certificate (PEM) for mutual TLS, offered to every endpoint "
-        "that asks; its key too, unless RELAY_HTTP_CLIENT_KEY_FILE holds it.",
-    )
-    http_client_key_file: str | None = Field(
-        default=None,
-        description="The private key (PEM) of RELAY_HTTP_CLIENT_CERT_FILE, when that file "
-        "does not hold it.",
     )
     http_content_type: str = Field(
         default="application/octet-stream",
@@ -242,14 +212,6 @@ class HttpSettings(BaseModel):
         if not _HEADER_VALUE.fullmatch(value):
             raise ValueError("must be a header value of visible ASCII characters")
         return value
-
-    @model_validator(mode="after")
-    def _client_certificate(self) -> HttpSettings:
-        if self.http_client_key_file and not self.http_client_cert_file:
-            raise SettingsError(
-                "RELAY_HTTP_CLIENT_CERT_FILE", "is required with RELAY_HTTP_CLIENT_KEY_FILE"
-            )
-        return self
 
     @property
     def http_retry_status_codes(self) -> frozenset[int]:
@@ -351,6 +313,8 @@ def _require(settings: HttpSettings) -> None:
         raise SettingsError(
             "RELAY_HTTP_URL", "is required when RELAY_SINK=http (or RELAY_HTTP_TOPIC_URLS)"
         )
+    if isinstance(settings, SinkSettings):
+        refuse(settings, "http", {"topic_map": "map topics to URLs in RELAY_HTTP_TOPIC_URLS"})
     found = list(destinations(settings).values())
     check_credentials_go_somewhere(settings, found)
     origin_limits(settings)  # entries on one origin agree on its limit

@@ -367,14 +367,18 @@ def _is_token(name: str) -> bool:
     return HEADER_TOKEN.fullmatch(name) is not None
 
 
-def ssl_context(settings: HttpSettings) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=settings.http_ca_file)
+def ssl_context(settings: Settings) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=settings.sink_tls_ca_file)
     if not settings.http_tls_verify:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    if settings.http_client_cert_file:
-        context.load_cert_chain(settings.http_client_cert_file, settings.http_client_key_file)
+    if settings.sink_tls_cert_file:
+        context.load_cert_chain(settings.sink_tls_cert_file, settings.sink_tls_key_file)
     return context
+
+
+DEFAULT_TIMEOUT_SECONDS = 30.0  # RELAY_SINK_TIMEOUT_SECONDS unset
+DEFAULT_MAX_IN_FLIGHT = 16  # RELAY_SINK_MAX_IN_FLIGHT unset
 
 
 class HttpSink(KeyedSink):
@@ -385,10 +389,11 @@ class HttpSink(KeyedSink):
         self._options = options
         self._builder = RequestBuilder(options, CloudEvents.from_settings(settings))
         self._spans = _request_spans(tracing)  # RELAY_TRACING: a span per request
-        self._ssl = ssl_context(options)
+        self._ssl = ssl_context(settings)
         self._retry_cap = settings.retry_max_seconds
         self._also_retry = options.http_retry_status_codes
-        self._total_timeout = options.http_timeout_seconds
+        self._total_timeout = settings.sink_timeout_seconds or DEFAULT_TIMEOUT_SECONDS
+        self._max_in_flight = settings.sink_max_in_flight or DEFAULT_MAX_IN_FLIGHT
         # identity: a compressed answer from a hostile endpoint cannot inflate in memory.
         # Credentials are per destination: RequestBuilder adds them to each request.
         self._static_headers: dict[str, str] = {
@@ -404,20 +409,18 @@ class HttpSink(KeyedSink):
         )
         if not options.http_tls_verify:
             log.warning("http.tls_verify_disabled", reason="RELAY_HTTP_TLS_VERIFY=false")
-        super().__init__(
-            max_in_flight=options.http_max_in_flight, batch_seconds=options.http_timeout_seconds
-        )
+        super().__init__(max_in_flight=self._max_in_flight, batch_seconds=self._total_timeout)
         self._client = self.run(self._make_client(), timeout=30)
 
     async def _make_client(self) -> httpx.AsyncClient:
-        limit = self._options.http_max_in_flight
+        limit = self._max_in_flight
         return httpx.AsyncClient(
             verify=self._ssl,
             timeout=httpx.Timeout(
                 connect=self._options.http_connect_timeout_seconds,
                 read=self._options.http_read_timeout_seconds,
                 write=self._options.http_read_timeout_seconds,
-                pool=self._options.http_timeout_seconds,
+                pool=self._total_timeout,
             ),
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
             follow_redirects=False,  # a redirect is the endpoint's answer: dead-letter it

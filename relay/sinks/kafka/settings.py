@@ -6,15 +6,15 @@ made of these and the other sinks' settings, so every variable keeps its name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 
 from relay.errors import SettingsError
 from relay.setting_checks import is_loopback, read_secret, unreadable
 from relay.sinks.base import SinkSpec
+from relay.sinks.settings import SinkSettings, refuse
 
-KAFKA_SECRETS = ("kafka_sasl_password",)
+KAFKA_SECRETS: tuple[str, ...] = ()  # the pass-through's own: LIBRDKAFKA_SECRETS
 
 # librdkafka properties whose values are secrets (of those it flags sensitive, the ones
 # that are no path or name): kept out of `kafka`, so no repr or log shows them, and
@@ -61,64 +61,19 @@ class KafkaSettings(BaseModel):
         description="Brokers to connect to first, comma-separated host:port; required with "
         "RELAY_SINK=kafka.",
     )
-    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
-        default="lz4",
-        description="The producer's compression.type: smaller requests and less broker "
-        "storage, for some CPU.",
-    )
-    kafka_linger_ms: int = Field(
-        default=5,
-        ge=0,
-        le=60_000,
-        description="The producer's linger.ms: how long it waits to fill a request with more "
-        "messages; longer gives larger, fewer requests and adds that much latency.",
-    )
-    kafka_delivery_timeout_ms: int = Field(
-        default=30_000,
-        ge=1_000,
-        le=900_000,
-        description="The longest a batch waits for room in the producer and for its "
-        "delivery reports; then what is still queued or in flight is purged and the "
-        "producer replaced, so per-key order holds (the relay keeps this deadline, not "
-        "librdkafka).",
-    )
-    kafka_straggler_ms: int = Field(
-        default=1_000,
-        ge=50,
-        le=900_000,
+    kafka_straggler_seconds: float = Field(
+        default=1.0,
+        ge=0.05,
+        le=900,
         description="A batch whose other messages were acknowledged stops waiting for the "
         "rest after this long without a report: they stay in flight (their keys held) "
         "while other partitions flow.",
     )
-    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] | None = (
-        Field(
-            default=None,
-            description="librdkafka's security.protocol: `ssl` for TLS, `sasl_ssl` for "
-            "SASL over TLS, `sasl_plaintext` for SASL without TLS. Unset: librdkafka's "
-            "default, `plaintext`.",
-        )
-    )
-    kafka_sasl_mechanism: str | None = Field(
-        default=None,
-        description="librdkafka's sasl.mechanism: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, "
-        "OAUTHBEARER or GSSAPI (librdkafka's default).",
-    )
-    kafka_sasl_username: str | None = Field(
-        default=None, description="librdkafka's sasl.username, for PLAIN and SCRAM."
-    )
-    kafka_sasl_password: SecretStr | None = Field(
-        default=None,
-        description="librdkafka's sasl.password, for PLAIN and SCRAM; not together with "
-        "RELAY_KAFKA__SASL_PASSWORD.",
-    )
-    kafka_topic_map: dict[str, str] = Field(
-        default_factory=dict,
-        description='JSON: outbox topic -> Kafka topic, e.g. {"orders": "prod.orders"}.',
-    )
     kafka: dict[str, str] = Field(
         default_factory=dict,
         description="librdkafka pass-through: RELAY_KAFKA__SSL_CA_LOCATION sets ssl.ca.location;"
-        " a secret property may come from a file: RELAY_KAFKA__SASL_PASSWORD_FILE.",
+        " a secret property may come from a file: RELAY_KAFKA__SASL_PASSWORD_FILE. The relay "
+        "sets compression.type=lz4 and linger.ms=5 unless given here.",
     )
     # The pass-through's secret properties (LIBRDKAFKA_SECRETS), by their dotted names.
     _kafka_secrets: dict[str, SecretStr] = PrivateAttr(default_factory=dict)
@@ -133,14 +88,8 @@ class KafkaSettings(BaseModel):
 
     @model_validator(mode="after")
     def _pass_through_checked(self) -> KafkaSettings:
-        given = _secret_variables(self.kafka)
+        _secret_variables(self.kafka)  # one way each
         self._kafka_secrets = _take_secrets(self.kafka)
-        if self.kafka_sasl_password is not None and "sasl.password" in given:
-            raise SettingsError(
-                given["sasl.password"],
-                "RELAY_KAFKA_SASL_PASSWORD (or its _FILE) is set too: give the password one"
-                " way, not both",
-            )
         _check_guarantees(self.librdkafka_config())
         return self
 
@@ -215,12 +164,12 @@ _KAFKA_GUARDED: dict[str, tuple[Callable[[str], bool], str]] = {
     "message.timeout.ms": (
         lambda v: v.strip() == "0",
         "must stay 0: the relay times deliveries out itself"
-        " (RELAY_KAFKA_DELIVERY_TIMEOUT_MS), keeping per-key order",
+        " (RELAY_SINK_TIMEOUT_SECONDS), keeping per-key order",
     ),
     "delivery.timeout.ms": (  # librdkafka's alias of the above
         lambda v: v.strip() == "0",
         "must stay 0: the relay times deliveries out itself"
-        " (RELAY_KAFKA_DELIVERY_TIMEOUT_MS), keeping per-key order",
+        " (RELAY_SINK_TIMEOUT_SECONDS), keeping per-key order",
     ),
     "enable.gapless.guarantee": (
         lambda v: v.lower() in {"true", "1"},
@@ -250,6 +199,21 @@ def _message_max_bytes(settings: KafkaSettings) -> int:
 def _require(settings: KafkaSettings) -> None:
     if not settings.kafka_bootstrap_servers:
         raise SettingsError("RELAY_KAFKA_BOOTSTRAP_SERVERS", "is required when RELAY_SINK=kafka")
+    if isinstance(settings, SinkSettings):
+        refuse(
+            settings,
+            "kafka",
+            {
+                "sink_max_in_flight": "the producer queues a whole batch",
+                "sink_tls_ca_file": "set RELAY_KAFKA__SSL_CA_LOCATION",
+                "sink_tls_cert_file": "set RELAY_KAFKA__SSL_CERTIFICATE_LOCATION",
+                "sink_tls_key_file": "set RELAY_KAFKA__SSL_KEY_LOCATION",
+            },
+        )
+        if settings.sink_timeout_seconds is not None and settings.sink_timeout_seconds < 1:
+            raise SettingsError(
+                "RELAY_SINK_TIMEOUT_SECONDS", "must be at least 1 for RELAY_SINK=kafka"
+            )
     _check_paths(settings.librdkafka_config())
 
 
@@ -268,27 +232,21 @@ def plaintext_sasl_warnings(settings: KafkaSettings) -> list[tuple[str, str]]:
     """(variable, why) when SASL credentials go over plaintext to a broker that is not
     on this machine: they work, and anyone on the path can use them."""
     config = settings.librdkafka_config()
-    protocol = config.get("security.protocol") or settings.kafka_security_protocol or ""
+    protocol = config.get("security.protocol", "")
     if protocol.lower() != "sasl_plaintext":
         return []
     mechanism = (
         config.get("sasl.mechanism")
         or config.get("sasl.mechanisms")  # librdkafka's alias
-        or settings.kafka_sasl_mechanism
         or "GSSAPI"  # librdkafka's default, made for untrusted networks
     ).upper()
     exposure = _EXPOSED_MECHANISMS.get(mechanism)
     servers = config.get("bootstrap.servers") or settings.kafka_bootstrap_servers or ""
     if exposure is None or all(is_loopback(_broker_host(s)) for s in servers.split(",")):
         return []
-    variable = (
-        _variable("security.protocol")
-        if "security.protocol" in config
-        else "RELAY_KAFKA_SECURITY_PROTOCOL"
-    )
     return [
         (
-            variable,
+            _variable("security.protocol"),
             f"SASL {mechanism} over sasl_plaintext {exposure}, and every message travels"
             " unencrypted: use sasl_ssl",
         )

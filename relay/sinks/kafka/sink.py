@@ -122,7 +122,7 @@ _ANY_PARTITION = -1  # the configured partitioner picks (RD_KAFKA_PARTITION_UA)
 _NOW = 0  # no timestamp given: librdkafka stamps the message when produced
 
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
-_EXPIRED = "no delivery report within RELAY_KAFKA_DELIVERY_TIMEOUT_MS (purged, not lost)"
+_EXPIRED = "no delivery report within RELAY_SINK_TIMEOUT_SECONDS (purged, not lost)"
 
 
 def classify(error: KafkaError) -> Result:
@@ -165,6 +165,9 @@ def record_headers(cloudevents: CloudEvents | None) -> Callable[[OutboxMessage],
     return with_cloudevents
 
 
+DEFAULT_TIMEOUT_SECONDS = 30.0  # RELAY_SINK_TIMEOUT_SECONDS unset
+
+
 def producer_config(common: Settings) -> dict[str, Any]:
     settings = common.sink_options(KafkaSettings)
     config: dict[str, Any] = {
@@ -174,13 +177,15 @@ def producer_config(common: Settings) -> dict[str, Any]:
         # reordered inside the partition.
         "enable.idempotence": True,
         "acks": "all",
-        "compression.type": settings.kafka_compression,
-        "linger.ms": settings.kafka_linger_ms,
+        # Smaller requests and less broker storage for some CPU, and requests filled
+        # for 5 ms: the relay's defaults, which RELAY_KAFKA__* may change.
+        "compression.type": "lz4",
+        "linger.ms": 5,
         # Per-key order across failures. librdkafka never times a message out itself
         # (0 = no limit): a message it timed out while later ones of its partition were
         # still queued would make it bump the idempotent producer's epoch and send those
         # later ones, so a consumer would see K:j before the retried K:i. The relay keeps
-        # the deadline instead (RELAY_KAFKA_DELIVERY_TIMEOUT_MS): when it passes, every
+        # the deadline instead (RELAY_SINK_TIMEOUT_SECONDS): when it passes, every
         # message of the batch still queued or in flight is purged and the producer is
         # replaced, so nothing produced after an unacknowledged message is ever sent.
         "message.timeout.ms": 0,
@@ -188,14 +193,6 @@ def producer_config(common: Settings) -> dict[str, Any]:
         # refused mid-sequence) is fatal instead of papered over with an epoch bump.
         "enable.gapless.guarantee": True,
     }
-    if settings.kafka_security_protocol:
-        config["security.protocol"] = settings.kafka_security_protocol
-    if settings.kafka_sasl_mechanism:
-        config["sasl.mechanism"] = settings.kafka_sasl_mechanism
-    if settings.kafka_sasl_username:
-        config["sasl.username"] = settings.kafka_sasl_username
-    if settings.kafka_sasl_password is not None:
-        config["sasl.password"] = settings.kafka_sasl_password.get_secret_value()
     config.update(settings.librdkafka_config())
     return config
 
@@ -212,15 +209,15 @@ class KafkaSink:
         if not any(isinstance(f, _KnownConfigWarnings) for f in client_log.filters):
             client_log.addFilter(_KnownConfigWarnings())
         self._config["logger"] = client_log
-        self._topic_map = settings.kafka_topic_map
+        self._topic_map = common.topic_map
         self._headers_of = record_headers(CloudEvents.from_settings(common))
         self._topics: dict[str, str] = {}  # outbox topic -> validated Kafka topic
         # How long a batch may wait for room in librdkafka's queue and for its reports.
-        self._max_wait = settings.kafka_delivery_timeout_ms / 1000
+        self._max_wait = common.sink_timeout_seconds or DEFAULT_TIMEOUT_SECONDS
         self.max_publish_seconds = self._max_wait
         # How long without any report before a batch whose other messages were answered
         # leaves its stragglers (a sick partition's) in flight and lets the loop go on.
-        self._straggler_wait = settings.kafka_straggler_ms / 1000
+        self._straggler_wait = settings.kafka_straggler_seconds
         self.last_ack = float("-inf")  # monotonic time of the latest acknowledgement
         self._acks = [0]  # acknowledgements so far, counted by every batch's reports
         self._acks_timed = 0  # the count when `last_ack` was last taken

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 
 from relay.errors import SettingsError
 from relay.sinks.base import SinkSpec
+from relay.sinks.settings import SinkSettings
 
 # A server URL may carry user:password or a token.
 NATS_SECRETS = ("nats_url", "nats_password", "nats_token")
@@ -31,49 +32,12 @@ class NatsSettings(BaseModel):
     nats_creds_file: str | None = Field(
         default=None, description="A .creds file (JWT and NKey seed) for decentralized auth."
     )
-    nats_tls_ca_file: str | None = Field(
-        default=None,
-        description="A PEM bundle of CAs to verify the servers against when the connection "
-        "uses TLS (tls:// URLs, or a server that requires it). Default: the system's CAs.",
-    )
-    nats_tls_cert_file: str | None = Field(
-        default=None,
-        description="A client certificate (PEM) for mutual TLS; its key too, unless "
-        "RELAY_NATS_TLS_KEY_FILE holds it.",
-    )
-    nats_tls_key_file: str | None = Field(
-        default=None,
-        description="The private key (PEM) of RELAY_NATS_TLS_CERT_FILE, when that file does "
-        "not hold it.",
-    )
-    nats_subject_map: dict[str, str] = Field(
-        default_factory=dict,
-        description='JSON: outbox topic -> subject, e.g. {"orders": "prod.orders"}.',
-    )
-    nats_publish_timeout_seconds: float = Field(
-        default=5.0,
-        gt=0,
-        le=300,
-        description="How long one publish waits for JetStream's acknowledgement.",
-    )
-    nats_max_in_flight: int = Field(
-        default=64, ge=1, le=4096, description="Publishes awaiting their ack at once (keys)."
-    )
 
     @field_validator("nats_url")
     @classmethod
     def _url_shape(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
             nats_servers(value)
-        return value
-
-    @field_validator("nats_subject_map")
-    @classmethod
-    def _subjects_shape(cls, value: dict[str, str]) -> dict[str, str]:
-        for topic, subject in value.items():
-            problem = subject_problem(subject)
-            if problem:
-                raise ValueError(f"topic {topic!r}: {problem}")
         return value
 
     @field_validator("nats_password", "nats_token", mode="before")
@@ -83,10 +47,6 @@ class NatsSettings(BaseModel):
 
     @model_validator(mode="after")
     def _pairs(self) -> NatsSettings:
-        if self.nats_tls_key_file and not self.nats_tls_cert_file:
-            raise SettingsError(
-                "RELAY_NATS_TLS_CERT_FILE", "is required with RELAY_NATS_TLS_KEY_FILE"
-            )
         if self.nats_password is not None and not self.nats_user:
             raise SettingsError("RELAY_NATS_USER", "is required with RELAY_NATS_PASSWORD")
         return self
@@ -125,6 +85,11 @@ def subject_problem(subject: str) -> str | None:
 def _require(settings: NatsSettings) -> None:
     if settings.nats_url is None:
         raise SettingsError("RELAY_NATS_URL", "is required when RELAY_SINK=nats")
+    if isinstance(settings, SinkSettings):
+        for topic, subject in settings.topic_map.items():
+            problem = subject_problem(subject)
+            if problem:
+                raise SettingsError("RELAY_TOPIC_MAP", f"topic {topic!r}: {problem}")
 
 
 SINK = SinkSpec(

@@ -11,7 +11,7 @@ Outcomes:
 - No stream bound to the subject (the publish had no responders and JetStream confirms
   no stream takes the subject), an invalid subject or header, a payload over the
   server's limit, a 400 from JetStream: `DEAD`, with the reason.
-- Not connected, no ack within RELAY_NATS_PUBLISH_TIMEOUT_SECONDS, a 503 from
+- Not connected, no ack within RELAY_SINK_TIMEOUT_SECONDS, a 503 from
   JetStream, no responders while a stream does take the subject (a server still
   recovering its streams): `UNAVAILABLE` (rows untouched, no attempt spent, the drain
   backs off).
@@ -41,6 +41,7 @@ from relay.sinks.base import ACKED, Outcome, Result
 from relay.sinks.cloudevents import CloudEvents, is_attribute_header, percent_encoded
 from relay.sinks.keyed import KeyedSink
 from relay.sinks.nats.settings import NatsSettings, nats_servers, subject_problem
+from relay.sinks.settings import tls_files
 
 if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
     from relay.observe.tracing import Tracing
@@ -127,6 +128,10 @@ def classify(exc: Exception) -> Result:
     return Result(Outcome.UNAVAILABLE, f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
 
 
+DEFAULT_TIMEOUT_SECONDS = 5.0  # RELAY_SINK_TIMEOUT_SECONDS unset
+DEFAULT_MAX_IN_FLIGHT = 64  # RELAY_SINK_MAX_IN_FLIGHT unset
+
+
 class NatsSink(KeyedSink):
     name = "nats"
 
@@ -135,7 +140,9 @@ class NatsSink(KeyedSink):
         self._options = options
         self._cloudevents = CloudEvents.from_settings(settings)
         self._client_name = f"relay-{settings.lease_name}"
-        self._timeout = options.nats_publish_timeout_seconds
+        self._timeout = settings.sink_timeout_seconds or DEFAULT_TIMEOUT_SECONDS
+        self._topic_map = settings.topic_map
+        self._tls = tls_files(settings)
         assert options.nats_url is not None  # required by the registry's rule
         self._servers = nats_servers(options.nats_url)
         self._subjects: dict[str, str] = {}  # outbox topic -> validated subject
@@ -147,14 +154,14 @@ class NatsSink(KeyedSink):
         self._connect_failures: list[Exception] | None = None
         self._closing = False
         super().__init__(
-            max_in_flight=options.nats_max_in_flight,
-            batch_seconds=max(10.0, 3 * options.nats_publish_timeout_seconds),
+            max_in_flight=settings.sink_max_in_flight or DEFAULT_MAX_IN_FLIGHT,
+            batch_seconds=max(10.0, 3 * self._timeout),
         )
 
     def subject_for(self, message: OutboxMessage) -> str:
         subject = self._subjects.get(message.topic)
         if subject is None:
-            subject = self._options.nats_subject_map.get(message.topic, message.topic)
+            subject = self._topic_map.get(message.topic, message.topic)
             problem = subject_problem(subject)
             if problem:
                 raise MalformedRow(problem)
@@ -209,15 +216,12 @@ class NatsSink(KeyedSink):
 
     def _connect_options(self) -> dict[str, Any]:
         o = self._options
+        ca_file, cert_file, key_file = self._tls
         tls: ssl.SSLContext | None = None
-        if (
-            o.nats_tls_ca_file
-            or o.nats_tls_cert_file
-            or any(server.startswith("tls://") for server in self._servers)
-        ):
-            tls = ssl.create_default_context(cafile=o.nats_tls_ca_file)
-            if o.nats_tls_cert_file:
-                tls.load_cert_chain(o.nats_tls_cert_file, o.nats_tls_key_file)
+        if ca_file or cert_file or any(server.startswith("tls://") for server in self._servers):
+            tls = ssl.create_default_context(cafile=ca_file)
+            if cert_file:
+                tls.load_cert_chain(cert_file, key_file)
         options: dict[str, Any] = {
             "servers": self._servers,
             "name": self._client_name,

@@ -48,6 +48,7 @@ from relay.sinks.cloudevents import CloudEvents, is_attribute_header
 from relay.sinks.keyed import KeyedSink
 from relay.sinks.rabbitmq.outcomes import PUBLISH_ERRORS, classify, queue_is_absent
 from relay.sinks.rabbitmq.settings import MAX_SHORTSTR, RabbitmqSettings, uses_tls
+from relay.sinks.settings import tls_files
 
 if TYPE_CHECKING:  # loaded only with RELAY_TRACING (the otel extra)
     from relay.observe.tracing import Tracing
@@ -111,6 +112,10 @@ def _timestamp(created_at: str) -> datetime | None:
     return None
 
 
+DEFAULT_TIMEOUT_SECONDS = 5.0  # RELAY_SINK_TIMEOUT_SECONDS unset
+DEFAULT_MAX_IN_FLIGHT = 64  # RELAY_SINK_MAX_IN_FLIGHT unset
+
+
 class RabbitmqSink(KeyedSink):
     name = "rabbitmq"
 
@@ -122,7 +127,9 @@ class RabbitmqSink(KeyedSink):
         self._url = options.rabbitmq_url.get_secret_value().strip()
         self._where = _where(self._url)
         self._exchange_name = options.rabbitmq_exchange
-        self._timeout = options.rabbitmq_publish_timeout_seconds
+        self._timeout = settings.sink_timeout_seconds or DEFAULT_TIMEOUT_SECONDS
+        self._topic_map = settings.topic_map
+        self._tls = tls_files(settings)
         self._connection_name = f"relay-{settings.lease_name}"
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
@@ -136,12 +143,12 @@ class RabbitmqSink(KeyedSink):
         self._connected_at = 0.0
         self._delivered: dict[str, int] = {}
         super().__init__(
-            max_in_flight=options.rabbitmq_max_in_flight,
-            batch_seconds=max(10.0, 3 * options.rabbitmq_publish_timeout_seconds),
+            max_in_flight=settings.sink_max_in_flight or DEFAULT_MAX_IN_FLIGHT,
+            batch_seconds=max(10.0, 3 * self._timeout),
         )
 
     def routing_key_for(self, message: OutboxMessage) -> str:
-        key = self._options.rabbitmq_routing_key_map.get(message.topic, message.topic)
+        key = self._topic_map.get(message.topic, message.topic)
         if len(key.encode()) > MAX_SHORTSTR:
             raise MalformedRow("the routing key is over 255 bytes")
         return key
@@ -189,12 +196,12 @@ class RabbitmqSink(KeyedSink):
         return connection  # type: ignore[return-value]  # connect() returns the plain kind
 
     def _ssl_context(self) -> ssl.SSLContext | None:
-        o = self._options
         if not uses_tls(self._url):
             return None
-        context = ssl.create_default_context(cafile=o.rabbitmq_tls_ca_file)
-        if o.rabbitmq_tls_cert_file:
-            context.load_cert_chain(o.rabbitmq_tls_cert_file, o.rabbitmq_tls_key_file)
+        ca_file, cert_file, key_file = self._tls
+        context = ssl.create_default_context(cafile=ca_file)
+        if cert_file:
+            context.load_cert_chain(cert_file, key_file)
         return context
 
     # --- publishing (KeyedSink schedules the keys) ---

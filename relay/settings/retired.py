@@ -1,0 +1,70 @@
+"""The variables 1.0 renamed or removed, and what replaces each.
+
+A deployment that still sets one must not lose it silently: start-up stops (exit 2)
+naming the replacement. A value in milliseconds that became seconds says so, so the
+number is converted, not copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+_SINK_TIMEOUT = "RELAY_SINK_TIMEOUT_SECONDS"
+_SINK_IN_FLIGHT = "RELAY_SINK_MAX_IN_FLIGHT"
+
+RETIRED: Mapping[str, str] = {
+    # One name per concept across sinks.
+    "RELAY_KAFKA_DELIVERY_TIMEOUT_MS": f"{_SINK_TIMEOUT} (seconds, not milliseconds)",
+    "RELAY_HTTP_TIMEOUT_SECONDS": _SINK_TIMEOUT,
+    "RELAY_NATS_PUBLISH_TIMEOUT_SECONDS": _SINK_TIMEOUT,
+    "RELAY_RABBITMQ_PUBLISH_TIMEOUT_SECONDS": _SINK_TIMEOUT,
+    "RELAY_HTTP_MAX_IN_FLIGHT": _SINK_IN_FLIGHT,
+    "RELAY_NATS_MAX_IN_FLIGHT": _SINK_IN_FLIGHT,
+    "RELAY_RABBITMQ_MAX_IN_FLIGHT": _SINK_IN_FLIGHT,
+    "RELAY_KAFKA_TOPIC_MAP": "RELAY_TOPIC_MAP",
+    "RELAY_NATS_SUBJECT_MAP": "RELAY_TOPIC_MAP",
+    "RELAY_RABBITMQ_ROUTING_KEY_MAP": "RELAY_TOPIC_MAP",
+    "RELAY_HTTP_CA_FILE": "RELAY_SINK_TLS_CA_FILE",
+    "RELAY_NATS_TLS_CA_FILE": "RELAY_SINK_TLS_CA_FILE",
+    "RELAY_RABBITMQ_TLS_CA_FILE": "RELAY_SINK_TLS_CA_FILE",
+    "RELAY_HTTP_CLIENT_CERT_FILE": "RELAY_SINK_TLS_CERT_FILE",
+    "RELAY_NATS_TLS_CERT_FILE": "RELAY_SINK_TLS_CERT_FILE",
+    "RELAY_RABBITMQ_TLS_CERT_FILE": "RELAY_SINK_TLS_CERT_FILE",
+    "RELAY_HTTP_CLIENT_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
+    "RELAY_NATS_TLS_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
+    "RELAY_RABBITMQ_TLS_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
+    # Durations in seconds everywhere.
+    "RELAY_KAFKA_STRAGGLER_MS": "RELAY_KAFKA_STRAGGLER_SECONDS (seconds, not milliseconds)",
+    "RELAY_DATABASE_STATEMENT_TIMEOUT_MS": (
+        "RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS (seconds, not milliseconds)"
+    ),
+    "RELAY_DATABASE_LOCK_TIMEOUT_MS": (
+        "RELAY_DATABASE_LOCK_TIMEOUT_SECONDS (seconds, not milliseconds)"
+    ),
+    "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS": (
+        "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS (seconds, not milliseconds)"
+    ),
+    "RELAY_CONSOLE_STATEMENT_TIMEOUT_MS": (
+        "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS (seconds, not milliseconds)"
+    ),
+    # What librdkafka's pass-through already says.
+    "RELAY_KAFKA_COMPRESSION": "RELAY_KAFKA__COMPRESSION_TYPE (the relay's default is lz4)",
+    "RELAY_KAFKA_LINGER_MS": "RELAY_KAFKA__LINGER_MS (the relay's default is 5)",
+    "RELAY_KAFKA_SECURITY_PROTOCOL": "RELAY_KAFKA__SECURITY_PROTOCOL",
+    "RELAY_KAFKA_SASL_MECHANISM": "RELAY_KAFKA__SASL_MECHANISM",
+    "RELAY_KAFKA_SASL_USERNAME": "RELAY_KAFKA__SASL_USERNAME",
+    "RELAY_KAFKA_SASL_PASSWORD": "RELAY_KAFKA__SASL_PASSWORD",
+    "RELAY_KAFKA_SASL_PASSWORD_FILE": "RELAY_KAFKA__SASL_PASSWORD_FILE",
+    # Derived from the lease's ttl, and never needed on their own.
+    "RELAY_LEASE_RENEW_INTERVAL_SECONDS": (
+        "nothing: a leader renews every third of RELAY_LEASE_TTL_SECONDS"
+    ),
+    "RELAY_LEASE_SAFETY_MARGIN_SECONDS": (
+        "nothing: a leader stops a fifth of RELAY_LEASE_TTL_SECONDS (at most 2 s) early"
+    ),
+}
+
+
+def replacement(variable: str) -> str | None:
+    """What replaces `variable` (any case), or None if 1.0 kept it."""
+    return RETIRED.get(variable.upper())
