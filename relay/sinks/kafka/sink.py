@@ -181,6 +181,11 @@ def producer_config(common: Settings) -> dict[str, Any]:
         # for 5 ms: the relay's defaults, which RELAY_KAFKA__* may change.
         "compression.type": "lz4",
         "linger.ms": 5,
+        # A key's partition as Java's producer (Kafka Connect, Debezium, Streams) picks
+        # it: murmur2, and NULL keys spread at random. librdkafka's own default
+        # (consistent_random, CRC32) puts most keys elsewhere; RELAY_KAFKA__PARTITIONER
+        # keeps it for a topic the relay already wrote with it.
+        "partitioner": "murmur2_random",
         # Per-key order across failures. librdkafka never times a message out itself
         # (0 = no limit): a message it timed out while later ones of its partition were
         # still queued would make it bump the idempotent producer's epoch and send those
