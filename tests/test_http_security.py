@@ -10,6 +10,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import psycopg
 import pytest
@@ -74,7 +75,7 @@ def test_a_topic_fills_one_path_segment_and_no_other() -> None:
     assert hooks.fill("orders") == "https://h.example/tenant/hooks/orders"
     assert hooks.fill("a/b?c#d") == "https://h.example/tenant/hooks/a%2Fb%3Fc%23d"
     assert hooks.fill("...") == "https://h.example/tenant/hooks/..."
-    assert hooks.fill("%2e%2e") == "https://h.example/tenant/hooks/%252e%252e"
+    assert hooks.fill("a%2fb") == "https://h.example/tenant/hooks/a%252fb"
     for topic in ("..", ".", ""):
         with pytest.raises(MalformedRow) as err:
             hooks.fill(topic)
@@ -94,10 +95,22 @@ def test_a_topic_fills_one_path_segment_and_no_other() -> None:
     assert query.fill("..") == "https://h.example/in?topic=.."
     assert query.fill("") == "https://h.example/in?topic="
     assert query.fill("a&b=c") == "https://h.example/in?topic=a%26b%3Dc"
-    long = "x" * 500 + "/.."
-    assert UrlTemplate("https://h.example/{topic}").fill(long).endswith("x%2F..")
+    long = "x" * 500 + "/..."
+    assert UrlTemplate("https://h.example/{topic}").fill(long).endswith("x%2F...")
     with pytest.raises(MalformedRow, match="the URL for this topic is invalid"):
         UrlTemplate("https://h.example/{topic}").fill("x" * 70_000)  # the client refuses it
+
+
+@pytest.mark.parametrize(
+    "topic", ["./..", "a/../..", "..\\x", "x/.", "%2e%2e", "a%2F..%2F..", "%2e%2e%2f"]
+)
+def test_a_topic_that_decodes_to_a_dot_segment_is_refused(topic: str) -> None:
+    """Before: `./..` reached a receiver as /hooks/.%2F..; once a receiver or a proxy
+    decodes %2F (many do, some twice), that is a dot segment that climbs out of the
+    configured path."""
+    with pytest.raises(MalformedRow) as err:
+        UrlTemplate("https://h.example/tenant/hooks/{topic}").fill(topic)
+    assert "holds a '.' or '..' segment" in str(err.value)
 
 
 def test_a_path_the_client_would_send_otherwise_is_refused(
@@ -117,7 +130,8 @@ def test_dot_topics_are_dead_lettered_and_reach_no_other_path(
 ) -> None:
     """Before: `..` went to /tenant/ and `.` to /tenant/hooks (the client resolves dot
     segments), both acknowledged there."""
-    for topic in ("..", ".", ""):
+    climbing = ("./..", "a/../..")  # dot segments once a receiver decodes %2F
+    for topic in ("..", ".", "", *climbing):
         insert_rows(database, topic, [(None, b"bad")])
     insert_rows(database, "orders", [(None, b"good")])
     settings = http_settings(
@@ -126,10 +140,12 @@ def test_dot_topics_are_dead_lettered_and_reach_no_other_path(
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, 30, message="outbox settled")
     reasons = dead_letters(database)
-    assert set(reasons) == {"..", ".", ""}
+    assert set(reasons) == {"..", ".", "", *climbing}
     for topic, reason in reasons.items():
         assert reason.startswith(f"topic {topic!r} cannot go in the URL path"), reason
-    assert [(d.path, d.body) for d in server.history()] == [("/tenant/hooks/orders", b"good")]
+    # The receiver decodes %2F before it routes: still nothing outside /tenant/hooks/.
+    routed = [(unquote(d.path), d.body) for d in server.history()]
+    assert routed == [("/tenant/hooks/orders", b"good")]
 
 
 # --- credentials per destination ----------------------------------------------------

@@ -131,6 +131,11 @@ _TOPIC = "{topic}"
 # Path segments that are no segment of their own, as written or once decoded: clients
 # and servers resolve "." and ".." away (RFC 3986 5.2.4); an empty one is no topic.
 _NOT_SEGMENTS = frozenset({"", ".", ".."})
+# Many receivers and proxies decode %2F (and some a second time, a proxy then the app)
+# before they route: a topic must not hold a dot segment once decoded either.
+_DECODINGS = 2
+_DOTS = frozenset({".", ".."})
+_SEPARATORS = re.compile(r"[/\\]")
 _SHOWN_TOPIC_CHARS = 100
 
 
@@ -155,11 +160,19 @@ class UrlTemplate:
 
     def _check_path(self, topic: str, quoted: str, url: str) -> None:
         for segment in self._in_path:
-            if unquote(segment.replace(_TOPIC, quoted)) in _NOT_SEGMENTS:
+            text = segment.replace(_TOPIC, quoted)
+            if unquote(text) in _NOT_SEGMENTS:
                 raise MalformedRow(
                     f"topic {_shown(topic)} cannot go in the URL path: it would make an"
                     " empty, '.' or '..' segment, which changes the path"
                 )
+            for _ in range(_DECODINGS):
+                text = unquote(text)
+                if _DOTS.intersection(_SEPARATORS.split(text)):
+                    raise MalformedRow(
+                        f"topic {_shown(topic)} cannot go in the URL path: decoded, as many"
+                        " receivers do, it holds a '.' or '..' segment, which climbs the path"
+                    )
         if _sent_path(url) != quoted.join(self._sent_parts):
             raise MalformedRow(f"topic {_shown(topic)} would change the URL path sent")
 
