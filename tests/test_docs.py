@@ -15,9 +15,7 @@ import functools
 import importlib
 import importlib.util
 import re
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -317,51 +315,3 @@ def test_an_alert_without_a_runbook_fails_the_runbooks_page(tmp_path: Path) -> N
     assert "## RelayDown\n\nSeverity **warning**; fires after the condition holds for 2m." in made
     assert "Severity **critical**; fires as soon as the condition holds." in made
     assert "```text\nvector(1)\n```\n\nNot a runbook" in made
-
-
-# --- the site ---
-
-
-def test_the_site_builds_with_warnings_as_errors_and_works_offline(tmp_path: Path) -> None:
-    out = tmp_path / "html"
-    started = time.monotonic()
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sphinx",
-            "-W",
-            "--keep-going",
-            "-q",
-            "-b",
-            "html",
-            "-d",
-            str(tmp_path / "doctrees"),
-            str(DOCS),
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert build.returncode == 0, build.stdout + build.stderr
-    assert time.monotonic() - started < 120
-    pages = list(out.rglob("*.html"))
-    assert {"index.html", "settings.html", "cli.html", "metrics.html", "changelog.html"} <= {
-        p.name for p in pages
-    }
-    settings_page = (out / "reference" / "settings.html").read_text(encoding="utf-8")
-    assert "RELAY_BATCH_SIZE" in settings_page and "RELAY_CONSOLE_TOKEN_FILE" in settings_page
-    assert "relay_messages_total" in (out / "reference" / "metrics.html").read_text("utf-8")
-    # Nothing fetched from elsewhere: no script, style sheet, font or image by URL.
-    remote = re.compile(
-        r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=[\"'](?:https?:)?//", re.IGNORECASE
-    )
-    for page in pages:
-        found = remote.findall(page.read_text(encoding="utf-8"))
-        assert not found, f"{page.relative_to(out)} loads {found}"
-    css_remote = re.compile(r"url\(\s*[\"']?(?:https?:)?//|@import\s+[\"']?(?:https?:)?//")
-    for sheet in out.rglob("*.css"):
-        assert not css_remote.search(sheet.read_text(encoding="utf-8")), sheet.relative_to(out)

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from relay.admin import statements
+from relay.admin.cli import main
 from relay.sql import QUERIES
 from tests.conftest import relay_command
 from tests.support import insert_rows
@@ -34,18 +35,24 @@ def test_every_statement_prints_with_psql_variables_and_nothing_of_psycopg_left(
 
 
 @pytest.mark.unit
-def test_the_list_names_every_statement_and_one_prints_with_what_to_set() -> None:
+def test_the_list_names_every_statement_and_one_prints_with_what_to_set(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["sql", "--list"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == QUERIES.names()
+    assert main(["sql", "fetch_head"]) == 0
+    shown = capsys.readouterr().out
+    assert "--   \\set limit ''" in shown
+    assert "--   \\set in_flight ''  (bigint[])" in shown
+    assert main(["sql", "no_such_statement"]) == 2
+    assert "relay sql --list" in capsys.readouterr().err
+
+
+def test_relay_sql_runs_as_a_command_without_a_database() -> None:
     listed = run("--list")
     assert listed.returncode == 0, listed.stderr
-    names = [line.split()[0] for line in listed.stdout.splitlines()]
-    assert names == QUERIES.names()
-    shown = run("fetch_head")
-    assert shown.returncode == 0, shown.stderr
-    assert "--   \\set limit ''" in shown.stdout
-    assert "--   \\set in_flight ''  (bigint[])" in shown.stdout
-    missing = run("no_such_statement")
-    assert missing.returncode == 2
-    assert "relay sql --list" in missing.stderr
+    assert "fetch_head" in listed.stdout
 
 
 def test_a_printed_fetch_runs_in_psql_and_returns_the_rows_in_order(database: str) -> None:
