@@ -982,8 +982,8 @@ def test_the_console_caps_its_sessions_statement_timeout(world: World) -> None:
             "RELAY_CONSOLE_ALLOWED_HOSTS: '*' (any host) stands alone",
         ),
         (
-            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS": "0"},
-            "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS: Input should be greater than 0",
+            {"RELAY_CONSOLE_TOKEN": TOKEN, "RELAY_CONSOLE_PAGE_SIZE": "10"},
+            "RELAY_CONSOLE_PAGE_SIZE: was renamed or removed in 1.0",
         ),
     ],
 )

@@ -296,7 +296,7 @@ class Console:
                 "missing.html",
                 identity,
                 status=409,
-                what=f"{exc}: narrow the search (RELAY_CONSOLE_BULK_CAP)",
+                what=f"{exc}: narrow the search",
             )
         return self.page(
             request,

@@ -184,7 +184,7 @@ class Changed(Exception):
 
 
 class TooMany(Exception):
-    """More rows match than one change may touch (RELAY_CONSOLE_BULK_CAP)."""
+    """More rows match than one change may touch (`ConsoleSettings.bulk_cap`)."""
 
 
 @dataclass(frozen=True, slots=True)

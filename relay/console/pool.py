@@ -1,7 +1,7 @@
 """The console's database sessions: a few long-lived ones shared by the request
 threads, never in the drain's path, each under the console's statement-timeout ceiling
-(RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS): with RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS at 0 a
-slow query would otherwise hold one of the few sessions for as long as it runs."""
+(5 s): with RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS at 0 a slow query would otherwise
+hold one of the few sessions for as long as it runs."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,63 +90,23 @@ class ConsoleSettings(BaseSettings):
         "localhost only. Set false only for a plain-HTTP console on loopback whose browser "
         "drops it (logging in then returns to the login page).",
     )
-    session_hours: float = Field(
-        default=8.0,
-        gt=0,
-        le=24 * 30,
-        description="How long a login lasts before the token must be typed again.",
-    )
-    page_size: int = Field(
-        default=50, ge=1, le=500, description="Rows per page of dead letters and of the audit."
-    )
+    # Fixed by design, not settings: what the pages show and what bounds their cost.
+    page_size: ClassVar[int] = 50  # rows a page of dead letters or of the audit
+    payload_preview_bytes: ClassVar[int] = 64 * 1024  # of a payload a row's page reads
+    count_cap: ClassVar[int] = 100_000  # counts stop here, shown as "at least"
+    bulk_cap: ClassVar[int] = 100_000  # rows one requeue or discard changes at most
+    rate_window_seconds: ClassVar[float] = 300.0  # the overview's settled rate's window
+    pool_size: ClassVar[int] = 4  # database sessions; all busy for 30 s answers 503
+    session_hours: ClassVar[float] = 8.0  # a login lasts this long
+    # A ceiling on a console statement (a lower, non-zero database timeout stays).
+    statement_timeout_seconds: ClassVar[float] = 5.0
+
     refresh_seconds: int = Field(
         default=10,
         ge=0,
         le=3600,
         description="The overview and blocked-keys pages reload themselves this often; 0 "
         "turns it off.",
-    )
-    payload_preview_bytes: int = Field(
-        default=64 * 1024,
-        ge=64,
-        le=16 * 1024 * 1024,
-        description="Payload bytes a row's page reads from the database and shows; a longer "
-        "payload is cut, with its whole size shown.",
-    )
-    count_cap: int = Field(
-        default=100_000,
-        ge=1,
-        le=100_000_000,
-        description="Counts on the pages stop here (shown as at least the cap), so a count's "
-        "cost is bounded.",
-    )
-    bulk_cap: int = Field(
-        default=100_000,
-        ge=1,
-        le=10_000_000,
-        description="The most rows one requeue or discard changes; a selection or search "
-        "matching more is refused, to be narrowed.",
-    )
-    rate_window_seconds: float = Field(
-        default=300.0,
-        ge=10,
-        le=86_400,
-        description="The overview's settled rate is the rows settled per second over the "
-        "last this many seconds.",
-    )
-    pool_size: int = Field(
-        default=4,
-        ge=1,
-        le=64,
-        description="Database sessions the console keeps open for its requests; a request "
-        "that finds them all busy for 30 s answers 503.",
-    )
-    statement_timeout_seconds: float = Field(
-        default=5.0,
-        gt=0,
-        le=3_600,
-        description="A ceiling on the console's statement timeout (a lower, non-zero "
-        "RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS stays): no query holds a session for long.",
     )
 
     @field_validator("token", "viewer_token")

@@ -55,6 +55,9 @@ __all__ = ["CommonSettings", "Settings", "SettingsError", "load_settings"]
 
 ENV_PREFIX = "RELAY_"
 
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 5  # with no connect_timeout in RELAY_DATABASE_URL
+IDLE_IN_TRANSACTION_TIMEOUT_SECONDS = 30.0  # relay run caps it at the lease ttl
+
 # Files libpq reads that RELAY_DATABASE_URL may name.
 _URL_TLS_FILES = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
 
@@ -150,7 +153,9 @@ class CommonSettings(BaseSettings):
 
     # --- database ---
     database_url: SecretStr = Field(
-        description="libpq URL or DSN of the PostgreSQL database that holds the outbox."
+        description="libpq URL or DSN of the PostgreSQL database that holds the outbox. "
+        "Its parameters are libpq's: sslmode, sslrootcert, connect_timeout (default here "
+        "5 s), ..."
     )
     database_password: SecretStr | None = Field(
         default=None, description="Overrides the password in RELAY_DATABASE_URL."
@@ -169,13 +174,6 @@ class CommonSettings(BaseSettings):
         "URL's sslrootcert; `system` for the system's CAs (libpq 16+). Checked readable at "
         "start.",
     )
-    database_connect_timeout_seconds: int = Field(
-        default=5,
-        ge=1,
-        le=300,
-        description="libpq connect_timeout: how long opening a database session may take "
-        "before it fails.",
-    )
     database_statement_timeout_seconds: float = Field(
         default=10.0,
         ge=0,
@@ -190,14 +188,6 @@ class CommonSettings(BaseSettings):
         description="lock_timeout on every relay session: how long a statement waits for a "
         "lock before it fails (a lease race lost, a purge put off to its next run); 0: no "
         "limit.",
-    )
-    database_idle_in_transaction_timeout_seconds: float = Field(
-        default=30.0,
-        ge=0,
-        le=86_400,
-        description="idle_in_transaction_session_timeout on every relay session; 0: none. "
-        "`relay run` caps it at the lease ttl, so a replica frozen inside a transaction "
-        "holds the lease row's lock a ttl at most.",
     )
     database_synchronous_commit: (
         Literal["on", "off", "local", "remote_write", "remote_apply"] | None
@@ -275,6 +265,23 @@ class CommonSettings(BaseSettings):
             if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", column):
                 raise ValueError(f"{field!r}: {column!r} is not a lower-case column name")
         return value
+
+    @property
+    def database_connect_timeout_seconds(self) -> int:
+        """How long opening a session may take: the URL's connect_timeout, else 5 s."""
+        given = conninfo_to_dict(self.database_url.get_secret_value()).get("connect_timeout")
+        try:
+            seconds = int(str(given))
+        except ValueError:
+            return DEFAULT_CONNECT_TIMEOUT_SECONDS
+        return seconds if seconds > 0 else DEFAULT_CONNECT_TIMEOUT_SECONDS
+
+    @property
+    def database_idle_in_transaction_timeout_seconds(self) -> float:
+        """idle_in_transaction_session_timeout on every relay session. `relay run` caps
+        it at the lease ttl, so a replica frozen inside a transaction holds the lease
+        row's lock a ttl at most; the other commands' sessions keep 30 s."""
+        return IDLE_IN_TRANSACTION_TIMEOUT_SECONDS
 
     @property
     def outbox_view_schema(self) -> str | None:

@@ -33,6 +33,26 @@ RETIRED: Mapping[str, str] = {
     "RELAY_HTTP_CLIENT_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
     "RELAY_NATS_TLS_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
     "RELAY_RABBITMQ_TLS_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
+    # Credentials a URL carries.
+    "RELAY_NATS_USER": "RELAY_NATS_URL with nats://user:password@host:4222",
+    "RELAY_NATS_PASSWORD": "RELAY_NATS_URL with nats://user:password@host:4222",
+    "RELAY_NATS_PASSWORD_FILE": "RELAY_NATS_URL_FILE, its URL with user:password",
+    "RELAY_NATS_TOKEN": "RELAY_NATS_URL with nats://token@host:4222",
+    "RELAY_NATS_TOKEN_FILE": "RELAY_NATS_URL_FILE, its URL with the token",
+    "RELAY_HTTP_CONNECT_TIMEOUT_SECONDS": (
+        "nothing: a connection may take 5 s, or RELAY_SINK_TIMEOUT_SECONDS if shorter"
+    ),
+    "RELAY_DATABASE_CONNECT_TIMEOUT_SECONDS": (
+        "connect_timeout in RELAY_DATABASE_URL (?connect_timeout=5, the default)"
+    ),
+    "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS": (
+        "nothing: relay run's sessions use the lease ttl, the others 30 s"
+    ),
+    "RELAY_CONSOLE_SESSION_HOURS": "nothing: a console login lasts 8 hours",
+    "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS": (
+        "nothing: a console statement runs 5 s at most (less with a lower"
+        " RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS)"
+    ),
     # Durations in seconds everywhere.
     "RELAY_KAFKA_STRAGGLER_MS": "RELAY_KAFKA_STRAGGLER_SECONDS (seconds, not milliseconds)",
     "RELAY_DATABASE_STATEMENT_TIMEOUT_MS": (
@@ -42,10 +62,11 @@ RETIRED: Mapping[str, str] = {
         "RELAY_DATABASE_LOCK_TIMEOUT_SECONDS (seconds, not milliseconds)"
     ),
     "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS": (
-        "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS (seconds, not milliseconds)"
+        "nothing: relay run's sessions use the lease ttl, the others 30 s"
     ),
     "RELAY_CONSOLE_STATEMENT_TIMEOUT_MS": (
-        "RELAY_CONSOLE_STATEMENT_TIMEOUT_SECONDS (seconds, not milliseconds)"
+        "nothing: a console statement runs 5 s at most (less with a lower"
+        " RELAY_DATABASE_STATEMENT_TIMEOUT_SECONDS)"
     ),
     # What librdkafka's pass-through already says.
     "RELAY_KAFKA_COMPRESSION": "RELAY_KAFKA__COMPRESSION_TYPE (the relay's default is lz4)",
@@ -55,6 +76,13 @@ RETIRED: Mapping[str, str] = {
     "RELAY_KAFKA_SASL_USERNAME": "RELAY_KAFKA__SASL_USERNAME",
     "RELAY_KAFKA_SASL_PASSWORD": "RELAY_KAFKA__SASL_PASSWORD",
     "RELAY_KAFKA_SASL_PASSWORD_FILE": "RELAY_KAFKA__SASL_PASSWORD_FILE",
+    # The console's fixed bounds.
+    "RELAY_CONSOLE_PAGE_SIZE": "nothing: a page shows 50 rows",
+    "RELAY_CONSOLE_PAYLOAD_PREVIEW_BYTES": "nothing: a row's page shows 64 KiB of its payload",
+    "RELAY_CONSOLE_COUNT_CAP": "nothing: the console's counts stop at 100,000",
+    "RELAY_CONSOLE_BULK_CAP": "nothing: one requeue or discard changes 100,000 rows at most",
+    "RELAY_CONSOLE_RATE_WINDOW_SECONDS": "nothing: the settled rate is over 5 minutes",
+    "RELAY_CONSOLE_POOL_SIZE": "nothing: the console keeps 4 database sessions",
     # Derived from the lease's ttl, and never needed on their own.
     "RELAY_LEASE_RENEW_INTERVAL_SECONDS": (
         "nothing: a leader renews every third of RELAY_LEASE_TTL_SECONDS"

@@ -221,8 +221,7 @@ def idle_in_transaction_timeout_ms(settings: CommonSettings) -> int:
     configured = milliseconds(settings.database_idle_in_transaction_timeout_seconds)
     if not isinstance(settings, Settings):
         return configured
-    cap = int(settings.lease_ttl_seconds * 1000)
-    return cap if configured == 0 else min(configured, cap)
+    return min(configured, int(settings.lease_ttl_seconds * 1000))
 
 
 def describe_error(exc: BaseException) -> str:

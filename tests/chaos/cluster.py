@@ -132,7 +132,8 @@ class Cluster:
 
     @property
     def relay_dsn(self) -> str:
-        return self.pg.dsn(DATABASE, user=ROLE, password=self.password)
+        # A session to a restarted or paused server gives up in 2 s, not libpq's 5.
+        return self.pg.dsn(DATABASE, user=ROLE, password=self.password) + "?connect_timeout=2"
 
     # --- replicas ---
 

@@ -106,7 +106,6 @@ def run(
             "RELAY_BATCH_SIZE": str(profile.batch),
             "RELAY_RETRY_BASE_SECONDS": "0.1",
             "RELAY_RETRY_MAX_SECONDS": "1",
-            "RELAY_DATABASE_CONNECT_TIMEOUT_SECONDS": "2",
             # A leader that cannot reach the sink hands over (cut_leader_from_broker);
             # the window must cover two heartbeats.
             "RELAY_GIVE_WAY_SECONDS": str(give_way),

@@ -107,12 +107,6 @@ class HttpSettings(BaseModel):
         "each its own budget; a RELAY_HTTP_TOPIC_URLS entry's max_requests_per_second sets "
         "its origin's instead. Unset: no limit.",
     )
-    http_connect_timeout_seconds: float = Field(
-        default=5.0,
-        gt=0,
-        le=300,
-        description="How long opening a connection (TCP and TLS) may take.",
-    )
     http_read_timeout_seconds: float = Field(
         default=10.0,
         gt=0,

@@ -392,6 +392,7 @@ def ssl_context(settings: Settings) -> ssl.SSLContext:
 
 DEFAULT_TIMEOUT_SECONDS = 30.0  # RELAY_SINK_TIMEOUT_SECONDS unset
 DEFAULT_MAX_IN_FLIGHT = 16  # RELAY_SINK_MAX_IN_FLIGHT unset
+CONNECT_TIMEOUT_SECONDS = 5.0  # TCP and TLS; never past the whole request's timeout
 
 
 class HttpSink(KeyedSink):
@@ -430,7 +431,7 @@ class HttpSink(KeyedSink):
         return httpx.AsyncClient(
             verify=self._ssl,
             timeout=httpx.Timeout(
-                connect=self._options.http_connect_timeout_seconds,
+                connect=min(CONNECT_TIMEOUT_SECONDS, self._total_timeout),
                 read=self._options.http_read_timeout_seconds,
                 write=self._options.http_read_timeout_seconds,
                 pool=self._total_timeout,

@@ -4,30 +4,24 @@ the secrets among them. Registered as `RELAY_SINK=nats` by `SINK` below.
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 
 from relay.errors import SettingsError
 from relay.sinks.base import SinkSpec
 from relay.sinks.settings import SinkSettings
 
 # A server URL may carry user:password or a token.
-NATS_SECRETS = ("nats_url", "nats_password", "nats_token")
+NATS_SECRETS = ("nats_url",)  # it may carry user:password or a token
 
 
 class NatsSettings(BaseModel):
     nats_url: SecretStr | None = Field(
         default=None,
-        description="Server URL(s), comma-separated: nats://host:4222 or tls://host:4222.",
-    )
-    nats_user: str | None = Field(default=None, description="User name for user and password auth.")
-    nats_password: SecretStr | None = Field(
-        default=None, description="Its password; needs RELAY_NATS_USER."
-    )
-    nats_token: SecretStr | None = Field(
-        default=None, description="An authorization token, for token auth."
+        description="Server URL(s), comma-separated: nats://host:4222 or tls://host:4222; "
+        "with user and password auth nats://user:password@host:4222, with token auth "
+        "nats://token@host:4222 (a secret: give it as RELAY_NATS_URL_FILE).",
     )
     nats_creds_file: str | None = Field(
         default=None, description="A .creds file (JWT and NKey seed) for decentralized auth."
@@ -39,17 +33,6 @@ class NatsSettings(BaseModel):
         if value is not None:
             nats_servers(value)
         return value
-
-    @field_validator("nats_password", "nats_token", mode="before")
-    @classmethod
-    def _strip_secret(cls, value: Any) -> Any:
-        return value.strip() if isinstance(value, str) else value  # `echo pw > file`
-
-    @model_validator(mode="after")
-    def _pairs(self) -> NatsSettings:
-        if self.nats_password is not None and not self.nats_user:
-            raise SettingsError("RELAY_NATS_USER", "is required with RELAY_NATS_PASSWORD")
-        return self
 
 
 def nats_servers(url: SecretStr) -> list[str]:

@@ -237,12 +237,6 @@ class NatsSink(KeyedSink):
         }
         if tls is not None:
             options["tls"] = tls
-        if o.nats_user:
-            options["user"] = o.nats_user
-        if o.nats_password is not None:
-            options["password"] = o.nats_password.get_secret_value()
-        if o.nats_token is not None:
-            options["token"] = o.nats_token.get_secret_value()
         if o.nats_creds_file:
             options["user_credentials"] = o.nats_creds_file
         return options
