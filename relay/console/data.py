@@ -1,6 +1,10 @@
 """The console's database work: the relay's own repository functions and statements
 where the CLI already has them (leases, heartbeats, lag, requeue), and the console's
-named statements (relay/sql/console.sql) for the rest."""
+named statements (relay/sql/console.sql) for the rest.
+
+Long: every database call the console makes, each a few lines: the console's whole
+footprint on the database, in one place for a DBA to read.
+"""
 
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ pipeline (relay/drain/pipeline.py: the batch being settled, relay/drain/settler.
 stragglers), the give-way decision (relay/drain/give_way.py) and the letting go (hand_over.py),
 the idle wait (idle.py), the pace (pacer.py), what is recorded (recorder.py), the
 store (relay/store/port.py). Here: the loop that ties them, and backing off outages.
+
+Long: the one place the loop's steps are ordered and its outages backed off; every
+rule it applies lives in the modules named above.
 """
 
 from __future__ import annotations

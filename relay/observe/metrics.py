@@ -4,6 +4,9 @@ Metric objects live here so every module records through one vocabulary; the nam
 follow Prometheus conventions (`relay_` prefix, base units, `_total` counters).
 
 The server that answers /metrics and the probes is relay/observe/server.py.
+
+Long: one vocabulary: every series is declared here, so names, units and labels are
+reviewed together, and the metrics reference is generated from one module.
 """
 
 from __future__ import annotations

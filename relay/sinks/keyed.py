@@ -13,6 +13,9 @@ A sink may make a message wait its turn before it takes one of the in-flight slo
 still: a wait while it has costs the batch nothing. A message whose turn came at a
 set time takes the next free slot before those in line: behind them it would start
 late, bunched with the next one of its turn.
+
+Long: keys, slots and turns are one scheduler on one event loop; split, each
+invariant (a key's order, a slot's release, a turn's time) would span modules.
 """
 
 from __future__ import annotations

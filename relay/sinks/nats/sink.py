@@ -18,6 +18,9 @@ Outcomes:
   A publish that timed out may have been stored: sent again, the duplicate window
   drops it.
 - Any other JetStream error (a stream full under `discard: new`, a 500): `RETRY`.
+
+Long: the connection, the publishes and the reading of JetStream's answers share
+one client and its state; the settings are apart (settings.py).
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ Outcomes:
 - No connection, the channel or connection lost, no confirm in time, the exchange
   missing or access refused (a configuration the operator fixes; never the message's
   fault): `UNAVAILABLE`.
+
+Long: the connection, the channel, the publishes and the reading of the broker's
+answers share one client and its state; the outcome rules that need no client are
+apart (outcomes.py), and so are the settings.
 """
 
 from __future__ import annotations
