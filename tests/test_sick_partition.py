@@ -9,13 +9,12 @@ RELAY_SINK_TIMEOUT_SECONDS, so one sick partition throttled every key.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import SettingsFactory
-from tests.harness.kafka import consume
+from tests.harness.kafka import consume, java_partition
 from tests.harness.mockkafka import MockCluster, blackhole, iptables_available
 from tests.support import (
     OVERTAKE_SETTINGS,
@@ -61,9 +60,9 @@ def test_a_sick_partition_holds_back_its_own_keys_only(
     sick_port = leaders[0]
     sick = {p for p, port in leaders.items() if port == sick_port}
     assert len(sick) < len(leaders), leaders
-    # librdkafka's default partitioner for keyed messages: CRC-32 of the key.
+    # The relay's partitioner for keyed messages: murmur2, as Java's producer.
     keys = {f"k{n}" for n in range(KEYS)}
-    sick_keys = {k for k in keys if zlib.crc32(k.encode()) % len(leaders) in sick}
+    sick_keys = {k for k in keys if java_partition(k, len(leaders)) in sick}
     healthy_keys = keys - sick_keys
     assert sick_keys and healthy_keys
 
@@ -105,6 +104,6 @@ def test_a_key_never_overtakes_its_own_unanswered_message_when_its_broker_goes_s
     """On a broker that accepts a bumped epoch: the partition's leader goes silent just
     past the delivery timeout (the code before the fix failed here: K:20.. first)."""
     leaders = cluster.partition_leaders(TOPIC)
-    port = leaders[zlib.crc32(b"K") % len(leaders)]
+    port = leaders[java_partition("K", len(leaders))]
     settings = make_settings(kafka_bootstrap_servers=cluster.bootstrap_servers, **OVERTAKE_SETTINGS)
     assert_no_key_overtakes_itself(settings, database, TOPIC, lambda: blackhole(port))

@@ -307,3 +307,39 @@ def issue_producer_ids(bootstrap: str, count: int, timeout: float = 20.0) -> lis
             producer.flush(0)
         logging.Logger.manager.loggerDict.pop(logger.name, None)
     return handler.ids
+
+
+# Where Java's producer (and the relay, murmur2_random) puts a keyed record.
+_MASK = 0xFFFFFFFF
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's `Utils.murmur2`, seed 0x9747b28c, as a signed 32-bit int like Java's."""
+    m, r = 0x5BD1E995, 24
+    length = len(data)
+    h = (0x9747B28C ^ length) & _MASK
+    whole = length - length % 4
+    for i in range(0, whole, 4):
+        k = int.from_bytes(data[i : i + 4], "little")
+        k = (k * m) & _MASK
+        k ^= k >> r
+        k = (k * m) & _MASK
+        h = (h * m) & _MASK
+        h ^= k
+    tail = data[whole:]
+    if len(tail) >= 3:
+        h ^= tail[2] << 16
+    if len(tail) >= 2:
+        h ^= tail[1] << 8
+    if tail:
+        h ^= tail[0]
+        h = (h * m) & _MASK
+    h ^= h >> 13
+    h = (h * m) & _MASK
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def java_partition(key: str, partitions: int) -> int:
+    """`Utils.toPositive(Utils.murmur2(key)) % partitions`: Java's choice for a key."""
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
