@@ -66,7 +66,8 @@ def schema(conn: db.Conn, _settings: Settings) -> None:
     if version < 140000:
         raise SettingsError(
             "RELAY_DATABASE_URL",
-            f"the server runs PostgreSQL {version // 10000}: this release needs 14 or later",
+            f"the server runs PostgreSQL {version // 10000}: this release needs 14 or later"
+            " (its multiranges leave the rows in flight out of each fetch)",
         )
     lacking = missing(conn)
     if lacking:

