@@ -5,7 +5,7 @@
     ./dev bench --full     also the 10M-kept-rows history case (slow)
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
-    ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits|tenants|console
+    ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits|tenants|console|pooler
         [--quick]
     ./dev bench --only soak [--quick | --minutes M]
     ./dev bench --only without-key-index [--quick]
@@ -95,6 +95,7 @@ def main() -> int:
             "rate-limits",
             "tenants",
             "console",
+            "pooler",
             "soak",
             "without-key-index",
         ],
@@ -136,6 +137,8 @@ def main() -> int:
         return bench_baselines(args.quick)
     if args.only == "rate-limits":
         return bench_rate_limits(args.quick)
+    if args.only == "pooler":
+        return bench_pooler(args.quick)
     if args.only == "console":
         return bench_console(args.quick)
     if args.only == "tenants":
@@ -239,6 +242,21 @@ def bench_without_key_index(quick: bool) -> int:
     with servers() as (dsn, bootstrap):
         report = without_key_index.run(dsn, bootstrap, quick)
     save({"sink": "kafka", "quick": quick, "without_key_index": report})
+    return 0
+
+
+def bench_pooler(quick: bool) -> int:
+    from bench import pooler
+
+    with (
+        PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
+        TansuBroker() as broker,
+    ):
+        dsn = pg.create_database("bench")
+        migrate(CommonSettings(database_url=dsn))
+        broker.create_topic("bench", partitions=3)
+        report = pooler.run(pg, dsn, broker.bootstrap_servers, quick)
+    save({"sink": "kafka", "quick": quick, "pooler": report})
     return 0
 
 

@@ -21,8 +21,7 @@ from psycopg.rows import dict_row
 from bench.common import DUE, TOPIC, relay_settings
 from bench.processes import holder, rss_mib, start_relay, stop, wait_for
 from relay.drain.batch import BatchLimits
-from relay.sql import QUERIES
-from relay.store import fetch
+from relay.store import connection, fetch
 from tests.support import running_relay
 
 OTHERS = 50
@@ -103,7 +102,7 @@ def _wait(condition: Any, timeout: float, what: str) -> None:
 def _fetch_ms(dsn: str, batch: int) -> float:
     limits = BatchLimits(rows=batch, bytes=8 << 20, per_key=max(1, batch // 5))
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         fetch.fetch_batch(conn, limits)
         started = time.perf_counter()
         for _ in range(5):

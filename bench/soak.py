@@ -28,6 +28,7 @@ import psycopg
 from bench.common import KEYS, PAYLOAD, TOPIC
 from bench.processes import start_relay, stop
 from relay.sql import QUERIES
+from relay.store import connection
 
 RATE = 500  # rows a second, committed one per transaction
 SAMPLE_SECONDS = 30.0
@@ -120,7 +121,7 @@ def _mode(dsn: str, bootstrap: str, retention: float, minutes: float) -> dict[st
     writer.start()
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(QUERIES.force_custom_plans)
+            connection.keep_settings(conn, connection.CUSTOM_PLANS)
             ends = started + minutes * 60
             while time.monotonic() < ends:
                 time.sleep(min(SAMPLE_SECONDS, max(0.0, ends - time.monotonic())))

@@ -28,6 +28,7 @@ from relay.admin.schema_options import create_fairness_index
 from relay.drain import fairness
 from relay.settings import CommonSettings
 from relay.sql import QUERIES
+from relay.store import connection
 from tests.harness.webhook import Reply, WebhookServer
 from tests.support import running_relay, wait_until
 
@@ -113,7 +114,7 @@ def _fetch_cost(dsn: str) -> dict[str, float]:
     times: list[float] = []
     touched = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         for _ in range(7):
             row = conn.execute(
                 "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_batch, params

@@ -23,7 +23,7 @@ from relay.errors import SettingsError
 from relay.message import OutboxMessage
 from relay.settings import CommonSettings
 from relay.sql import QUERIES
-from relay.store import fetch
+from relay.store import connection, fetch
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import TansuBroker, consume
 from tests.harness.webhook import Reply, WebhookServer
@@ -117,7 +117,7 @@ def test_the_round_goes_over_more_groups_than_a_batch_holds(database: str) -> No
     limits = grouped(BY_PREFIX)
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         for _ in range(6):
-            conn.execute(QUERIES.force_custom_plans)
+            connection.keep_settings(conn, connection.CUSTOM_PLANS)
             fetched = fetch.fetch_batch(conn, limits, "{}", None, after_group=after)
             served |= {name for name in tenants(fetched.messages) if name.startswith("g")}
             ids = [m.id for m in fetched.messages]
@@ -144,7 +144,7 @@ def test_the_grouped_fetch_costs_the_same_at_any_backlog_of_one_group(database: 
     large = _fetch_cost(database, limits)
     assert large < 3 * small + 500, (small, large)
     with psycopg.connect(database, autocommit=True) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         plan = "\n".join(
             str(r[0])
             for r in conn.execute(
@@ -299,8 +299,8 @@ def test_with_shards_each_shard_shares_its_own_rows_out_by_group(database: str) 
     build_index(database, BY_PREFIX, shards=2)
     found = 0
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute(QUERIES.force_custom_plans)
-        conn.execute(QUERIES.walk_indexes_in_order)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
+        connection.keep_settings(conn, connection.ORDERED_WALKS)
         for shard in (0, 1):
             rows = fetch.fetch_batch(
                 conn, grouped(BY_PREFIX), "{}", None, shards=2, shard=shard

@@ -33,8 +33,7 @@ LIMITS = BatchLimits(rows=100, bytes=8 << 20, per_key=20)
 
 def fetch_from(dsn: str, limits: BatchLimits = LIMITS, after_key: int | None = None) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        for statement in drain_session_setup():  # as the drain's session plans
-            conn.execute(statement)
+        drain_session_setup(conn)  # as the drain's session plans
         return fetch_batch(conn, limits, "{}", after_key)
 
 
@@ -324,8 +323,7 @@ def _scans(dsn: str, statement: str, params: dict[str, Any]) -> list[Scan]:
     """`statement`'s scans of the outbox and outbox_scheduled, planned as the drain's
     session plans it."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for setting in drain_session_setup():
-            conn.execute(setting)
+        drain_session_setup(conn)
         row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()
     assert row is not None
     plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
@@ -675,8 +673,7 @@ def test_rows_in_flight_are_left_out_by_their_ids_and_by_their_spans(database: s
     left_out = in_flight([id_set(ids[0:3]), id_set([ids[5]]), id_set([ids[7], ids[9]])])
     assert left_out.ids == f"{{{ids[7]},{ids[9]}}}"  # a gap: by id
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
-        for statement in drain_session_setup():
-            conn.execute(statement)
+        drain_session_setup(conn)
         left = fetch_batch(conn, LIMITS, left_out.ids, in_flight_ranges=left_out.ranges)
     assert [m.id for m in left.messages] == [ids[3], ids[4], ids[6], ids[8]]
 
@@ -688,8 +685,7 @@ def test_the_fair_fetch_leaves_out_spans_in_flight_past_the_head_too(database: s
     others = insert_rows(database, "t", [(f"k{i}", f"k{i}:0".encode()) for i in range(10)])
     left_out = in_flight([id_set(others[:4])])
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
-        for statement in drain_session_setup():
-            conn.execute(statement)
+        drain_session_setup(conn)
         fetched = fetch_batch(conn, LIMITS, left_out.ids, in_flight_ranges=left_out.ranges)
     assert fetched.fair
     came = {m.id for m in fetched.messages}

@@ -16,7 +16,7 @@ import pytest
 from relay.errors import SettingsError
 from relay.settings import CommonSettings, Settings, load_settings
 from relay.sql import QUERIES
-from relay.store import db, startup_checks
+from relay.store import connection, db, startup_checks
 from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import Record, TansuBroker, consume
 from tests.support import assert_per_key_order, insert_rows, running_relay, scalar, wait_until
@@ -167,7 +167,7 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
     }
     params |= {"shards": 1, "shard": 0}
     with db.connect(settings, purpose="drain") as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         plan = "\n".join(
             r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + QUERIES.fetch_head, params)
         )
@@ -179,7 +179,7 @@ def test_the_fetch_reads_the_tables_own_indexes_through_the_view(
     # The settle and the failures find rows by id (relay_id, added by the migration).
     ids = "{" + ",".join(str(r["id"]) for r in rows[:10]) + "}"
     with db.connect(settings, purpose="drain") as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         for statement, args in (
             (QUERIES.delete_sent, {"ids": ids}),
             (

@@ -18,8 +18,7 @@ from relay.admin.schema_options import create_shard_indexes, shard_index_names
 from relay.errors import MigrationError
 from relay.observe import lag
 from relay.settings import CommonSettings
-from relay.sql import QUERIES
-from relay.store import repository
+from relay.store import connection, repository
 from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume
 from tests.support import (
@@ -343,7 +342,7 @@ def test_each_shards_lag_counts_its_rows_due_and_not_let_in(database: str) -> No
     """Found in review: the per-shard count left out what the total counts."""
     relay_migrate(database, "--shards", "2")
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         conn.execute(
             "INSERT INTO outbox (topic, key, payload, available_at) VALUES"
             " ('t', 'k', 'x', now() - interval '30 seconds'),"

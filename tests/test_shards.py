@@ -28,7 +28,7 @@ from relay.observe import lag
 from relay.observe.metrics import Health
 from relay.settings import CommonSettings
 from relay.sql import QUERIES
-from relay.store import db, fetch
+from relay.store import connection, db, fetch
 from relay.store import lease as protocol
 from relay.store.port import Fetched
 from relay.store.postgres import drain_session_setup
@@ -56,7 +56,7 @@ def rr_conn(dsn: str) -> Conn:
 
 def fetch_shard(dsn: str, shard: int, limits: BatchLimits = LIMITS) -> Fetched:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         return fetch.fetch_batch(conn, limits, "{}", shards=SHARDS, shard=shard)
 
 
@@ -99,7 +99,7 @@ def test_a_shard_fetch_reads_its_own_index_not_the_others_rows(database: str) ->
             " SELECT 't', 'k' || (g % 400), 'x' FROM generate_series(1, 40000) AS g"
         )
         conn.execute("ANALYZE outbox")
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         scans = explain_fetch_head(conn, limit=100, shards=SHARDS)
     unsent, _ = shard_index_names(SHARDS)
     assert (unsent, 100) in scans, scans
@@ -120,8 +120,7 @@ def test_a_big_shard_batch_still_walks_the_index_in_id_order(database: str) -> N
             " FROM generate_series(1, 40000) AS g"
         )
         conn.execute("VACUUM ANALYZE outbox")
-        for statement in drain_session_setup():
-            conn.execute(statement)
+        drain_session_setup(conn)
         scans = explain_fetch_head(conn, limit=500, shards=shards)
     assert not any("Bitmap" in name for name, _ in scans), scans
     assert (shard_index_names(shards)[0], 500) in scans, scans
@@ -169,7 +168,7 @@ def test_lag_per_shard_reads_each_shard_index_and_adds_up_to_the_total(database:
         )
         conn.execute("UPDATE outbox SET sent_at = now() WHERE id % 3 = 0")
         conn.execute("ANALYZE outbox")
-        conn.execute(QUERIES.force_custom_plans)
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
         explain = conn.execute(
             "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample_shards, {"shards": SHARDS, "cap": 100}
         ).fetchone()

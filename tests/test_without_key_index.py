@@ -95,8 +95,7 @@ def head_params(**overrides: Any) -> dict[str, Any]:
 
 def fetch_in_order(database: str, limits: BatchLimits = IN_ORDER) -> list[OutboxMessage]:
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
-        for statement in drain_session_setup():  # as the drain's session plans
-            conn.execute(statement)
+        drain_session_setup(conn)  # as the drain's session plans
         return fetch.fetch_batch(conn, limits, "{}").messages
 
 
@@ -240,8 +239,7 @@ def test_in_order_a_walk_reads_every_window_in_one_snapshot(database: str) -> No
         row_factory=dict_row,
         cursor_factory=_EndsTheBackoffAfterTheFirstWindow,
     ) as conn:
-        for statement in drain_session_setup():
-            conn.execute(statement)
+        drain_session_setup(conn)
         batch = fetch.fetch_batch(conn, dataclasses.replace(IN_ORDER, rows=10), "{}").messages
     ids = [m.id for m in batch]
     taken_b = [i for i in ids if i in b]
@@ -285,8 +283,7 @@ def test_in_order_the_fetch_walks_the_primary_key_from_where_it_is_told(database
     ids = rows_of(database, "A", 1000)
     params = head_params(after=ids[500])
     with psycopg.connect(database, autocommit=True) as conn:
-        for statement in drain_session_setup():
-            conn.execute(statement)
+        drain_session_setup(conn)
         row = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head, params
         ).fetchone()
@@ -355,8 +352,7 @@ def test_in_order_with_shards_each_fetches_its_rows_by_its_index_in_id_order(
     ids = rows_of(database, "x", 1) + [i for k in range(30) for i in rows_of(database, f"k{k}", 3)]
     seen: list[int] = []
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
-        for statement in drain_session_setup():
-            conn.execute(statement)
+        drain_session_setup(conn)
         for shard in range(3):
             batch = fetch.fetch_batch(conn, IN_ORDER, "{}", shards=3, shard=shard).messages
             assert [m.id for m in batch] == sorted(m.id for m in batch)

@@ -29,7 +29,7 @@ from relay.observe import lag
 from relay.observe.logging import configure
 from relay.settings import CommonSettings, Settings, SettingsError, load_settings
 from relay.sql import QUERIES
-from relay.store import db, repository
+from relay.store import connection, db, repository
 from relay.store.rows import LeaseRow, ReplicaRow
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
@@ -356,7 +356,7 @@ def _shard_lag(conn: db.Conn, cap: int) -> ShardLags:
     found: ShardLags = {}
     for group, shards in repository.lease_group_shards(conn).items():
         if shards > 1 and all(shard_index_state(conn, shards).values()):
-            conn.execute(QUERIES.force_custom_plans)
+            connection.keep_settings(conn, connection.CUSTOM_PLANS)
             for s in lag.measure_shards(conn, shards, cap):
                 found[group, s.shard] = s
     return found
@@ -393,6 +393,7 @@ def cmd_check(_args: argparse.Namespace) -> int:
             # but a leader cut off from the sink never gives way.
             conn.execute(QUERIES.replica_status).fetchall()
             sample = lag.measure(conn, 1_000)
+            pooled = isinstance(conn, connection.RelayConnection) and conn.pooled
             history = (
                 repository.sent_history_problem(conn) if settings.sent_rows == "move" else None
             )
@@ -404,7 +405,8 @@ def cmd_check(_args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     print(
         f"database: ok (schema version {schema.describe()}; outbox, leases and replicas readable;"
-        f" {_count(sample.unsent, sample.count_cap)} unsent rows)"
+        f" {_count(sample.unsent, sample.count_cap)} unsent rows"
+        f"{'; through a transaction pooler' if pooled else ''})"
     )
     sink = create_sink(settings)
     try:

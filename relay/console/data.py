@@ -24,7 +24,7 @@ from relay.drain.batch import SetAside
 from relay.observe import lag
 from relay.observe.logging import get_logger
 from relay.sql import QUERIES
-from relay.store import db, repository
+from relay.store import connection, db, repository
 from relay.store.rows import LeaseRow, ReplicaRow
 
 log = get_logger("relay.console")
@@ -85,7 +85,7 @@ def overview(conn: db.Conn, cap: int) -> Overview:
     shard_lag: dict[tuple[str, int], lag.ShardLag] = {}
     for group, shards in repository.lease_group_shards(conn).items():
         if shards > 1 and all(shard_index_state(conn, shards).values()):
-            conn.execute(QUERIES.force_custom_plans)
+            connection.keep_settings(conn, connection.CUSTOM_PLANS)
             for s in lag.measure_shards(conn, shards, cap):
                 shard_lag[group, s.shard] = s
     row = conn.execute(QUERIES.console_blocked_key_count, {"cap": cap}).fetchone()

@@ -27,7 +27,7 @@ from relay.observe import metrics
 from relay.observe.logging import OutageLog, get_logger
 from relay.observe.metrics import Health
 from relay.sql import QUERIES
-from relay.store import db
+from relay.store import connection, db
 from relay.store.db import Conn
 
 log = get_logger("relay.lag")
@@ -56,12 +56,12 @@ class LagSample:
 @contextmanager
 def _walking_in_order(conn: Conn) -> Iterator[None]:
     """The lag statements' walks stop at their caps whatever the statistics: planned
-    with bitmap scans and sorts off (drain.sql, walk_indexes_in_order), for one
+    with bitmap scans and sorts off (relay/store/db.py, ORDERED_WALKS), for one
     transaction, on whichever session asks (the lag sampler's, `relay status`, the
     console's). A caller inside its own transaction keeps its settings."""
     if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
         with conn.transaction():
-            conn.execute(QUERIES.walk_indexes_in_order_here)
+            connection.apply_settings(conn, connection.ORDERED_WALKS, local=True)
             yield
     else:
         yield
@@ -103,7 +103,7 @@ def shard_count_cap(cap: int, shards: int) -> int:
 
 
 def measure_shards(conn: Conn, shards: int, cap: int) -> list[ShardLag]:
-    """Per-shard lag; `conn` must plan with custom plans (QUERIES.force_custom_plans),
+    """Per-shard lag; `conn` must plan with custom plans (relay/store/db.py, CUSTOM_PLANS),
     or the shard count is no constant and no shard index matches."""
     part = shard_count_cap(cap, shards)
     with _walking_in_order(conn):
@@ -242,7 +242,7 @@ class LagSampler(threading.Thread):
         conn = self._connect("lag")
         try:
             # No JIT for millisecond queries; custom plans match the shard indexes.
-            conn.execute(QUERIES.force_custom_plans)
+            connection.keep_settings(conn, connection.CUSTOM_PLANS)
         except BaseException:
             conn.close()
             raise

@@ -78,6 +78,7 @@ OWN_TABLE_FIELDS = (
 SECRET_FIELDS = (
     "database_url",
     "database_password",
+    "database_direct_url",
     *(name for spec in sink_specs().values() for name in spec.secrets),
 )
 M = TypeVar("M", bound=BaseModel)
@@ -159,6 +160,14 @@ class CommonSettings(BaseSettings):
     )
     database_password: SecretStr | None = Field(
         default=None, description="Overrides the password in RELAY_DATABASE_URL."
+    )
+    database_direct_url: SecretStr | None = Field(
+        default=None,
+        description="A URL straight to PostgreSQL, for what needs a session of its own when "
+        "RELAY_DATABASE_URL goes through a transaction pooler (PgBouncer, RDS Proxy, "
+        "Supavisor): `relay migrate`'s lock and the LISTEN of RELAY_NOTIFY_CHANNEL. The relay "
+        "finds a pooler by itself and then runs each transaction as one needs; without this "
+        "URL those two are refused, naming it. docs/howto/poolers.md.",
     )
     database_sslmode: (
         Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] | None
@@ -296,9 +305,11 @@ class CommonSettings(BaseSettings):
         (relay/drain/batch.py, `SetAside`)."""
         return "move" if self.outbox_table is None else "mark"
 
-    @field_validator("database_url")
+    @field_validator("database_url", "database_direct_url")
     @classmethod
-    def _database_url_shape(cls, value: SecretStr) -> SecretStr:
+    def _database_url_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
         raw = value.get_secret_value().strip()
         if not raw:
             raise ValueError("must not be empty")

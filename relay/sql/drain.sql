@@ -1,40 +1,7 @@
--- The drain's hot path (relay/store/fetch.py and relay/store/repository.py for relay/drain/loop.py): the
--- drain session's planner settings, the fetch, the promotion of scheduled rows and the
--- settles.
+-- The drain's hot path (relay/store/fetch.py and relay/store/repository.py for
+-- relay/drain/loop.py): the fetch, the promotion of scheduled rows and the settles. The
+-- drain session's planner settings are relay/store/db.py's CUSTOM_PLANS and ORDERED_WALKS.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
-
-------------------------------------------------------------------------------------
--- Drain session
-------------------------------------------------------------------------------------
-
--- name: force_custom_plans
--- For the drain and lag sessions: plan with the actual parameters, so the in-flight
--- exclusion is a hashed lookup, the key cursor and the shard count constants (the
--- shard indexes match); and no JIT: compiling a millisecond query would cost more
--- than it saves, on every execution.
-SELECT set_config('plan_cache_mode', 'force_custom_plan', false),
-       set_config('jit', 'off', false);
-
--- name: walk_indexes_in_order
--- For the drain and lag sessions: no bitmap scans. Every statement of these sessions is
--- meant as an ordered, LIMITed index walk that stops at the batch: the primary key's in
--- id order (migration 0022), a shard index's (outbox_shards_N_due_idx leads with the
--- shard hash, which has no correlation with the table's order, so the planner prices
--- its ordered walk as random reads). With statistics that see fewer rows to send than
--- there are (taken while a schedule sat in the outbox, say), the planner would rather
--- read ALL of the unsent rows through the key-hash index (by a bitmap, or else by a
--- plain index scan) and sort them: a fetch whose cost grows with the backlog. Sorts
--- off too, then: a plan that needs one is taken only when no other exists (fetch_batch's
--- rounds over keys, say), and the walk in id order never needs one. The plan tests of
--- tests/test_fetch.py, test_fairness.py and test_scheduled.py hold both.
-SELECT set_config('enable_bitmapscan', 'off', false),
-       set_config('enable_sort', 'off', false);
-
--- name: walk_indexes_in_order_here
--- walk_indexes_in_order for the current transaction only: the lag statements' (relay/
--- lag.py), on whichever session runs them.
-SELECT set_config('enable_bitmapscan', 'off', true),
-       set_config('enable_sort', 'off', true);
 
 ------------------------------------------------------------------------------------
 -- Fetching

@@ -2,30 +2,29 @@
 -- before anything else. Python asks for any statement of relay/sql/ as QUERIES.<name>.
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
--- name: set_session_timeouts
--- Bound every statement, lock wait and idle transaction of a relay session, so a stuck
--- relay can never hold a lock on the lease row or the outbox for long.
-SELECT set_config('statement_timeout', %(statement_timeout)s, false),
-       set_config('lock_timeout', %(lock_timeout)s, false),
-       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, false),
-       set_config('application_name', %(application_name)s, false);
+-- name: session_backend
+-- The backend that runs this session's statements: not the one the connection announced
+-- when a pooler stands between (relay/store/db.py, behind_pooler).
+SELECT pg_backend_pid() AS pid;
 
--- name: set_synchronous_commit
--- RELAY_DATABASE_SYNCHRONOUS_COMMIT, for the daemon's sessions: with asynchronous
--- replication a failover can lose acknowledged lease writes and marks; `remote_apply`
--- (or `on` with synchronous standbys) makes them wait for a standby.
-SELECT set_config('synchronous_commit', %(synchronous_commit)s, false);
+-- name: apply_settings
+-- What a relay session runs with (relay/store/db.py names each setting and says why):
+-- its timeouts, which bound every statement, lock wait and idle transaction so a stuck
+-- relay never holds a lock on the lease row or the outbox for long; synchronous_commit;
+-- the drain's planner settings. On a direct session for the session (`local` false);
+-- through a transaction pooler first in each transaction (`local` true), since there a
+-- session is one server connection only for one transaction.
+SELECT set_config(s.name, s.value, %(local)s)
+FROM unnest(%(names)s::text[], %(values)s::text[]) AS s (name, value);
 
 ------------------------------------------------------------------------------------
 -- Bring your own outbox table (RELAY_OUTBOX_TABLE; own_table.sql has the migration)
 ------------------------------------------------------------------------------------
 
--- name: own_table_session
--- A daemon session with RELAY_OUTBOX_TABLE: read the table's view first (then
--- own_table_view_check).
-SELECT set_config('search_path',
-                  quote_ident(%(schema)s) || ', ' || current_setting('search_path'),
-                  false);
+-- name: own_table_search_path
+-- A daemon session with RELAY_OUTBOX_TABLE reads the table's view first (after
+-- own_table_view_check): the search_path it keeps.
+SELECT quote_ident(%(schema)s) || ', ' || current_setting('search_path') AS search_path;
 
 -- name: own_table_view_check
 -- Whether the view exists, and whether it reads this table (`relay_a_b.c` and `relay_a.b_c`

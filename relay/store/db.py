@@ -1,4 +1,5 @@
-"""Opening relay sessions: credentials, TLS, and the session timeouts docs/DESIGN.md describes."""
+"""Opening relay sessions: credentials, TLS, the session timeouts docs/DESIGN.md describes,
+and what needs a session of its own behind a pooler (relay/store/connection.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from relay.errors import SettingsError
 from relay.setting_checks import is_loopback
 from relay.settings import CommonSettings, Settings
 from relay.sql import QUERIES
+from relay.store import connection
 from relay.store.own_table_layout import OWN_TABLE_LAYOUT
 
 # What every relay session is: autocommit, rows as dicts (see `connect`).
@@ -86,6 +88,15 @@ def _on_this_machine(host: str) -> bool:
     return not host or host.startswith(("/", "@")) or is_loopback(host)
 
 
+# Sessions whose purpose needs one server connection throughout: migrate's advisory lock
+# (and its CONCURRENTLY builds), and LISTEN. Through a pooler they open
+# RELAY_DATABASE_DIRECT_URL.
+NEEDS_A_SESSION = {
+    "migrate": "`relay migrate` (its advisory lock, its CONCURRENTLY index builds)",
+    "listen": "the LISTEN of RELAY_NOTIFY_CHANNEL",
+}
+
+
 def connect(
     settings: CommonSettings,
     *,
@@ -98,30 +109,36 @@ def connect(
     transactions, so no relay session ever holds a snapshot or a lock while it waits
     on the sink.
     """
-    conn = psycopg.connect(
-        settings.database_url.get_secret_value(),
+    direct = purpose in NEEDS_A_SESSION and settings.database_direct_url is not None
+    url = settings.database_direct_url if direct else settings.database_url
+    assert url is not None
+    conn = connection.RelayConnection.connect(
+        url.get_secret_value(),
         autocommit=True,
         row_factory=dict_row,
+        cursor_factory=connection.RelayCursor,
+        application_name=f"relay:{purpose}",
         **connect_kwargs(settings),
     )
-    statement_ms = milliseconds(settings.database_statement_timeout_seconds)
     try:
-        conn.execute(
-            QUERIES.set_session_timeouts,
-            {
-                "statement_timeout": f"{statement_ms}ms",
-                "lock_timeout": f"{milliseconds(settings.database_lock_timeout_seconds)}ms",
-                "idle_timeout": f"{idle_in_transaction_timeout_ms(settings)}ms",
-                "application_name": f"relay:{purpose}",
-            },
-        )
-        if settings.outbox_view_schema is not None and purpose != "migrate":
-            read_own_table(conn, settings)
+        conn.pooled = connection.behind_pooler(conn)
+        if conn.pooled:
+            conn.prepare_threshold = None
+            if purpose in NEEDS_A_SESSION:
+                raise SettingsError(
+                    "RELAY_DATABASE_DIRECT_URL", needs_direct(purpose, direct=direct)
+                )
+        statement_ms = milliseconds(settings.database_statement_timeout_seconds)
+        kept = {
+            "statement_timeout": f"{statement_ms}ms",
+            "lock_timeout": f"{milliseconds(settings.database_lock_timeout_seconds)}ms",
+            "idle_in_transaction_session_timeout": f"{idle_in_transaction_timeout_ms(settings)}ms",
+        }
         if settings.database_synchronous_commit is not None:
-            conn.execute(
-                QUERIES.set_synchronous_commit,
-                {"synchronous_commit": settings.database_synchronous_commit},
-            )
+            kept["synchronous_commit"] = settings.database_synchronous_commit
+        if settings.outbox_view_schema is not None and purpose != "migrate":
+            kept["search_path"] = read_own_table(conn, settings)
+        conn.keep(kept)
         if isolation_level is not None:
             conn.isolation_level = isolation_level
     except BaseException:
@@ -130,10 +147,26 @@ def connect(
     return conn
 
 
-def read_own_table(conn: Conn, settings: CommonSettings) -> None:
-    """RELAY_OUTBOX_TABLE: the session reads the table's view (relay/store/own_table.py) as
-    `outbox`. A table never migrated stops the relay, which would otherwise find the
-    relay's own outbox further down the search_path and drain the wrong table."""
+def needs_direct(purpose: str, *, direct: bool) -> str:
+    """Why a session for `purpose` was refused: it met a pooler."""
+    what = NEEDS_A_SESSION[purpose]
+    if direct:
+        return (
+            f"it goes through a pooler too (its backend is not the one it announces), and"
+            f" {what} needs a session of its own: give a URL straight to PostgreSQL"
+        )
+    return (
+        f"RELAY_DATABASE_URL goes through a transaction pooler (its backend is not the one"
+        f" it announces), and {what} needs a session of its own: set"
+        f" RELAY_DATABASE_DIRECT_URL to a URL straight to PostgreSQL (docs/howto/poolers.md)"
+    )
+
+
+def read_own_table(conn: Conn, settings: CommonSettings) -> str:
+    """RELAY_OUTBOX_TABLE: the search_path with which the session reads the table's view
+    (relay/store/own_table.py) as `outbox`. A table never migrated stops the relay, which
+    would otherwise find the relay's own outbox further down the search_path and drain
+    the wrong table."""
     params = {"schema": settings.outbox_view_schema, "table": settings.outbox_table}
     check = conn.execute(QUERIES.own_table_view_check, params).fetchone()
     if check is None or not check["view_exists"]:
@@ -171,7 +204,9 @@ def read_own_table(conn: Conn, settings: CommonSettings) -> None:
             f" {schema}.outbox_scheduled: grant SELECT on them, as on the view outbox"
             " (docs/howto/own-tables.md)",
         )
-    conn.execute(QUERIES.own_table_session, params)
+    row = conn.execute(QUERIES.own_table_search_path, {"schema": schema}).fetchone()
+    assert row is not None
+    return str(row["search_path"])
 
 
 class Session:

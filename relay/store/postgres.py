@@ -14,17 +14,16 @@ from psycopg import IsolationLevel
 from relay.drain.batch import BatchLimits, SentRows, SetAside, Settlement
 from relay.lease.protocol import Attempt, LeaseToken, Shard
 from relay.settings import Settings
-from relay.sql import QUERIES
-from relay.store import db, fetch, repository
+from relay.store import connection, db, fetch, repository
 from relay.store import lease as lease_steps
 from relay.store.port import Fetched, Promoted, StoreError
 
 
-def drain_session_setup() -> list[str]:
+def drain_session_setup(conn: connection.AnyConn) -> None:
     """How the drain session plans: with its actual parameters (custom plans), and
     never by bitmap scan, which would read every unsent row (of the shard) to return one
-    batch (relay/sql/drain.sql, walk_indexes_in_order)."""
-    return [QUERIES.force_custom_plans, QUERIES.walk_indexes_in_order]
+    batch (relay/store/db.py, ORDERED_WALKS)."""
+    connection.keep_settings(conn, {**connection.CUSTOM_PLANS, **connection.ORDERED_WALKS})
 
 
 @contextmanager
@@ -51,8 +50,7 @@ class PostgresReadStore:
     def _open(self) -> db.Conn:
         conn = self._connect()
         try:
-            for statement in drain_session_setup():
-                conn.execute(statement)
+            drain_session_setup(conn)
         except BaseException:
             conn.close()  # never leak a session whose set-up failed
             raise

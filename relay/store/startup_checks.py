@@ -20,7 +20,7 @@ from relay.drain import fairness
 from relay.observe.logging import get_logger
 from relay.settings import Settings, SettingsError
 from relay.sql import QUERIES
-from relay.store import db, repository
+from relay.store import connection, db, repository
 from relay.store.own_table import index_prefix
 
 log = get_logger(__name__)
@@ -29,6 +29,8 @@ log = get_logger(__name__)
 def run(settings: Settings) -> None:
     """Every check the settings call for, in order."""
     checks: list[Callable[[db.Conn, Settings], None]] = [schema]
+    if settings.notify_channel is not None:
+        checks.append(listen_session)
     if settings.shards > 1:
         checks.append(shard_indexes)
     elif settings.outbox_table is None:
@@ -75,6 +77,17 @@ def schema(conn: db.Conn, _settings: Settings) -> None:
             "RELAY_DATABASE_URL",
             f"the database lacks {', '.join(lacking)}: run `relay migrate` first",
         )
+
+
+def listen_session(conn: db.Conn, settings: Settings) -> None:
+    """RELAY_NOTIFY_CHANNEL through a transaction pooler: LISTEN needs a session of its
+    own (RELAY_DATABASE_DIRECT_URL), or the listener would retry its refusal forever."""
+    if (
+        isinstance(conn, connection.RelayConnection)
+        and conn.pooled
+        and not settings.database_direct_url
+    ):
+        raise SettingsError("RELAY_DATABASE_DIRECT_URL", db.needs_direct("listen", direct=False))
 
 
 def key_index(conn: db.Conn, settings: Settings) -> None:
