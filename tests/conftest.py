@@ -229,6 +229,9 @@ def db_at_0021(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The Spin checks start now, beside the suite (tests/model_runs.py), when spin and
-    gcc are there (else their tests fail, saying so)."""
+    gcc are there (else their tests fail, saying so). Not in a pytest-xdist worker: each
+    collects every test, and only one runs them (then, when it reaches them)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if shutil.which("spin") and shutil.which("gcc"):
         model_runs.start(item.name for item in session.items)
