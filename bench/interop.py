@@ -30,7 +30,6 @@ def _drain(dsn: str, bootstrap: str, rows: int, way: str, otlp: str) -> dict[str
             bootstrap,
             rows,
             preloaded=True,
-            RELAY_CLOUDEVENTS="binary",
             RELAY_CLOUDEVENTS_SOURCE="/bench",
         )
     if way == "tracing":

@@ -1,4 +1,4 @@
-"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS=binary): what the relay sends
+"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS_SOURCE): what the relay sends
 over HTTP (to a real server) and Kafka (a real broker) is read back as CloudEvents by the
 CloudEvents SDK for Python on the receiving side; RabbitMQ's and NATS's headers are
 checked by the same SDK (RabbitMQ) or by the binding's rules (NATS)."""
@@ -28,7 +28,7 @@ from tests.harness.webhook import WebhookServer
 from tests.support import running_relay, scalar, unsent_count, wait_until
 
 SOURCE = "/orders-service"
-CE = {"cloudevents": "binary", "cloudevents_source": SOURCE}
+CE = {"cloudevents_source": SOURCE}
 
 
 def write_events(dsn: str, topic: str) -> list[dict[str, Any]]:
@@ -170,9 +170,9 @@ def test_rabbitmq_and_nats_messages_carry_the_attributes_by_their_binding() -> N
     assert headers_for(odd, ce)["ce-dataschema"] == "https://example.com/s"
 
 
-def test_cloudevents_need_a_source(make_settings: SettingsFactory) -> None:
+def test_cloudevents_need_a_uri_reference_for_a_source(make_settings: SettingsFactory) -> None:
     with pytest.raises(SettingsError, match="RELAY_CLOUDEVENTS_SOURCE"):
-        make_settings(cloudevents="binary")
+        make_settings(cloudevents_source="/orders service")
 
 
 def test_off_by_default_nothing_changes(

@@ -310,7 +310,7 @@ def test_retention_keeps_sent_rows_then_purges_them(
     make_settings: SettingsFactory, database: str, topic: str
 ) -> None:
     insert_rows(database, topic, keyed_rows(keys=2, per_key=10))
-    settings = make_settings(retention_seconds=1.0, purge_interval_seconds=0.2, purge_batch_size=3)
+    settings = make_settings(retention_seconds=1.0, purge_interval_seconds=0.2)
     with running_relay(settings):
         wait_until(
             lambda: scalar(database, "SELECT count(*) FROM outbox_sent") == 20,

@@ -45,7 +45,6 @@ def settings_for(
             LIMITED: {"url": limited.url + "/limited", "max_requests_per_second": 40}
         },
         "sink_max_in_flight": 8,
-        "http_read_timeout_seconds": 2.0,
         "sink_timeout_seconds": 5.0,
         "retry_max_seconds": 30.0,
         "retention_seconds": 3600.0,  # rows kept once sent: their attempts can be read

@@ -44,7 +44,6 @@ def http_settings(make_settings: SettingsFactory, url: str, **overrides: Any) ->
         "sink": "http",
         "http_url": url + "/hooks/{topic}",
         "sink_max_in_flight": 8,
-        "http_read_timeout_seconds": 2.0,
         "sink_timeout_seconds": 5.0,
     }
     values.update(overrides)
@@ -276,13 +275,13 @@ def test_transient_failures_retried_with_one_webhook_id_and_valid_signatures(
         if key == "k0" and step == "1" and d.attempt <= 2:
             return Reply(500, body=b"database hiccup")
         if key == "k1" and step == "0" and d.attempt == 1:
-            return Reply(200, delay=3.0)  # past the read timeout: the relay gives up
+            return Reply(200, delay=3.0)  # past the sink timeout: the relay gives up
         return Reply(200)
 
     server.respond = respond
     insert_rows(database, TOPIC, keyed_rows(3, 4))
     settings = http_settings(
-        make_settings, server.url, http_signing_secret=SECRET, http_read_timeout_seconds=1.5
+        make_settings, server.url, http_signing_secret=SECRET, sink_timeout_seconds=1.5
     )
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
@@ -562,7 +561,6 @@ def test_an_endpoint_that_never_answers_holds_a_batch_for_about_two_timeouts(
         server.url,
         sink_max_in_flight=2,
         sink_timeout_seconds=timeout,
-        http_read_timeout_seconds=1.0,
     )
     sink = HttpSink(settings)
     try:

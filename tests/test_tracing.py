@@ -216,7 +216,7 @@ from relay.sinks.rabbitmq import sink as rabbitmq
 from relay.sinks.http.sink import HttpSink
 settings = Settings(
     database_url="postgresql://h/db", sink="http", http_url="http://127.0.0.1:9/h",
-    cloudevents="binary", cloudevents_source="/s",
+    cloudevents_source="/s",
 )
 assert tracing.configure(settings) is None
 HttpSink(settings).close()

@@ -9,7 +9,7 @@ from relay.drain.batch import BatchLimits
 from relay.drain.loop import DrainConfig
 from relay.drain.pacer import PaceLimits
 from relay.lease.elector import ElectorTimings
-from relay.observe.lag import LagConfig
+from relay.observe.lag import COUNT_CAP, LagConfig
 from relay.settings import Settings
 from relay.sinks import Sink, message_max_bytes
 from relay.store.presence import PresenceConfig
@@ -78,7 +78,6 @@ def purge_config(settings: Settings) -> PurgeConfig:
     return PurgeConfig(
         retention_seconds=settings.retention_seconds,
         interval_seconds=settings.purge_interval_seconds,
-        batch_size=settings.purge_batch_size,
         sent_rows=settings.sent_rows,
     )
 
@@ -87,7 +86,7 @@ def lag_config(settings: Settings) -> LagConfig:
     return LagConfig(
         lease_name=settings.lease_name,
         interval_seconds=settings.lag_sample_seconds,
-        count_cap=settings.lag_count_cap,
+        count_cap=COUNT_CAP,
         shards=settings.shards,
     )
 

@@ -37,6 +37,11 @@ log = get_logger("relay.lag")
 AGE_WINDOW = 1_000
 
 
+# Row counts in the lag gauges stop here, so a sample's cost is bounded (a count equal to
+# it means "at least").
+COUNT_CAP = 100_000
+
+
 @dataclass(frozen=True, slots=True)
 class LagSample:
     unsent: int
@@ -173,7 +178,7 @@ class LagConfig:
 
     lease_name: str  # RELAY_LEASE_NAME, the `lease` label of the per-shard series
     interval_seconds: float  # RELAY_LAG_SAMPLE_SECONDS
-    count_cap: int  # RELAY_LAG_COUNT_CAP
+    count_cap: int  # COUNT_CAP
     shards: int  # RELAY_SHARDS; above 1, each shard is sampled too
 
 

@@ -202,7 +202,7 @@ SCHEDULED_PROMOTED = Counter(
     "Scheduled rows found due and let into the drain by this replica.",
 )
 OUTBOX_COUNT_CAP = Gauge(
-    "relay_outbox_count_cap", "The row counts above stop at this value (RELAY_LAG_COUNT_CAP)."
+    "relay_outbox_count_cap", "The row counts above stop at this value (100,000)."
 )
 # Unknown until the first sample: NaN, not 0, which would read as "no lag" (and make a
 # dead-letter delta jump from 0 when a new pod's first sample lands).

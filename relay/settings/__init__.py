@@ -433,25 +433,15 @@ class Settings(
         "messages' traces; a span per HTTP request), exported over OTLP/HTTP as the "
         "standard OTEL_* variables say. Needs the `otel` extra.",
     )
-    cloudevents: Literal["binary"] | None = Field(
-        default=None,
-        description="Send every message as a CloudEvent in binary content mode: the "
-        "payload as its data, the context attributes as headers in each sink's binding "
-        "(ce- for HTTP, NATS and RabbitMQ, ce_ for Kafka).",
-    )
     cloudevents_source: str | None = Field(
         default=None,
         min_length=1,
         max_length=2048,
-        description="The CloudEvents `source` (a URI-reference naming this producer, e.g. "
-        "`/orders-service`); required with RELAY_CLOUDEVENTS.",
-    )
-    cloudevents_type_header: str = Field(
-        default="type",
-        min_length=1,
-        max_length=200,
-        description="The row header whose value is the CloudEvents `type`; a row without "
-        "it gets its topic.",
+        description="Send every message as a CloudEvent in binary content mode, with this "
+        "`source` (a URI-reference naming this producer, e.g. `/orders-service`): the "
+        "payload as its data, the context attributes as headers in each sink's binding "
+        "(ce- for HTTP, NATS and RabbitMQ, ce_ for Kafka); `type` is the row's `type` "
+        "header, else its topic. Unset: plain messages.",
     )
 
     # --- draining ---
@@ -572,14 +562,6 @@ class Settings(
         "shard 0) purges sent rows past the retention; a run cut short with rows left goes "
         "on at once.",
     )
-    purge_batch_size: int = Field(
-        default=1_000,
-        ge=1,
-        le=100_000,
-        description="Rows one purge statement deletes, of the sent rows kept in the outbox "
-        "itself (an own table's, an earlier release's); small batches keep locks and WAL "
-        "bursts short. outbox_sent is emptied a generation at a time instead.",
-    )
     shutdown_timeout_seconds: float = Field(
         default=20.0,
         gt=0,
@@ -644,10 +626,6 @@ class Settings(
             raise SettingsError(
                 "RELAY_CLOUDEVENTS_SOURCE",
                 "must be a URI-reference (no spaces or control characters)",
-            )
-        if self.cloudevents is not None and self.cloudevents_source is None:
-            raise SettingsError(
-                "RELAY_CLOUDEVENTS_SOURCE", "is required with RELAY_CLOUDEVENTS (a URI-reference)"
             )
         if self.outbox_table is not None and self.lease_name == "default":
             raise SettingsError(
@@ -720,12 +698,6 @@ class Settings(
         ge=0,
         le=3600,
         description="How often every replica refreshes the lag gauges; 0 turns sampling off.",
-    )
-    lag_count_cap: int = Field(
-        default=100_000,
-        ge=1,
-        le=100_000_000,
-        description="Row counts in the lag gauges stop here, so a sample's cost is bounded.",
     )
 
 

@@ -83,6 +83,13 @@ RETIRED: Mapping[str, str] = {
     "RELAY_CONSOLE_BULK_CAP": "nothing: one requeue or discard changes 100,000 rows at most",
     "RELAY_CONSOLE_RATE_WINDOW_SECONDS": "nothing: the settled rate is over 5 minutes",
     "RELAY_CONSOLE_POOL_SIZE": "nothing: the console keeps 4 database sessions",
+    "RELAY_CLOUDEVENTS": "RELAY_CLOUDEVENTS_SOURCE alone: set, it sends CloudEvents (binary mode)",
+    "RELAY_CLOUDEVENTS_TYPE_HEADER": "nothing: the event type is the row's `type` header",
+    "RELAY_HTTP_READ_TIMEOUT_SECONDS": (
+        f"{_SINK_TIMEOUT}: a request may go 10 s (at most that) without a byte moving"
+    ),
+    "RELAY_LAG_COUNT_CAP": "nothing: the lag gauges count up to 100,000 rows",
+    "RELAY_PURGE_BATCH_SIZE": "nothing: the purge deletes 1,000 rows a statement",
     # Derived from the lease's ttl, and never needed on their own.
     "RELAY_LEASE_RENEW_INTERVAL_SECONDS": (
         "nothing: a leader renews every third of RELAY_LEASE_TTL_SECONDS"

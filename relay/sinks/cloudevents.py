@@ -1,4 +1,4 @@
-"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS=binary): what every sink shares.
+"""CloudEvents in binary content mode (RELAY_CLOUDEVENTS_SOURCE): what every sink shares.
 
 An event's context attributes come from its row, the same whatever the sink; each sink's
 binding, in its own module, turns them into its headers with its prefix and value type.
@@ -7,7 +7,7 @@ The row's payload is the event's data, unchanged.
     specversion      1.0
     id               the row's message id (also the `message-id` header)
     source           RELAY_CLOUDEVENTS_SOURCE
-    type             the row's header named by RELAY_CLOUDEVENTS_TYPE_HEADER, else its topic
+    type             the row's header named by `type` header, else its topic
     time             the row's created_at (RFC 3339, UTC)
     subject          the row's key, when it has one
     datacontenttype  the row's `content-type` header; a protocol with a content type of
@@ -34,6 +34,11 @@ SPECVERSION = "1.0"
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
 
 
+# The row header whose value is the event's `type` (lower-case, as headers are matched);
+# a row without it gets its topic.
+TYPE_HEADER = "type"
+
+
 @dataclass(frozen=True, slots=True)
 class CloudEvents:
     source: str
@@ -41,10 +46,9 @@ class CloudEvents:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CloudEvents | None:
-        if settings.cloudevents is None:
+        if settings.cloudevents_source is None:
             return None
-        assert settings.cloudevents_source is not None  # required with it (settings.py)
-        return cls(settings.cloudevents_source, settings.cloudevents_type_header.lower())
+        return cls(settings.cloudevents_source, TYPE_HEADER)
 
     def attributes(self, message: OutboxMessage) -> list[tuple[str, str]]:
         """The context attributes but `datacontenttype`, unprefixed, in the spec's order:

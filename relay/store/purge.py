@@ -34,13 +34,18 @@ log = get_logger("relay.purge")
 RUN_SECONDS = 2.0
 
 
+# Rows one purge statement deletes, of the sent rows kept in the outbox itself (an own
+# table's): small batches keep locks and WAL bursts short. outbox_sent is emptied a
+# generation at a time instead.
+BATCH_ROWS = 1_000
+
+
 @dataclass(frozen=True, slots=True)
 class PurgeConfig:
     """What the purge reads of the settings (`relay.daemon.configs.purge_config`)."""
 
     retention_seconds: float  # RELAY_RETENTION_SECONDS: sent rows older than this go
     interval_seconds: float  # RELAY_PURGE_INTERVAL_SECONDS
-    batch_size: int  # RELAY_PURGE_BATCH_SIZE
     sent_rows: SentRows  # "move": sent rows are kept in outbox_sent's generations
 
 
@@ -90,10 +95,10 @@ class Purger(threading.Thread):
                 count = repository.purge_sent(
                     self._session.get(),
                     self._config.retention_seconds,
-                    self._config.batch_size,
+                    BATCH_ROWS,
                 )
                 deleted += count
-                if count < self._config.batch_size:
+                if count < BATCH_ROWS:
                     break
         except Exception as exc:
             # Any failure: this thread only keeps the table small, and its death would

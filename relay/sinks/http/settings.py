@@ -107,13 +107,6 @@ class HttpSettings(BaseModel):
         "each its own budget; a RELAY_HTTP_TOPIC_URLS entry's max_requests_per_second sets "
         "its origin's instead. Unset: no limit.",
     )
-    http_read_timeout_seconds: float = Field(
-        default=10.0,
-        gt=0,
-        le=3600,
-        description="How long sending the request or reading the answer may go without a "
-        "byte moving.",
-    )
     http_tls_verify: bool = Field(
         default=True,
         description="Verify the endpoint's certificate and host name; false accepts anyone "

@@ -393,6 +393,9 @@ def ssl_context(settings: Settings) -> ssl.SSLContext:
 DEFAULT_TIMEOUT_SECONDS = 30.0  # RELAY_SINK_TIMEOUT_SECONDS unset
 DEFAULT_MAX_IN_FLIGHT = 16  # RELAY_SINK_MAX_IN_FLIGHT unset
 CONNECT_TIMEOUT_SECONDS = 5.0  # TCP and TLS; never past the whole request's timeout
+# How long sending a request or reading its answer may go without a byte moving; never
+# past the whole request's timeout (RELAY_SINK_TIMEOUT_SECONDS).
+IDLE_TIMEOUT_SECONDS = 10.0
 
 
 class HttpSink(KeyedSink):
@@ -432,8 +435,8 @@ class HttpSink(KeyedSink):
             verify=self._ssl,
             timeout=httpx.Timeout(
                 connect=min(CONNECT_TIMEOUT_SECONDS, self._total_timeout),
-                read=self._options.http_read_timeout_seconds,
-                write=self._options.http_read_timeout_seconds,
+                read=min(IDLE_TIMEOUT_SECONDS, self._total_timeout),
+                write=min(IDLE_TIMEOUT_SECONDS, self._total_timeout),
                 pool=self._total_timeout,
             ),
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
