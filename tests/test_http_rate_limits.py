@@ -93,7 +93,8 @@ def test_a_limited_origin_never_sees_more_than_its_limit_and_never_slows_another
     # jitter of the receiver's threads on a busy machine.
     assert most_in_a_window(limited_history) <= 42
     assert span(limited_history) >= 199 / 40 - 0.1  # it was the limit that held them
-    assert span(limited_history) < 199 / 40 * 1.5 + 1.0  # and the limit was used
+    # How close to its limit the origin is served is a figure of the machine, not an
+    # outcome: `./dev bench --only rate-limits` measures it (docs/benchmarks.md).
     assert beside < 1.5 * alone + 0.5, (
         f"{beside:.2f}s beside the limited origin, {alone:.2f}s alone"
     )

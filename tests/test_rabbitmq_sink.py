@@ -43,6 +43,7 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
 ) -> None:
     queue = f"orders-{uuid.uuid4().hex[:8]}"
     rabbitmq_server.declare_queue(queue)
+    rabbitmq_server.persist_definitions()  # the crash below must not take the queue
     settings = make_settings(
         sink="rabbitmq", rabbitmq_url=rabbitmq_server.url, sink_timeout_seconds=2.0
     )

@@ -62,9 +62,12 @@ def replicas(
         proc.wait(timeout=10)
 
 
-def test_sigterm_hands_the_lease_over_in_under_two_seconds(
+def test_sigterm_hands_the_lease_over_before_it_would_have_expired(
     relay_dsn: str, replicas: list[subprocess.Popen[bytes]]
 ) -> None:
+    """The leader releases on SIGTERM, so the standby takes the lease while the old one
+    was still valid by the database's clock: a handover, not a takeover after expiry.
+    How fast (about 0.3 s) is `./dev bench`'s figure (docs/benchmarks.md)."""
     first = wait_until(lambda: live_holder(relay_dsn), timeout=20, message="a leader")
     leader = next(p for p in replicas if p.pid == pid_of(first))
     other = next(p for p in replicas if p is not leader)
@@ -79,12 +82,14 @@ def test_sigterm_hands_the_lease_over_in_under_two_seconds(
         ),
         timeout=20,
     )
-    started = time.monotonic()
+    # The last renewal's expiry the leader was given, read just before the signal (a
+    # renewal meanwhile only moves it later).
+    valid_until = scalar(relay_dsn, "SELECT expires_at FROM leases WHERE name = 'default'")
     leader.send_signal(signal.SIGTERM)
     second = wait_until(lambda: new_holder(relay_dsn, first), timeout=10, interval=0.01)
-    handover = time.monotonic() - started
+    acquired = scalar(relay_dsn, "SELECT acquired_at FROM leases WHERE name = 'default'")
     assert pid_of(second) == other.pid
-    assert handover < 2.0, f"handover took {handover:.2f}s"
+    assert acquired < valid_until, f"taken at {acquired}, after the expiry {valid_until}"
     assert leader.wait(timeout=20) == 0
 
 
@@ -112,9 +117,10 @@ def test_sigkill_of_the_leader_loses_nothing_and_keeps_key_order(
     writer.start()
     wait_until(lambda: sum(counts) >= 150, timeout=20)
     os.kill(pid_of(first), signal.SIGKILL)
-    killed_at = time.monotonic()
+    # The dead leader renews no more: its lease ends here, by the database's clock.
+    ended = scalar(relay_dsn, "SELECT expires_at FROM leases WHERE name = 'default'")
     second = wait_until(lambda: new_holder(relay_dsn, first), timeout=15, interval=0.02)
-    takeover = time.monotonic() - killed_at
+    acquired = scalar(relay_dsn, "SELECT acquired_at FROM leases WHERE name = 'default'")
     writer.join(timeout=30)
     total = sum(counts)
     assert total == 400
@@ -125,7 +131,8 @@ def test_sigkill_of_the_leader_loses_nothing_and_keeps_key_order(
     assert_per_key_order(records)
     # Duplicates stay within what was in flight at the crash: at most a batch or two.
     assert len(records) - len(unique) <= 2 * 50
-    assert takeover < 3.0 + 2.0, f"takeover took {takeover:.2f}s for a 3 s ttl"
+    # Taken once it had expired, never before (how soon after is the benchmark's figure).
+    assert acquired >= ended, f"taken at {acquired}, before the dead leader's {ended}"
     assert second != first
 
 

@@ -128,8 +128,17 @@ class RabbitmqServer(Service):
             os.killpg(self._proc.pid, signal.SIGCONT)
 
     def restart(self) -> None:
-        """Kill it and start it again, same port and data (durable queues survive)."""
+        """Kill it and start it again, same port and data (durable queues survive, once
+        they are on disk: see `persist_definitions`)."""
         self.kill()
+        self.start()
+
+    def persist_definitions(self) -> None:
+        """A clean stop and start, after which every queue declared so far is on disk.
+        A declaration lives in the node's memory for a moment (Mnesia writes its log
+        out later): a SIGKILL within it loses the queue, seen about once in six kills
+        0.3 s after declaring."""
+        self.stop()
         self.start()
 
     def log_tail(self, lines: int = 30) -> str:
