@@ -11,11 +11,12 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from relay.drain.batch import BatchLimits, id_set, in_flight
+from relay.drain.batch import BatchLimits, id_set
 from relay.message import MalformedRow, OutboxMessage
 from relay.sql import QUERIES
+from relay.store import fetch as store_fetch
 from relay.store.fetch import fetch_batch
-from relay.store.port import Fetched
+from relay.store.port import Fetched, FetchRequest
 from relay.store.postgres import drain_session_setup
 from tests.conftest import SettingsFactory
 from tests.harness.kafka import TansuBroker, consume
@@ -670,11 +671,11 @@ def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it_kafka(
 
 def test_rows_in_flight_are_left_out_by_their_ids_and_by_their_spans(database: str) -> None:
     ids = insert_rows(database, "t", [(f"k{i}", f"k{i}:0".encode()) for i in range(10)])
-    left_out = in_flight([id_set(ids[0:3]), id_set([ids[5]]), id_set([ids[7], ids[9]])])
-    assert left_out.ids == f"{{{ids[7]},{ids[9]}}}"  # a gap: by id
+    left_out = (id_set(ids[0:3]), id_set([ids[5]]), id_set([ids[7], ids[9]]))
+    assert store_fetch.left_out_literals(left_out)[0] == f"{{{ids[7]},{ids[9]}}}"  # a gap: by id
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         drain_session_setup(conn)
-        left = fetch_batch(conn, LIMITS, left_out.ids, in_flight_ranges=left_out.ranges)
+        left = store_fetch.fetch(conn, FetchRequest(LIMITS, left_out))
     assert [m.id for m in left.messages] == [ids[3], ids[4], ids[6], ids[8]]
 
 
@@ -683,10 +684,9 @@ def test_the_fair_fetch_leaves_out_spans_in_flight_past_the_head_too(database: s
     keys (fetch_batch's `beyond`), minus those in flight."""
     bulk(database, "t", "H", 300)
     others = insert_rows(database, "t", [(f"k{i}", f"k{i}:0".encode()) for i in range(10)])
-    left_out = in_flight([id_set(others[:4])])
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         drain_session_setup(conn)
-        fetched = fetch_batch(conn, LIMITS, left_out.ids, in_flight_ranges=left_out.ranges)
+        fetched = store_fetch.fetch(conn, FetchRequest(LIMITS, (id_set(others[:4]),)))
     assert fetched.fair
     came = {m.id for m in fetched.messages}
     assert not came & set(others[:4])

@@ -11,12 +11,12 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import REGISTRY
 
-from relay.drain.batch import BatchLimits, IdSet
+from relay.drain.batch import BatchLimits, IdSet, id_set
 from relay.drain.reader import CLOSE_SECONDS, Reader
 from relay.lease.protocol import Shard
 from relay.message import OutboxMessage
 from relay.shutdown import Shutdown
-from relay.store.port import Fetched, Promoted, StoreError
+from relay.store.port import Fetched, FetchRequest, Promoted, StoreError
 
 pytestmark = pytest.mark.unit
 
@@ -48,17 +48,7 @@ class SlowStore:
         self._lock = threading.Lock()
         self._next_id = 1
 
-    def fetch(
-        self,
-        limits: BatchLimits,
-        in_flight: str,
-        after_key: int | None,
-        *,
-        held: list[str],
-        share_busy_keys: bool,
-        after_group: str | None = None,
-        in_flight_ranges: str = "{}",
-    ) -> Fetched:
+    def fetch(self, request: FetchRequest) -> Fetched:
         with self._lock:
             self.running += 1
             self.fetches += 1
@@ -106,7 +96,7 @@ def test_closing_cancels_a_stuck_read_ahead_and_closes_the_session_on_its_thread
     read = reader(store)
     assert read.next_batch([], frozenset())  # the session in use
     store.blocked.set()
-    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
+    read.prefetch([], frozenset(), id_set([1]))
     until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     started = time.monotonic()
     read.close()
@@ -120,7 +110,7 @@ def test_closing_an_idle_reader_cancels_nothing() -> None:
     store = SlowStore()
     read = reader(store)
     assert read.next_batch([], frozenset())
-    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
+    read.prefetch([], frozenset(), id_set([1]))
     assert read.next_batch([], frozenset())  # the read-ahead, used
     read.close()
     assert store.interrupted == 0
@@ -133,7 +123,7 @@ def test_a_fresh_read_after_a_forgotten_one_waits_for_it() -> None:
     store = SlowStore()
     read = reader(store)
     for _ in range(20):
-        read.prefetch([], frozenset(), IdSet(""))
+        read.prefetch([], frozenset(), IdSet())
         read.forget()
         assert read.next_batch([], frozenset())
     read.close()
@@ -146,7 +136,7 @@ def test_a_forgotten_read_ahead_that_failed_other_than_the_store_fails_is_raised
     store = SlowStore()
     read = reader(store)
     store.failures.append(ValueError("a row the relay cannot decode"))
-    read.prefetch([], frozenset(), IdSet(""))
+    read.prefetch([], frozenset(), IdSet())
     read.forget()
     with pytest.raises(ValueError, match="cannot decode"):
         read.next_batch([], frozenset())
@@ -158,7 +148,7 @@ def test_a_read_ahead_the_store_failed_is_read_again_and_the_failure_reported_th
     store = SlowStore()
     read = reader(store)
     store.failures += [StoreError("connection lost"), StoreError("connection refused")]
-    read.prefetch([], frozenset(), IdSet(""))
+    read.prefetch([], frozenset(), IdSet())
     with pytest.raises(StoreError, match="refused"):
         read.next_batch([], frozenset())
     assert read.next_batch([], frozenset())
@@ -173,7 +163,7 @@ def test_a_stop_requested_while_the_loop_waits_for_a_stuck_read_ends_the_wait() 
     read = reader(store, shutdown)
     assert read.next_batch([], frozenset())
     store.blocked.set()
-    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
+    read.prefetch([], frozenset(), id_set([1]))
     until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     threading.Timer(0.2, shutdown.request).start()
     started = time.monotonic()
@@ -195,7 +185,7 @@ def test_the_time_the_loop_waits_for_its_reads_is_counted() -> None:
 
     assert read.next_batch([], frozenset())
     store.blocked.set()
-    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
+    read.prefetch([], frozenset(), id_set([1]))
     before = waited()
     threading.Timer(0.3, store.released.set).start()
     assert read.next_batch([], frozenset())
@@ -212,7 +202,7 @@ def test_closing_starts_no_statement_queued_behind_a_stuck_read() -> None:
     read = reader(store)
     assert read.next_batch([], frozenset())
     store.blocked.set()
-    read.prefetch([], frozenset(), IdSet("1", (1, 1)))
+    read.prefetch([], frozenset(), id_set([1]))
     ahead = read._last
     until(lambda: store.fetches == 2, "the read-ahead stuck on the database")
     read.forget()

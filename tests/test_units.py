@@ -464,7 +464,7 @@ def _row(row_id: int, key: str) -> Any:
 def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_the_next() -> None:
     import datetime as dt
 
-    from relay.drain.batch import IdSet, Settlement
+    from relay.drain.batch import IdSet, Settlement, id_set
     from relay.drain.pipeline import SettlePipeline
     from relay.lease.protocol import LeaseToken
 
@@ -476,15 +476,17 @@ def test_the_pipeline_leaves_out_what_is_unsettled_and_lands_one_batch_before_th
     pipeline = SettlePipeline(settler, lease)  # type: ignore[arg-type]
     rows = [_row(1, "a"), _row(2, "b")]
     assert pipeline.submit(token, rows, Settlement(sent=[1, 2]), frozenset({"b"}), None)
-    assert pipeline.unsettled() == ([IdSet(""), IdSet("1,2", (1, 2))], frozenset({"b"}))
+    assert pipeline.unsettled() == ([IdSet(), id_set([1, 2])], frozenset({"b"}))
     assert not pipeline.landed
     settler.futures[0].set_result(dt.datetime.now(dt.UTC))
     assert pipeline.landed
     # The next submit lands the previous settle first.
-    assert pipeline.submit(token, [_row(3, "a")], Settlement(sent=[3]), frozenset(), IdSet("3"))
-    assert pipeline.unsettled() == ([IdSet(""), IdSet("3")], frozenset())
+    assert pipeline.submit(token, [_row(3, "a")], Settlement(sent=[3]), frozenset(), id_set([3]))
+    assert pipeline.unsettled() == ([IdSet(), id_set([3])], frozenset())
     settler.futures[1].set_result(None)  # a newer holder fenced this settle out
-    assert not pipeline.submit(token, [_row(4, "c")], Settlement(sent=[4]), frozenset(), IdSet("4"))
+    assert not pipeline.submit(
+        token, [_row(4, "c")], Settlement(sent=[4]), frozenset(), id_set([4])
+    )
     assert len(settler.futures) == 2  # nothing submitted under a fenced term
     assert lease.token() is None and lease.take_fenced() == token
 
@@ -576,17 +578,18 @@ def test_a_migration_that_waits_for_a_rollout_only_retires() -> None:
 
 
 def test_a_batch_without_gaps_is_left_out_as_one_span_and_one_with_gaps_by_its_ids() -> None:
-    from relay.drain.batch import IdSet, id_set, in_flight
+    from relay.drain.batch import IdSet, id_set
+    from relay.store.fetch import left_out_literals
 
-    assert id_set([5, 6, 7, 8]) == IdSet("5,6,7,8", (5, 8))
-    assert id_set([8, 5, 7, 6]) == IdSet("8,5,7,6", (5, 8))  # unsorted: still every id
-    assert id_set([5, 7, 8]) == IdSet("5,7,8", None)
-    assert id_set([5, 6, 6, 8]) == IdSet("5,6,6,8", None)  # 7 is not in flight
+    assert id_set([5, 6, 7, 8]) == IdSet((5, 6, 7, 8), "5,6,7,8", (5, 8))
+    assert id_set([8, 5, 7, 6]) == IdSet((8, 5, 7, 6), "8,5,7,6", (5, 8))  # unsorted: all
+    assert id_set([5, 7, 8]).span is None
+    assert id_set([5, 6, 6, 8]).span is None  # 7 is not in flight
     assert id_set([2**63 - 2, 2**63 - 1]).span is None  # [a, b] is stored as [a, b + 1)
-    assert id_set([]) == IdSet("")
-    parts = [IdSet(""), id_set([1, 2, 3]), id_set([10, 12]), id_set([20])]
-    assert in_flight(parts) == ("{10,12}", "{[1,3],[20,20]}")
-    assert in_flight([IdSet("")]) == ("{}", "{}")
+    assert id_set([]) == IdSet()
+    parts = [IdSet(), id_set([1, 2, 3]), id_set([10, 12]), id_set([20])]
+    assert left_out_literals(parts) == ("{10,12}", "{[1,3],[20,20]}")
+    assert left_out_literals([IdSet()]) == ("{}", "{}")
 
 
 def test_a_server_older_than_postgresql_14_stops_start_up_naming_the_setting() -> None:

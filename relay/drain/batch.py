@@ -1,6 +1,6 @@
 """What a batch is, in the relay's own terms (pure: no database driver here): how big it
-may be, its ids as the text the statements take, and what is written back for it once
-the sink answered. The drain's parts pass these between them; relay/store/repository.py turns
+may be, its ids (and their text, made once), and what is written back for it once the
+sink answered. The drain's parts pass these between them; relay/store/repository.py turns
 them into statements.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from relay.drain.fairness import FairnessGroup
 
@@ -71,20 +71,18 @@ class Settlement:
     def __bool__(self) -> bool:
         return bool(self.sent or self.retry_ids or self.dead_ids)
 
-    def sent_array(self) -> str:
-        """`sent` as the array literal the settle statements take."""
-        return id_array([self.sent_text if self.sent_text is not None else id_text(self.sent)])
-
 
 @dataclass(frozen=True, slots=True)
 class IdSet:
-    """Rows in flight, as the statements take them: `text` (`id_text`) for the settle
-    and the fetch's array of ids to leave out; `span` (first, last) when they are every
-    id from first to last, as a batch fetched in id order usually is: then the fetch
-    leaves them out as one range, which the planner prices in one step where it prices
-    an array element by element (0.2 ms a fetch at 2,000 ids in flight)."""
+    """Rows in flight: their `ids`; `text` (`id_text`), the same made once, for the
+    statements that name them (the settle, a fetch that leaves them out); `span`
+    (first, last) when they are every id from first to last, as a batch fetched in id
+    order usually is: then a fetch may leave them out as one range, which the planner
+    prices in one step where it prices an array element by element (0.2 ms a fetch at
+    2,000 ids in flight)."""
 
-    text: str
+    ids: tuple[int, ...] = ()
+    text: str = ""
     span: tuple[int, int] | None = None
 
 
@@ -92,31 +90,17 @@ class IdSet:
 _LAST_BIGINT = 2**63 - 1
 
 
-def id_set(ids: list[int]) -> IdSet:
+def id_set(ids: Iterable[int]) -> IdSet:
     """A batch's ids: their text, and their span if they leave no gap (a span stands for
     every id in it, so a repeated id must not pass for a missing one)."""
-    if not ids:
-        return IdSet("")
-    first, last = min(ids), max(ids)
-    whole = last - first + 1 == len(ids) and last < _LAST_BIGINT and len(set(ids)) == len(ids)
-    return IdSet(id_text(ids), (first, last) if whole else None)
-
-
-class LeftOut(NamedTuple):
-    """What the fetch leaves out: `ids`, an array literal (`::bigint[]`) of the ids of
-    batches with gaps and the stragglers; `ranges`, a multirange literal
-    (`::int8multirange`) of the spans of the others."""
-
-    ids: str
-    ranges: str
-
-
-def in_flight(parts: Iterable[IdSet]) -> LeftOut:
-    """The rows in flight, as the fetch leaves them out."""
-    parts = list(parts)
-    spans = [part.span for part in parts if part.span is not None]
-    ids = id_array(part.text for part in parts if part.span is None)
-    return LeftOut(ids, "{" + ",".join(f"[{first},{last}]" for first, last in spans) + "}")
+    values = tuple(ids)
+    if not values:
+        return IdSet()
+    first, last = min(values), max(values)
+    whole = (
+        last - first + 1 == len(values) and last < _LAST_BIGINT and len(set(values)) == len(values)
+    )
+    return IdSet(values, id_text(values), (first, last) if whole else None)
 
 
 def id_text(ids: Iterable[int]) -> str:
@@ -126,9 +110,3 @@ def id_text(ids: Iterable[int]) -> str:
     C-level join, where psycopg adapting a list element by element in Python was a
     tenth of the drain thread's time at batch 2000."""
     return ",".join(map(str, ids))
-
-
-def id_array(parts: Iterable[str]) -> str:
-    """`{1,2,3}` from `id_text` parts: the literal PostgreSQL parses as the `::bigint[]`
-    a statement casts it to."""
-    return "{" + ",".join(part for part in parts if part) + "}"

@@ -8,7 +8,7 @@ overtake them. A settle that a newer lease holder fenced out is reported to the 
 
 from __future__ import annotations
 
-from relay.drain.batch import IdSet, Settlement, id_text
+from relay.drain.batch import IdSet, Settlement, id_set
 from relay.drain.settler import InFlight, Settler
 from relay.drain.stragglers import Stragglers
 from relay.lease.protocol import Lease, LeaseToken
@@ -34,7 +34,7 @@ class SettlePipeline:
     def unsettled(self) -> tuple[list[IdSet], frozenset[str]]:
         """Ids every fetch leaves out and keys held back from it: the batch being
         settled, and the stragglers."""
-        ids = [IdSet(id_text(self.stragglers.ids()))]
+        ids = [id_set(self.stragglers.ids())]
         held = self.stragglers.keys()
         if self._in_flight is not None:
             ids.append(self._in_flight.ids)

@@ -17,13 +17,15 @@ from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints
-from relay.drain.batch import BatchLimits, IdSet, LeftOut, in_flight
+from relay.drain.batch import BatchLimits, IdSet
 from relay.lease.protocol import Shard
 from relay.message import OutboxMessage
 from relay.observe import metrics
 from relay.observe.logging import get_logger
 from relay.shutdown import Shutdown
-from relay.store.port import ReadStore, StoreError
+from relay.store.port import FetchRequest, ReadStore, StoreError
+
+LeftOut = tuple[IdSet, ...]  # the rows every fetch leaves out: published, not settled
 
 log = get_logger("relay.drain")
 
@@ -137,7 +139,7 @@ class Reader:
             batch = without(rows, held | prefetched.held) if rows is not None else []
             if batch:
                 return batch
-        return without(self._on_session(self._fetch, in_flight(unsettled), held), held)
+        return without(self._on_session(self._fetch, tuple(unsettled), held), held)
 
     def prefetch(self, unsettled: list[IdSet], held: frozenset[str], publishing: IdSet) -> None:
         """Start reading the batch after the one being published (`publishing`, its
@@ -148,8 +150,8 @@ class Reader:
         the prefetched rows are published, the failures of those batches may still be
         unwritten.
         """
-        left_out = in_flight([*unsettled, publishing])
-        self._prefetched = Prefetched(self._submit(self._read_ahead, left_out, held), held)
+        read = self._submit(self._read_ahead, (*unsettled, publishing), held)
+        self._prefetched = Prefetched(read, held)
 
     def _read_ahead(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage] | None:
         failpoints.stall("read_ahead")
@@ -223,15 +225,11 @@ class Reader:
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):
-            fetched = self._store.fetch(
-                self.limits,
-                left_out.ids,
-                self._after_key,
-                held=sorted(held),
-                share_busy_keys=self._clock() >= self._look_for_others_at,
-                after_group=self._after_group,
-                in_flight_ranges=left_out.ranges,
+            share = self._clock() >= self._look_for_others_at
+            ask = FetchRequest(
+                self.limits, left_out, held, self._after_key, self._after_group, share
             )
+            fetched = self._store.fetch(ask)
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to
                 self._after_group = fetched.walked_group

@@ -330,11 +330,11 @@ AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
 
 -- fragment: not_in_flight
 -- Not in a batch published and not yet settled: `in_flight`, the ids of those with
--- gaps, and `in_flight_ranges`, the spans of those without (relay/drain/batch.py in_flight;
--- a batch fetched in id order is one span). Both are sent untyped, so the casts make
--- them constants of the custom plan: the array a hash lookup, the multirange a binary
--- search. The planner prices the multirange in one step and the array element by
--- element: 0.2 ms of planning a fetch at 2,000 ids in flight.
+-- gaps, and `in_flight_ranges`, the spans of those without (relay/store/fetch.py,
+-- left_out_literals; a batch fetched in id order is one span). Both are sent untyped,
+-- so the casts make them constants of the custom plan: the array a hash lookup, the
+-- multirange a binary search. The planner prices the multirange in one step and the
+-- array element by element: 0.2 ms of planning a fetch at 2,000 ids in flight.
 o.id <> ALL(%(in_flight)s::bigint[])
 AND NOT (o.id::bigint <@ %(in_flight_ranges)s::int8multirange)
 

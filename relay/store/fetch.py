@@ -5,17 +5,49 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, cast
 
 from psycopg.rows import RowMaker, tuple_row
 
-from relay.drain.batch import BatchLimits
+from relay.drain.batch import BatchLimits, IdSet
 from relay.message import KEY, READY, OutboxMessage
 from relay.sql import QUERIES
 from relay.store.db import Conn
-from relay.store.port import Fetched
+from relay.store.port import Fetched, FetchRequest
+
+
+def fetch(conn: Conn, request: FetchRequest, *, shards: int = 1, shard: int = 0) -> Fetched:
+    """`request` as the fetch statements take it."""
+    ids, ranges = left_out_literals(request.left_out)
+    return fetch_batch(
+        conn,
+        request.limits,
+        ids,
+        request.after_key,
+        held=sorted(request.held),
+        share_busy_keys=request.share_busy_keys,
+        shards=shards,
+        shard=shard,
+        after_group=request.after_group,
+        in_flight_ranges=ranges,
+    )
+
+
+def left_out_literals(parts: Sequence[IdSet]) -> tuple[str, str]:
+    """The rows in flight as the fetch leaves them out: an array literal (`::bigint[]`)
+    of the ids of batches with gaps and the stragglers, and a multirange literal
+    (`::int8multirange`) of the spans of the others."""
+    ids = id_array(part.text for part in parts if part.span is None)
+    spans = ",".join(f"[{p.span[0]},{p.span[1]}]" for p in parts if p.span is not None)
+    return ids, "{" + spans + "}"
+
+
+def id_array(parts: Iterable[str]) -> str:
+    """`{1,2,3}` from `id_text` parts: the literal PostgreSQL parses as the `::bigint[]`
+    a statement casts it to."""
+    return "{" + ",".join(part for part in parts if part) + "}"
 
 
 def fetch_batch(

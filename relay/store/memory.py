@@ -15,7 +15,6 @@ the loop's rules hold only across all three at once.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ from datetime import UTC, datetime
 from relay.drain.batch import BatchLimits, SentRows, Settlement
 from relay.lease.protocol import Acquired, Attempt, HeldByOther, LeaseToken
 from relay.message import OutboxMessage
-from relay.store.port import Fetched, Promoted, StoreError
+from relay.store.port import Fetched, FetchRequest, Promoted, StoreError
 
 
 @dataclass(slots=True)
@@ -169,20 +168,11 @@ class MemoryStore:
 
     # --- ReadStore ---
 
-    def fetch(
-        self,
-        limits: BatchLimits,
-        in_flight: str,
-        after_key: int | None,
-        *,
-        held: list[str],
-        share_busy_keys: bool,
-        after_group: str | None = None,
-        in_flight_ranges: str = "{}",
-    ) -> Fetched:
+    def fetch(self, request: FetchRequest) -> Fetched:
+        limits, held = request.limits, request.held
         with self._lock:
             self._statement()
-            left_out = _ids(in_flight) | _spanned(in_flight_ranges)
+            left_out = {row_id for part in request.left_out for row_id in part.ids}
             now = self.clock()
             blocked: set[str] = set(held)  # keys whose later rows may not be sent
             batch: list[OutboxMessage] = []
@@ -281,19 +271,6 @@ class MemoryStore:
 
 def _due(row: Row, now: float) -> bool:
     return row.next_attempt_at is None or row.next_attempt_at <= now
-
-
-def _ids(literal: str) -> set[int]:
-    """The ids of an `id_array` literal, `{1,2,3}`."""
-    inner = literal.strip("{}")
-    return {int(part) for part in inner.split(",") if part}
-
-
-def _spanned(literal: str) -> set[int]:
-    """The ids of a multirange literal of closed spans, `{[1,3],[7,7]}`."""
-    spans = re.findall(r"\[(-?\d+),(-?\d+)\]", literal)
-    assert "{" + ",".join(f"[{a},{b}]" for a, b in spans) + "}" == literal, literal
-    return {i for a, b in spans for i in range(int(a), int(b) + 1)}
 
 
 def _message(row: Row, limits: BatchLimits) -> OutboxMessage:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from relay.drain.batch import BatchLimits, SentRows, Settlement
+from relay.drain.batch import BatchLimits, IdSet, SentRows, Settlement
 from relay.lease.protocol import Attempt, LeaseToken
 from relay.message import OutboxMessage
 
@@ -47,28 +47,29 @@ class Promoted:
     next_due_in: float | None  # seconds until the next scheduled row is due; None: none
 
 
+@dataclass(frozen=True, slots=True)
+class FetchRequest:
+    """What the drain asks of a fetch (docs/concepts/delivery-guarantees.md, "Fair across
+    keys, at a bounded cost"): the next batch of unsent rows in id order, minus
+    `left_out` (the rows published and not settled) and the `held` keys; a key blocked
+    by an earlier waiting row skipped. `after_key`: where the round over keys starts (a
+    key's hash); with `limits.group`, fair across groups first, from `after_group`.
+    `share_busy_keys`: look past a head that one key fills for others to share with."""
+
+    limits: BatchLimits
+    left_out: tuple[IdSet, ...] = ()
+    held: frozenset[str] = frozenset()
+    after_key: int | None = None
+    after_group: str | None = None
+    share_busy_keys: bool = True
+
+
 class ReadStore(Protocol):
     """The drain loop's session: the fetch and the promotion of scheduled rows, of the
     store's one shard."""
 
-    def fetch(
-        self,
-        limits: BatchLimits,
-        in_flight: str,
-        after_key: int | None,
-        *,
-        held: list[str],
-        share_busy_keys: bool,
-        after_group: str | None = None,
-        in_flight_ranges: str = "{}",
-    ) -> Fetched:
-        """The next batch (docs/concepts/delivery-guarantees.md, "Fair across keys, at a
-        bounded cost"): unsent rows in id order, minus the rows published and not
-        settled (`in_flight`, an `id_array`, and `in_flight_ranges`, their spans:
-        relay/drain/batch.py `in_flight`) and the `held` keys; a key blocked by an
-        earlier waiting row skipped. With
-        `limits.group`, fair across groups first (`after_group`: where that round
-        starts)."""
+    def fetch(self, request: FetchRequest) -> Fetched:
+        """The next batch `request` asks for."""
         ...
 
     def promote_due(self, limit: int) -> Promoted:

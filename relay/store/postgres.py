@@ -11,12 +11,12 @@ from datetime import datetime
 import psycopg
 from psycopg import IsolationLevel
 
-from relay.drain.batch import BatchLimits, SentRows, SetAside, Settlement
+from relay.drain.batch import SentRows, SetAside, Settlement
 from relay.lease.protocol import Attempt, LeaseToken, Shard
 from relay.settings import Settings
 from relay.store import connection, db, fetch, repository
 from relay.store import lease as lease_steps
-from relay.store.port import Fetched, Promoted, StoreError
+from relay.store.port import Fetched, FetchRequest, Promoted, StoreError
 
 
 def drain_session_setup(conn: connection.AnyConn) -> None:
@@ -56,29 +56,10 @@ class PostgresReadStore:
             raise
         return conn
 
-    def fetch(
-        self,
-        limits: BatchLimits,
-        in_flight: str,
-        after_key: int | None,
-        *,
-        held: list[str],
-        share_busy_keys: bool,
-        after_group: str | None = None,
-        in_flight_ranges: str = "{}",
-    ) -> Fetched:
+    def fetch(self, request: FetchRequest) -> Fetched:
         with _failing_as_store_error(self._session):
-            return fetch.fetch_batch(
-                self._session.get(),
-                limits,
-                in_flight,
-                after_key,
-                held=held,
-                share_busy_keys=share_busy_keys,
-                after_group=after_group,
-                shards=self._shard.shards,
-                shard=self._shard.shard,
-                in_flight_ranges=in_flight_ranges,
+            return fetch.fetch(
+                self._session.get(), request, shards=self._shard.shards, shard=self._shard.shard
             )
 
     def promote_due(self, limit: int) -> Promoted:

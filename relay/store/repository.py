@@ -9,10 +9,11 @@ from psycopg import sql
 from psycopg.rows import class_row
 
 from relay import failpoints
-from relay.drain.batch import SentRows, SetAside, Settlement
+from relay.drain.batch import SentRows, SetAside, Settlement, id_text
 from relay.lease.protocol import LeaseToken
 from relay.sql import QUERIES
 from relay.store.db import Conn
+from relay.store.fetch import id_array
 from relay.store.port import Promoted
 from relay.store.rows import LeaseRow, ReplicaRow
 
@@ -64,7 +65,7 @@ def settle(
                 "holder": token.holder,
                 "epoch": token.epoch,
                 "ttl": ttl,
-                "ids": settlement.sent_array(),
+                "ids": sent_array(settlement),
             },
         ).fetchone()
         return None if fenced is None else fenced["at"]
@@ -76,7 +77,7 @@ def settle(
         if fenced is None:
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
-            conn.execute(SETTLE_SENT[sent_rows], {"ids": settlement.sent_array()})
+            conn.execute(SETTLE_SENT[sent_rows], {"ids": sent_array(settlement)})
         if settlement.retry_ids:
             conn.execute(
                 QUERIES.record_failures,
@@ -103,6 +104,13 @@ def settle(
 
 # A wholly acknowledged batch's one fenced statement, and the acknowledged rows' part of
 # a settle transaction, by what is done with them.
+def sent_array(settlement: Settlement) -> str:
+    """The acknowledged ids as the settle statements' `::bigint[]` literal, from their
+    text when the drain made it already."""
+    text = settlement.sent_text if settlement.sent_text is not None else id_text(settlement.sent)
+    return id_array([text])
+
+
 SETTLE_ACKNOWLEDGED = {
     "delete": QUERIES.settle_delete_sent,
     "move": QUERIES.settle_move_sent,
