@@ -536,10 +536,16 @@ def test_abandon_mid_batch_returns_at_once_and_acks_nothing_unanswered(
         batch = [message(id=1, key="fast"), message(id=2, key="slow"), message(id=3, key="slow")]
         started = time.monotonic()
         results = sink.publish(batch, lambda: time.monotonic() - started > 0.5)
-        elapsed = time.monotonic() - started
+        returned = time.monotonic()
     finally:
         sink.close()
-    assert elapsed < 2.5, f"publish took {elapsed:.1f}s after being abandoned at 0.5s"
+    # It returned without waiting for the slow answer: the endpoint wrote it later.
+    slow = wait_until(
+        lambda: [d for d in server.history() if d.key == "slow"],
+        timeout=10,
+        message="the slow request answered",
+    )
+    assert [d.ended > returned for d in slow] == [True]
     assert [r.outcome for r in results] == [Outcome.ACKED, Outcome.SKIPPED, Outcome.SKIPPED]
     with pytest.raises(RuntimeError):
         sink.publish(batch, lambda: False)
@@ -565,12 +571,12 @@ def test_an_endpoint_that_never_answers_holds_a_batch_for_about_two_timeouts(
     sink = HttpSink(settings)
     try:
         batch = [message(id=n, key=f"k{n}") for n in range(30)]
-        started = time.monotonic()
         results = sink.publish(batch, lambda: False)
-        elapsed = time.monotonic() - started
     finally:
         sink.close()
-    assert elapsed < 2 * timeout + 0.5, f"batch took {elapsed:.1f}s"
+    # Two rounds of its two slots at most, not a round per slot's worth of keys: the
+    # endpoint saw no more requests than that, and the rest never started.
+    assert len(server.history()) <= 4
     outcomes = [r.outcome for r in results]
     assert outcomes.count(Outcome.RETRY) <= 4  # the requests that started: timed out
     assert outcomes.count(Outcome.SKIPPED) >= 26  # never started: no attempt spent
@@ -581,7 +587,8 @@ def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it(
 ) -> None:
     """A key's rows go one request at a time; 5,000 of one key in front of a 20 ms
     endpoint are minutes of work. Rows of 50 other keys committed meanwhile arrive
-    within 5 s (before: only after whole 500-row batches of the hot key)."""
+    while the hot key sends fewer than one batch (before: only after whole 500-row
+    batches of the hot key)."""
     server.respond = lambda d: Reply(204, delay=0.02)
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
@@ -592,15 +599,18 @@ def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it(
     settings = http_settings(make_settings, server.url, batch_size=500)
     with running_relay(settings):
         wait_until(server.acked, 30, message="the hot key flowing")
+        hot_before = sum(1 for d in server.acked() if d.key == "H")
         insert_rows(database, TOPIC, keyed_rows(50, 5))
-        started = time.monotonic()
         wait_until(
             lambda: sum(1 for d in server.acked() if d.key != "H") >= 250,
-            5.0,
-            message="the other keys' 250 rows delivered within 5 s",
+            30.0,
+            message="the other keys' 250 rows delivered",
         )
-        elapsed = time.monotonic() - started
+        hot_then = sum(1 for d in server.acked() if d.key == "H")
     assert_in_order([d for d in server.history() if d.key != "H"], 50, 5)
     hot = [d.body for d in server.acked() if d.key == "H"]
     assert hot == [f"H:{i}".encode() for i in range(len(hot))]
-    assert elapsed < 5.0
+    # They did not wait behind the hot key's batches: fewer than one of its 500-row
+    # batches went meanwhile (before, they came after whole such batches).
+    went = hot_then - hot_before
+    assert went < 500, f"{went} of the hot key's rows went before the other keys' 250"
