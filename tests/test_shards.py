@@ -400,7 +400,6 @@ def sharded(
             RELAY_REPLICA_ID=name,
             RELAY_LEASE_TTL_SECONDS="3",
             RELAY_STANDBY_POLL_SECONDS="0.2",
-            RELAY_HEARTBEAT_SECONDS="0.5",
             RELAY_BATCH_SIZE="50",
         )
         proc = start_relay(env, tmp_path / f"relay-{name}.log")

@@ -412,13 +412,6 @@ class Settings(
         "logs. Default: host:pid:random. Keep it unique: two replicas with one id would "
         "take the lease from each other.",
     )
-    heartbeat_seconds: float = Field(
-        default=2.0,
-        gt=0,
-        le=60,
-        description="How often each replica records in the database that it is alive and "
-        "whether it reaches the sink (a standby probes it; a leader reports its progress).",
-    )
     give_way_seconds: float = Field(
         default=30.0,
         ge=0,
@@ -650,8 +643,9 @@ class Settings(
         if 0 < self.give_way_seconds < 2 * self.heartbeat_seconds:
             raise SettingsError(
                 "RELAY_GIVE_WAY_SECONDS",
-                "must be 0 (never) or at least twice RELAY_HEARTBEAT_SECONDS: the decision "
-                "rests on the other replicas' heartbeats",
+                "must be 0 (never) or at least twice the heartbeat (a fifth of "
+                "RELAY_LEASE_TTL_SECONDS, at most 2 s): the decision rests on the other "
+                "replicas' heartbeats",
             )
         return self
 
@@ -668,6 +662,13 @@ class Settings(
         """A leader stops publishing this long before its lease would expire, counted on
         its own clock from before the acquiring or renewing transaction: clock drift and
         slow commits. A fifth of the ttl, at most 2 s."""
+        return min(2.0, self.lease_ttl_seconds * 0.2)
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """How often each replica records in the database that it is alive and whether it
+        reaches the sink (a standby probes it; a leader reports its progress): a fifth of
+        the ttl, at most 2 s."""
         return min(2.0, self.lease_ttl_seconds * 0.2)
 
     @property

@@ -91,6 +91,9 @@ RETIRED: Mapping[str, str] = {
     "RELAY_LAG_COUNT_CAP": "nothing: the lag gauges count up to 100,000 rows",
     "RELAY_PURGE_BATCH_SIZE": "nothing: the purge deletes 1,000 rows a statement",
     # Derived from the lease's ttl, and never needed on their own.
+    "RELAY_HEARTBEAT_SECONDS": (
+        "nothing: a replica beats every fifth of RELAY_LEASE_TTL_SECONDS (at most 2 s)"
+    ),
     "RELAY_LEASE_RENEW_INTERVAL_SECONDS": (
         "nothing: a leader renews every third of RELAY_LEASE_TTL_SECONDS"
     ),

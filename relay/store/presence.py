@@ -2,7 +2,7 @@
 
 A leader cut off from the broker (or the endpoint) but not from PostgreSQL keeps renewing
 its lease; by the lease alone it would hold it forever while a standby that could
-deliver waits. So each replica beats every RELAY_HEARTBEAT_SECONDS into the `replicas`
+deliver waits. So each replica beats every fifth of the ttl (at most 2 s) into the `replicas`
 table (`replica_beat` in lease.sql):
 
 - a standby probes the sink (`Sink.check`: broker metadata, a TCP/TLS connect to the
@@ -44,8 +44,8 @@ class PresenceConfig:
 
     lease_name: str  # RELAY_LEASE_NAME: the group whose replicas count each other
     replica_id: str  # RELAY_REPLICA_ID
-    heartbeat_seconds: float  # RELAY_HEARTBEAT_SECONDS
-    live_seconds: float  # max(RELAY_LEASE_TTL_SECONDS, 3 x RELAY_HEARTBEAT_SECONDS)
+    heartbeat_seconds: float  # Settings.heartbeat_seconds: a fifth of the ttl, at most 2 s
+    live_seconds: float  # Settings.replica_live_seconds
     give_way_seconds: float  # RELAY_GIVE_WAY_SECONDS; 0: never give way nor defer
 
 

@@ -109,7 +109,6 @@ def run(
             # A leader that cannot reach the sink hands over (cut_leader_from_broker);
             # the window must cover two heartbeats.
             "RELAY_GIVE_WAY_SECONDS": str(give_way),
-            "RELAY_HEARTBEAT_SECONDS": "0.5",
         },
     )
     notes = []
