@@ -140,7 +140,7 @@ def run(sink: str, dsn: str, rows: int, batches: list[int], in_flight: int) -> l
                 database_url=dsn,
                 sink=sink,
                 batch_size=batch,
-                metrics_enabled=False,
+                metrics_port=0,
                 log_level="warning",
                 **options,
             )

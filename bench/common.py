@@ -100,7 +100,7 @@ def relay_settings(dsn: str, bootstrap: str | None, **overrides: Any) -> Setting
     values: dict[str, Any] = {
         "database_url": dsn,
         "kafka_bootstrap_servers": bootstrap,
-        "metrics_enabled": False,
+        "metrics_port": 0,
         "log_level": "warning",
     }
     values.update(overrides)

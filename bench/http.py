@@ -88,7 +88,7 @@ def relay_post(dsn: str, url: str, rows: int, batch: int, in_flight: int) -> flo
         http_url=url,
         sink_max_in_flight=in_flight,
         batch_size=batch,
-        metrics_enabled=False,
+        metrics_port=0,
         log_level="warning",
     )
     app = RelayApp(settings)

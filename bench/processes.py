@@ -34,7 +34,7 @@ def launch(
         {
             "RELAY_DATABASE_URL": dsn,
             "RELAY_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-            "RELAY_METRICS_ENABLED": "false",
+            "RELAY_METRICS_PORT": "0",
             "RELAY_LOG_FORMAT": "json",
             "RELAY_LOG_LEVEL": "warning",
             "PYTHONPATH": str(REPO),
@@ -162,7 +162,7 @@ class Trickle(threading.Thread):
 def failover(dsn: str, bootstrap: str, ttl: float) -> dict[str, float]:
     """SIGTERM and SIGKILL of the leader -> a row committed after the signal is published
     (and deleted) by the other replica."""
-    env = {"RELAY_LEASE_TTL_SECONDS": str(ttl), "RELAY_STANDBY_POLL_SECONDS": "0.5"}
+    env = {"RELAY_LEASE_TTL_SECONDS": str(ttl)}
     results: dict[str, float] = {"ttl_seconds": ttl}
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox")

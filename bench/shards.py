@@ -39,7 +39,8 @@ REPLICA_COUNTS = (1, 2, 3)
 KEYS = 200
 BATCH = 500
 # Short lease timings (as tests/test_shards.py) so the split settles in seconds.
-TTL, STANDBY_POLL = 3.0, 0.2
+TTL = 3.0
+STANDBY_POLL = min(0.5, TTL / 15)  # what the relay derives from the ttl
 HEARTBEAT = min(2.0, TTL / 5)  # what the relay derives from the ttl
 STABLE_SECONDS = 3 * HEARTBEAT  # the split must hold still this long before loading
 DRAIN_TIMEOUT = 180.0
@@ -61,7 +62,6 @@ def _start(dsn: str, bootstrap: str, shards: int, replica_id: str) -> subprocess
         RELAY_SHARDS=str(shards),
         RELAY_REPLICA_ID=replica_id,
         RELAY_LEASE_TTL_SECONDS=str(TTL),
-        RELAY_STANDBY_POLL_SECONDS=str(STANDBY_POLL),
         RELAY_BATCH_SIZE=str(BATCH),
         RELAY_RETENTION_SECONDS="86400",
     )

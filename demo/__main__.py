@@ -40,7 +40,6 @@ def relay_env(dsn: str, bootstrap: str, n: int) -> dict[str, str]:
             "RELAY_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
             "RELAY_LOG_FORMAT": "console",
             "RELAY_LEASE_TTL_SECONDS": "4",
-            "RELAY_STANDBY_POLL_SECONDS": "0.3",
             "RELAY_METRICS_PORT": str(19100 + n),
             "RELAY_REPLICA_ID": f"replica-{n}:{n}",
             "PYTHONPATH": str(REPO),

@@ -95,9 +95,8 @@ def make_settings(relay_dsn: str, request: pytest.FixtureRequest) -> SettingsFac
     def factory(**overrides: Any) -> Settings:
         values: dict[str, Any] = {
             "database_url": relay_dsn,
-            "metrics_enabled": False,
+            "metrics_port": 0,
             "lease_ttl_seconds": 3.0,
-            "standby_poll_seconds": 0.2,
             "batch_size": 100,
             "sink_timeout_seconds": 5.0,
             "retry_base_seconds": 0.1,
@@ -119,7 +118,7 @@ def relay_env(dsn: str, bootstrap: str | None = None, **extra: str) -> dict[str,
         {
             "RELAY_DATABASE_URL": dsn,
             "RELAY_LOG_FORMAT": "json",
-            "RELAY_METRICS_ENABLED": "false",
+            "RELAY_METRICS_PORT": "0",
             "PYTHONPATH": str(REPO),
         }
     )

@@ -196,7 +196,6 @@ def test_a_leader_cut_off_from_the_broker_gives_way_and_every_row_arrives(
                 broker.advertised_bootstrap,
                 RELAY_REPLICA_ID=name,
                 RELAY_LEASE_TTL_SECONDS="3",
-                RELAY_STANDBY_POLL_SECONDS="0.2",
                 RELAY_GIVE_WAY_SECONDS=str(GIVE_WAY_SECONDS),
                 RELAY_BATCH_SIZE="50",
             )

@@ -121,9 +121,8 @@ def world(pg: PostgresServer) -> Iterator[World]:
         sink="http",
         http_url="http://127.0.0.1:0/unused",  # replaced below, once the receiver listens
         replica_id=REPLICA,
-        metrics_enabled=False,
+        metrics_port=0,
         lease_ttl_seconds=3.0,
-        standby_poll_seconds=0.2,
         retry_base_seconds=60.0,  # a failed key stays in backoff while the tests look
         retry_max_seconds=120.0,
         log_format="json",

@@ -871,7 +871,6 @@ def relay_metrics_port(
     env = relay_env(
         dsn,
         kafka.bootstrap_servers,
-        RELAY_METRICS_ENABLED="true",
         RELAY_METRICS_PORT=str(port),
         RELAY_LEASE_NAME="deploy",
         RELAY_LEASE_TTL_SECONDS="3",

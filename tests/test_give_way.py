@@ -55,7 +55,6 @@ class Replica:
             RELAY_SINK_TIMEOUT_SECONDS="2",
             RELAY_REPLICA_ID=name,
             RELAY_LEASE_TTL_SECONDS="3",
-            RELAY_STANDBY_POLL_SECONDS="0.2",
             RELAY_GIVE_WAY_SECONDS=str(GIVE_WAY_SECONDS),
             RELAY_BATCH_SIZE="50",
         )

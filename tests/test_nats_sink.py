@@ -91,9 +91,7 @@ def test_jetstream_holds_each_row_once_after_the_leader_dies_between_ack_and_mar
                 RELAY_SINK="nats",
                 RELAY_NATS_URL=nats_server.url,
                 RELAY_LEASE_TTL_SECONDS="3",
-                RELAY_STANDBY_POLL_SECONDS="0.2",
                 RELAY_BATCH_SIZE="50",
-                RELAY_METRICS_ENABLED="true",
                 RELAY_METRICS_PORT=str(port),
                 RELAY_FAILPOINTS=str(failpoints),
             )

@@ -76,9 +76,7 @@ def replicas(relay_dsn: str, kafka: TansuBroker, tmp_path: Path) -> Iterator[lis
             relay_dsn,
             kafka.bootstrap_servers,
             RELAY_LEASE_TTL_SECONDS="3",
-            RELAY_STANDBY_POLL_SECONDS="0.2",
             RELAY_SINK_TIMEOUT_SECONDS="3",
-            RELAY_METRICS_ENABLED="true",
             RELAY_METRICS_PORT=str(port),
             RELAY_LAG_SAMPLE_SECONDS="0.2",
         )
@@ -336,9 +334,7 @@ def test_a_leader_whose_database_freezes_drops_the_lease_gauge_and_readiness_in_
     (ttl - margin), 503 within max(3 x standby poll, ttl)."""
     lease = f"frozen-{uuid.uuid4().hex[:6]}"
     port = free_port()
-    settings = make_settings(
-        lease_name=lease, metrics_enabled=True, metrics_port=port, lag_sample_seconds=0
-    )
+    settings = make_settings(lease_name=lease, metrics_port=port, lag_sample_seconds=0)
     window = max(3 * settings.standby_poll_seconds, settings.lease_ttl_seconds)
 
     def held() -> float | None:
@@ -443,7 +439,6 @@ def test_metrics_carry_at_most_the_capped_topics_and_the_counts_add_up(
     env = relay_env(
         relay_dsn,
         kafka.bootstrap_servers,
-        RELAY_METRICS_ENABLED="true",
         RELAY_METRICS_PORT=str(port),
         RELAY_METRICS_TOPIC_LABELS=str(cap),
     )

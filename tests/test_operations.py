@@ -42,7 +42,7 @@ def test_metrics_and_probes_report_the_leader_and_its_work(
     make_settings: SettingsFactory, database: str, topic: str
 ) -> None:
     port = free_port()
-    settings = make_settings(metrics_enabled=True, metrics_port=port, lease_name="metrics")
+    settings = make_settings(metrics_port=port, lease_name="metrics")
     base = f"http://127.0.0.1:{port}"
     with running_relay(settings):
         wait_until(
@@ -69,7 +69,6 @@ def test_healthcheck_probes_the_configured_metrics_address(
     env = relay_env(
         relay_dsn,
         "127.0.0.1:9",  # valid settings need a broker address; the probe never uses it
-        RELAY_METRICS_ENABLED="true",
         RELAY_METRICS_HOST=host,
         RELAY_METRICS_PORT=str(port),
     )
@@ -78,7 +77,7 @@ def test_healthcheck_probes_the_configured_metrics_address(
     )
     assert down.returncode == 1
     assert f"unhealthy: http://{host}:{port}/healthz".encode() in down.stderr
-    settings = make_settings(metrics_enabled=True, metrics_host=host, metrics_port=port)
+    settings = make_settings(metrics_host=host, metrics_port=port)
     with running_relay(settings):
         wait_until(lambda: get(f"http://{host}:{port}/healthz")[0] == 200, timeout=10)
         assert b"healthy" in run_cli(env, "healthcheck").stdout

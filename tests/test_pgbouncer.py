@@ -106,7 +106,6 @@ def test_a_backlog_drains_through_the_pooler_in_order_without_an_error(
         pooled,
         kafka.bootstrap_servers,
         RELAY_LEASE_TTL_SECONDS="3",
-        RELAY_STANDBY_POLL_SECONDS="0.2",
         RELAY_DATABASE_SYNCHRONOUS_COMMIT="on",
     )
     logs = [tmp_path / f"relay-{n}.log" for n in range(2)]
@@ -138,7 +137,6 @@ def test_a_killed_holders_lease_is_taken_over_and_its_epoch_fenced_through_the_p
         pooled,
         kafka.bootstrap_servers,
         RELAY_LEASE_TTL_SECONDS="2",
-        RELAY_STANDBY_POLL_SECONDS="0.2",
         RELAY_BATCH_SIZE="50",
     )
     logs = [tmp_path / f"relay-{n}.log" for n in range(2)]

@@ -51,7 +51,6 @@ def replicas(
         relay_dsn,
         kafka.bootstrap_servers,
         RELAY_LEASE_TTL_SECONDS="3",
-        RELAY_STANDBY_POLL_SECONDS="0.2",
         RELAY_BATCH_SIZE="50",
     )
     procs = [start_relay(env, tmp_path / f"relay-{n}.log") for n in range(2)]

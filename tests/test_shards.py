@@ -399,7 +399,6 @@ def sharded(
             RELAY_SHARDS=str(EIGHT),
             RELAY_REPLICA_ID=name,
             RELAY_LEASE_TTL_SECONDS="3",
-            RELAY_STANDBY_POLL_SECONDS="0.2",
             RELAY_BATCH_SIZE="50",
         )
         proc = start_relay(env, tmp_path / f"relay-{name}.log")

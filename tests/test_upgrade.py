@@ -111,7 +111,6 @@ def start(
         PYTHONPATH=str(code),
         RELAY_REPLICA_ID=replica,
         RELAY_LEASE_TTL_SECONDS="3",
-        RELAY_STANDBY_POLL_SECONDS="0.2",
         RELAY_BATCH_SIZE="50",
         **extra,
     )

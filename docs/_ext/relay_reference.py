@@ -564,7 +564,7 @@ def metric_entries() -> list[MetricEntry]:
 def metrics_markdown() -> str:
     lines = [
         "What each replica serves at `/metrics` (`RELAY_METRICS_HOST`:`RELAY_METRICS_PORT`, "
-        "unless `RELAY_METRICS_ENABLED=false`). The names are as scraped: counters end in "
+        "unless `RELAY_METRICS_PORT=0`). The names are as scraped: counters end in "
         "`_total`; a histogram is its `_bucket`, `_sum` and `_count` series. The `shard` "
         "label appears only with `RELAY_SHARDS` above 1; a sink's metrics only with that "
         "sink.",

@@ -1,6 +1,6 @@
 """The elector: the thread that keeps this replica's belief about the lease true.
 
-Standby: try to acquire every RELAY_STANDBY_POLL_SECONDS (jittered), unless this
+Standby: try to acquire every fifteenth of the ttl, at most 0.5 s (jittered), unless this
 replica cannot reach the sink while a live peer can (`defer`). Leader: renew when no
 settle has renewed for the renew interval; drop the lease at the local deadline; expire
 the row when the drain loop gave the lease up, and report a loss by fencing. It is the

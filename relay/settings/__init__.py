@@ -387,14 +387,9 @@ class Settings(
         le=3600.0,
         description="How long a lease lasts after each acquisition or renewal, by the "
         "database's clock: after a crash (no release) a standby takes over within about "
-        "this long; shorter also means renewing more often.",
-    )
-    standby_poll_seconds: float = Field(
-        default=0.5,
-        gt=0,
-        le=60,
-        description="How often a standby tries to acquire the lease (±20 % jitter): a lease "
-        "released on shutdown is taken over within about this long.",
+        "this long; shorter also means renewing more often. The lease's other timings "
+        "follow from it: a standby tries to acquire every fifteenth of it (at most 0.5 s), "
+        "every replica beats every fifth (at most 2 s).",
     )
     shards: int = Field(
         default=1,
@@ -574,13 +569,8 @@ class Settings(
         default=9108,
         ge=0,
         le=65535,
-        description="Its port; 0 picks a free one (logged at start; `relay healthcheck` "
-        "then fails, not knowing it).",
-    )
-    metrics_enabled: bool = Field(
-        default=True,
-        description="Serve /metrics, /healthz and /readyz; false serves none of them "
-        "(`relay healthcheck` then passes without probing).",
+        description="Its port; 0 serves none of them (`relay healthcheck` then passes "
+        "without probing).",
     )
     metrics_topic_labels: int = Field(
         default=100,
@@ -663,6 +653,18 @@ class Settings(
         its own clock from before the acquiring or renewing transaction: clock drift and
         slow commits. A fifth of the ttl, at most 2 s."""
         return min(2.0, self.lease_ttl_seconds * 0.2)
+
+    @property
+    def metrics_enabled(self) -> bool:
+        """Whether this replica serves /metrics, /healthz and /readyz (RELAY_METRICS_PORT)."""
+        return self.metrics_port != 0
+
+    @property
+    def standby_poll_seconds(self) -> float:
+        """How often a standby tries to acquire the lease (±20 % jitter): a lease
+        released on shutdown is taken over within about this long. A fifteenth of the
+        ttl, at most 0.5 s."""
+        return min(0.5, self.lease_ttl_seconds / 15)
 
     @property
     def heartbeat_seconds(self) -> float:

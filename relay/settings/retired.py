@@ -90,7 +90,13 @@ RETIRED: Mapping[str, str] = {
     ),
     "RELAY_LAG_COUNT_CAP": "nothing: the lag gauges count up to 100,000 rows",
     "RELAY_PURGE_BATCH_SIZE": "nothing: the purge deletes 1,000 rows a statement",
+    "RELAY_METRICS_ENABLED": (
+        "RELAY_METRICS_PORT: 0 serves no metrics and no probes (false); a port serves them"
+    ),
     # Derived from the lease's ttl, and never needed on their own.
+    "RELAY_STANDBY_POLL_SECONDS": (
+        "nothing: a standby tries every fifteenth of RELAY_LEASE_TTL_SECONDS (at most 0.5 s)"
+    ),
     "RELAY_HEARTBEAT_SECONDS": (
         "nothing: a replica beats every fifth of RELAY_LEASE_TTL_SECONDS (at most 2 s)"
     ),

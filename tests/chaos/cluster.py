@@ -147,7 +147,6 @@ class Cluster:
             "RELAY_REPLICA_ID": replica.holder,
             "RELAY_LOG_LEVEL": "debug",
             "RELAY_FAILPOINTS": str(replica.failpoints),
-            "RELAY_METRICS_ENABLED": "true",
             "RELAY_METRICS_PORT": str(replica.metrics_port),
             "RELAY_SHARDS": str(self.shards),
         }

@@ -102,7 +102,6 @@ def run(
         shards=profile.shards,
         settings={
             "RELAY_LEASE_TTL_SECONDS": str(profile.ttl),
-            "RELAY_STANDBY_POLL_SECONDS": "0.2",
             "RELAY_BATCH_SIZE": str(profile.batch),
             "RELAY_RETRY_BASE_SECONDS": "0.1",
             "RELAY_RETRY_MAX_SECONDS": "1",
