@@ -135,6 +135,7 @@ def message(key: str | None, headers: list[list[str]] | None) -> OutboxMessage:
     )
 
 
+@pytest.mark.unit
 def test_rabbitmq_and_nats_messages_carry_the_attributes_by_their_binding() -> None:
     ce = CloudEvents(SOURCE, "type")
     row = message(

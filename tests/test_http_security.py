@@ -70,6 +70,7 @@ def by_path(receiver: WebhookServer) -> dict[str, Delivery]:
 # --- a topic is one path segment ----------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_topic_fills_one_path_segment_and_no_other() -> None:
     hooks = UrlTemplate("https://h.example/tenant/hooks/{topic}")
     assert hooks.fill("orders") == "https://h.example/tenant/hooks/orders"
@@ -101,6 +102,7 @@ def test_a_topic_fills_one_path_segment_and_no_other() -> None:
         UrlTemplate("https://h.example/{topic}").fill("x" * 70_000)  # the client refuses it
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "topic", ["./..", "a/../..", "..\\x", "x/.", "%2e%2e", "a%2F..%2F..", "%2e%2e%2f"]
 )
@@ -113,6 +115,7 @@ def test_a_topic_that_decodes_to_a_dot_segment_is_refused(topic: str) -> None:
     assert "holds a '.' or '..' segment" in str(err.value)
 
 
+@pytest.mark.unit
 def test_a_path_the_client_would_send_otherwise_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -245,6 +248,7 @@ def test_destinations_and_their_credentials(make_settings: SettingsFactory) -> N
     assert "Bearer home" not in repr(builder.build(message()))
 
 
+@pytest.mark.unit
 def test_topic_url_objects_are_validated_strictly_and_keep_their_secrets() -> None:
     def refused(entry: Any) -> SettingsError:
         with pytest.raises(SettingsError) as err:
@@ -286,6 +290,7 @@ def test_topic_url_objects_are_validated_strictly_and_keep_their_secrets() -> No
     assert is_setting_variable("RELAY_HTTP_TOPIC_URLS_FILE")
 
 
+@pytest.mark.unit
 def test_topic_urls_with_their_credentials_come_from_a_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,6 +304,7 @@ def test_topic_urls_with_their_credentials_come_from_a_file(
     assert value.get_secret_value() == "Bearer hunter2"
 
 
+@pytest.mark.unit
 def test_a_global_credential_that_goes_nowhere_is_refused() -> None:
     only_topics = {"http_topic_urls": {"orders": "https://o.example/in"}}
     with pytest.raises(SettingsError) as err:
@@ -315,6 +321,7 @@ def test_a_global_credential_that_goes_nowhere_is_refused() -> None:
 # --- plaintext with credentials -----------------------------------------------------
 
 
+@pytest.mark.unit
 def test_plaintext_credentials_need_an_opt_in() -> None:
     cases: list[tuple[dict[str, Any], str, str]] = [
         (
@@ -357,6 +364,7 @@ def test_plaintext_credentials_need_an_opt_in() -> None:
         load_settings(Settings, **BASE, **values, http_allow_plaintext_credentials=True)
 
 
+@pytest.mark.unit
 def test_what_needs_no_plaintext_opt_in() -> None:
     token = {"http_auth_header_value": "Bearer t"}
     for url in (

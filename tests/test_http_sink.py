@@ -101,6 +101,7 @@ def message(**fields: Any) -> OutboxMessage:
     return OutboxMessage(**values)
 
 
+@pytest.mark.unit
 def test_classification() -> None:
     assert classify_response(204, None, b"", 300).outcome is Outcome.ACKED
     for status in (408, 425, 429, 500, 501):
@@ -125,6 +126,7 @@ def test_classification() -> None:
     assert classify_response(403, None, b"", 300, frozenset({401})).outcome is Outcome.DEAD
 
 
+@pytest.mark.unit
 def test_retry_after_forms() -> None:
     now = datetime(2026, 1, 1, tzinfo=UTC)
     assert parse_retry_after("120", 300, now) == 120

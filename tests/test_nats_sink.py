@@ -144,6 +144,7 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         assert_each_once_in_key_order(server.read_stream(name), total=300)
 
 
+@pytest.mark.unit
 def test_headers_steer_nothing_and_break_no_line() -> None:
     def msg(headers: list[list[str]], key: str | None = "k") -> OutboxMessage:
         return OutboxMessage(1, "m-1", "t", key, b"", headers, None, "now", 0.0, 0)

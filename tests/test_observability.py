@@ -365,6 +365,7 @@ def test_a_leader_whose_database_freezes_drops_the_lease_gauge_and_readiness_in_
 # --- the topic label cap (RELAY_METRICS_TOPIC_LABELS) ---
 
 
+@pytest.mark.unit
 def test_topic_labels_keep_the_first_topics_and_count_the_rest_as_other() -> None:
     labels = TopicLabels(2)
     assert [labels.label(t) for t in ("a", "b", "c", "a", "d", "b")] == [
@@ -381,6 +382,7 @@ def test_topic_labels_keep_the_first_topics_and_count_the_rest_as_other() -> Non
     assert (labels.label("b"), labels.label("a")) == ("b", OTHER_TOPIC)
 
 
+@pytest.mark.unit
 def test_topic_labels_admit_exactly_the_cap_under_concurrent_drains() -> None:
     """Shard drain threads label at the same time: exactly the cap is kept, and every
     topic has one label throughout (a kept topic never counts under _other)."""

@@ -7,6 +7,7 @@ import subprocess
 import uuid
 
 import psycopg
+import pytest
 
 from relay.admin.cli import health_url
 from relay.admin.migrate import migrations_dir
@@ -87,6 +88,7 @@ def test_healthcheck_probes_the_configured_metrics_address(
     assert b"nothing to probe" in off.stdout
 
 
+@pytest.mark.unit
 def test_healthcheck_probes_a_wildcard_bind_on_loopback() -> None:
     assert health_url("0.0.0.0", 9108) == "http://127.0.0.1:9108/healthz"  # noqa: S104
     assert health_url("::", 9108) == "http://[::1]:9108/healthz"

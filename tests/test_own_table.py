@@ -310,6 +310,7 @@ def test_a_timestamp_without_time_zone_is_refused_with_the_setting_named(
     assert "RELAY_OUTBOX_COLUMNS" in done.stderr and "timestamptz" in done.stderr
 
 
+@pytest.mark.unit
 def test_a_mapping_that_is_not_json_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAY_DATABASE_URL", "postgresql://x@h/d")
     monkeypatch.setenv("RELAY_OUTBOX_COLUMNS", "{bad")

@@ -84,6 +84,7 @@ def test_a_routing_key_no_queue_could_have_is_dead_lettered_and_its_key_goes_on(
     assert [m.body for m in rabbitmq_server.read_queue(queue)] == [b"k0:1"]
 
 
+@pytest.mark.unit
 def test_the_amqp_message_of_a_row() -> None:
     row = OutboxMessage(
         1,

@@ -33,6 +33,7 @@ def env_for(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
         monkeypatch.setenv(name, value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("variable", "value", "fragment"),
     [
@@ -61,6 +62,7 @@ def test_invalid_value_names_the_variable(
     assert "s3cr3t-pw" not in str(caught.value)
 
 
+@pytest.mark.unit
 def test_missing_database_url_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     env_for(monkeypatch, RELAY_KAFKA_BOOTSTRAP_SERVERS="k:9092")
     with pytest.raises(SettingsError) as caught:
@@ -69,6 +71,7 @@ def test_missing_database_url_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert caught.value.message == "is required"
 
 
+@pytest.mark.unit
 def test_kafka_sink_requires_bootstrap_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     env_for(monkeypatch, RELAY_DATABASE_URL=URL)
     with pytest.raises(SettingsError) as caught:
@@ -76,6 +79,7 @@ def test_kafka_sink_requires_bootstrap_servers(monkeypatch: pytest.MonkeyPatch) 
     assert caught.value.name == "RELAY_KAFKA_BOOTSTRAP_SERVERS"
 
 
+@pytest.mark.unit
 def test_secret_from_file_and_librdkafka_passthrough(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -99,6 +103,7 @@ def test_secret_from_file_and_librdkafka_passthrough(
     }
 
 
+@pytest.mark.unit
 def test_unreadable_secret_file_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     env_for(monkeypatch, RELAY_DATABASE_URL_FILE=str(tmp_path / "missing"))
     with pytest.raises(SettingsError) as caught:
@@ -132,6 +137,7 @@ def test_a_pace_cap_of_zero_exits_2_naming_it() -> None:
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("variable", "value"),
     [
@@ -156,6 +162,7 @@ def test_pass_through_cannot_switch_off_the_delivery_guarantees(
     assert err.value.name == variable
 
 
+@pytest.mark.unit
 def test_pass_through_may_restate_the_guarantees(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAY_DATABASE_URL", "postgresql://h/db")
     monkeypatch.setenv("RELAY_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
@@ -165,6 +172,7 @@ def test_pass_through_may_restate_the_guarantees(monkeypatch: pytest.MonkeyPatch
     assert load_settings(Settings).librdkafka_config()["acks"] == "all"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "url",
     [
@@ -254,6 +262,7 @@ HTTP = {"RELAY_DATABASE_URL": URL, "RELAY_SINK": "http"}
 TOPIC_URLS = {"orders": "https://hooks.example/orders?token=s3cr3t-tok"}
 
 
+@pytest.mark.unit
 def test_a_map_secret_is_read_from_its_file_as_json(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -270,6 +279,7 @@ def test_a_map_secret_is_read_from_its_file_as_json(
     assert "s3cr3t-tok" not in repr(settings)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "content", ['{"orders": "https://hooks.example/s3cr3t-tok"', '["s3cr3t-tok"]', "s3cr3t-tok"]
 )
@@ -287,6 +297,7 @@ def test_a_map_secret_file_that_is_no_json_object_is_named_and_not_quoted(
     assert "s3cr3t-tok" not in str(caught.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("variable", "file_variable"),
     [
@@ -339,6 +350,7 @@ def test_run_with_a_secret_given_two_ways_exits_2_naming_both(tmp_path: Path) ->
     assert "s3cr3t" not in done.stdout + done.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(LIBRDKAFKA_SECRETS))
 def test_every_librdkafka_secret_is_read_from_a_file_and_never_shown(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
@@ -364,6 +376,7 @@ def test_every_librdkafka_secret_is_read_from_a_file_and_never_shown(
         assert "s3cr3t" not in shown
 
 
+@pytest.mark.unit
 def test_a_librdkafka_secret_given_directly_is_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     env_for(
         monkeypatch,
@@ -378,6 +391,7 @@ def test_a_librdkafka_secret_given_directly_is_never_shown(monkeypatch: pytest.M
     assert "s3cr3t" not in repr(settings) + settings.model_dump_json()
 
 
+@pytest.mark.unit
 def test_librdkafkas_own_file_properties_stay_paths(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -428,6 +442,7 @@ def file_env(tmp_path: Path, extra: dict[str, str], **values: str) -> dict[str, 
     return {name: value.replace("{cert}", str(cert)) for name, value in env.items()}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("variable", "extra"), FILE_SETTINGS)
 def test_a_missing_tls_file_is_a_settings_error_naming_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str, extra: dict[str, str]
@@ -441,6 +456,7 @@ def test_a_missing_tls_file_is_a_settings_error_naming_it(
     assert caught.value.message == f"cannot read {MISSING}: No such file or directory"
 
 
+@pytest.mark.unit
 def test_a_directory_where_a_file_belongs_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -451,6 +467,7 @@ def test_a_directory_where_a_file_belongs_is_refused(
     assert "Is a directory" in caught.value.message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key", ["sslrootcert", "sslcert", "sslkey"])
 def test_a_missing_file_the_database_url_names_is_refused_without_quoting_the_url(
     monkeypatch: pytest.MonkeyPatch, key: str
@@ -463,6 +480,7 @@ def test_a_missing_file_the_database_url_names_is_refused_without_quoting_the_ur
     assert MISSING not in str(caught.value) and "s3cr3t" not in str(caught.value)
 
 
+@pytest.mark.unit
 def test_the_special_locations_are_no_files(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -479,6 +497,7 @@ def test_the_special_locations_are_no_files(
     assert load_settings(Settings).database_sslrootcert == "system"
 
 
+@pytest.mark.unit
 def test_the_files_of_a_sink_not_chosen_are_not_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     env_for(monkeypatch, RELAY_DATABASE_URL=URL, **KAFKA, RELAY_NATS_CREDS_FILE=MISSING)
     assert load_settings(Settings).nats_creds_file == MISSING
@@ -513,6 +532,7 @@ def test_a_missing_ca_file_exits_2_naming_it(
     assert "s3cr3t" not in done.stdout + done.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("variable", ["RELAY_SINK_TLS_CA_FILE", "RELAY_SINK_TLS_CERT_FILE"])
 def test_rabbitmq_tls_settings_with_an_amqp_url_are_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str
@@ -529,6 +549,7 @@ def test_rabbitmq_tls_settings_with_an_amqp_url_are_refused(
     assert load_settings(Settings).rabbitmq_url is not None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("variable", sorted(RETIRED))
 def test_a_variable_1_0_retired_stops_start_up_naming_what_replaces_it(
     monkeypatch: pytest.MonkeyPatch, variable: str
@@ -551,6 +572,7 @@ def test_relay_run_with_a_retired_variable_exits_2_naming_its_replacement() -> N
     assert "RELAY_SINK_TIMEOUT_SECONDS (seconds, not milliseconds)" in done.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("extra", "variable", "says"),
     [
@@ -576,6 +598,7 @@ def test_a_shared_sink_setting_the_chosen_sink_cannot_take_is_refused(
     assert says in caught.value.message
 
 
+@pytest.mark.unit
 def test_the_shared_sink_settings_reach_each_sink_with_its_own_defaults() -> None:
     from relay.sinks.http.sink import DEFAULT_MAX_IN_FLIGHT as HTTP_IN_FLIGHT
     from relay.sinks.kafka.sink import DEFAULT_TIMEOUT_SECONDS as KAFKA_TIMEOUT

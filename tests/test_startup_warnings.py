@@ -30,6 +30,7 @@ def ca(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("url", "values", "environ", "mode"),
     [
@@ -84,6 +85,7 @@ def kafka_settings(**values: Any) -> Settings:
     return Settings(database_url="postgresql://relay@/app", **values)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("values", "mechanism"),
     [
@@ -109,6 +111,7 @@ def test_sasl_credentials_over_plaintext_are_warned_about(
     assert "s3cr3t" not in warning
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("bootstrap", "values"),
     [
@@ -132,6 +135,7 @@ def test_no_sasl_warning_over_tls_for_kerberos_or_on_loopback(
     assert plaintext_sasl_warnings(settings) == []
 
 
+@pytest.mark.unit
 def test_only_the_kafka_sinks_warnings_apply_to_the_kafka_sink() -> None:
     settings = Settings(
         database_url="postgresql://relay@/app",

@@ -151,6 +151,7 @@ def test_enqueue_keeps_the_apps_own_trace_headers_whole_and_can_leave_them_out(
     assert rows[b"none"] is None
 
 
+@pytest.mark.unit
 def test_a_batch_span_links_a_traceparent_whatever_the_case_of_its_name() -> None:
     from relay.message import OutboxMessage
     from relay.observe.tracing import Tracing
