@@ -236,15 +236,16 @@ def test_a_prefetched_row_waits_for_its_keys_failure_even_when_that_settle_lande
     database: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """k0:1 is prefetched while k0:0 is being published; k0:0 fails. A pause before
-    the next step lets that batch's settle land first, so nothing is in flight when the
+    """k0:1 is prefetched while k0:0 is being published; k0:0 fails. Each step waits
+    for the batch being settled to land first, so nothing is in flight when the
     prefetched k0:1 comes up: it must still wait for k0:0's retry."""
     sink = ScriptedSink({"k0": 1})
     monkeypatch.setattr("relay.daemon.app.create_sink", lambda _settings, _tracing=None: sink)
     real_step = Drainer._step
 
     def step_slowly(self: Drainer, token: Any) -> None:
-        time.sleep(0.1)  # the previous settle lands meanwhile
+        pipeline = self._pipeline
+        wait_until(lambda: not pipeline.settling or pipeline.landed, timeout=10)
         real_step(self, token)
 
     monkeypatch.setattr(Drainer, "_step", step_slowly)

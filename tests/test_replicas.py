@@ -135,18 +135,29 @@ def test_sigkill_of_the_leader_loses_nothing_and_keeps_key_order(
     assert second != first
 
 
-def test_a_warm_standby_publishes_within_a_moment_of_taking_the_lease(
+def test_a_warm_standby_takes_over_a_draining_leader_and_publishes_the_rest_in_order(
     relay_dsn: str,
     database: str,
     kafka: TansuBroker,
     topic: str,
     replicas: list[subprocess.Popen[bytes]],
 ) -> None:
-    """A standby keeps its producer connected, so once it holds the lease its first
-    record follows at once (about 0.1 s on this machine), not after a producer start."""
+    """A standby keeps its producer connected (it reports reaching the broker before it
+    holds anything), so once it holds the lease it publishes at once. How soon after
+    the handover its first record follows (about 0.1 s) is the benchmark's figure
+    (docs/benchmarks.md, handover); here: it takes over mid-drain and loses nothing."""
     first = wait_until(lambda: live_holder(relay_dsn), timeout=20, message="a leader")
     leader = next(p for p in replicas if p.pid == pid_of(first))
-    time.sleep(1.0)  # the standby's producer has had its start-up time: what we keep
+    standby = next(p for p in replicas if p is not leader)
+    wait_until(
+        lambda: scalar(
+            relay_dsn,
+            "SELECT sink_ok FROM replicas WHERE lease_name = 'default' AND replica_id LIKE %s",
+            (f"%:{standby.pid}:%",),
+        ),
+        timeout=20,
+        message="the standby reaching the broker",
+    )
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO outbox (topic, key, payload)"
@@ -161,6 +172,7 @@ def test_a_warm_standby_publishes_within_a_moment_of_taking_the_lease(
     )
     leader.send_signal(signal.SIGTERM)
     second = wait_until(lambda: new_holder(relay_dsn, first), timeout=10, interval=0.01)
+    assert pid_of(second) == standby.pid
     acquired_ms = scalar(
         relay_dsn,
         "SELECT (extract(epoch FROM acquired_at) * 1000)::bigint FROM leases WHERE holder = %s",
@@ -168,8 +180,6 @@ def test_a_warm_standby_publishes_within_a_moment_of_taking_the_lease(
     )
     wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=60)
     records = consume(kafka.bootstrap_servers, topic, min_count=60_000, timeout=60)
-    after = [r.timestamp_ms for r in records if r.timestamp_ms >= acquired_ms]
-    assert after, "the new leader published nothing"
-    first_publish = (min(after) - acquired_ms) / 1000
-    assert first_publish < 0.5, f"first record {first_publish:.3f}s after taking the lease"
+    assert [r for r in records if r.timestamp_ms >= acquired_ms], "the new leader published"
+    assert len(dedup_by_message_id(records)) == 60_000
     assert_per_key_order(records)
