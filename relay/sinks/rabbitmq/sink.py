@@ -61,8 +61,9 @@ log = get_logger("relay.sinks.rabbitmq")
 
 
 # How long after a new connection a queue that took messages on an earlier one may be
-# missing because the node is still recovering it (seen in the suite: a whole backlog
-# dead-lettered seconds after a restart).
+# missing because the node is still recovering it. Past it the queue is taken for gone
+# (deleted, or lost by the broker itself: a queue declared a moment before a crash may
+# not survive it), and its messages are dead-lettered.
 _RECOVERY_SECONDS = 30.0
 _CONNECT_BACKOFF_SECONDS = 0.5  # while the broker is down, one connect attempt per this
 _MAX_HEADER_NAME = 128  # RabbitMQ's limit on a field-table key
