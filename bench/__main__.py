@@ -151,9 +151,9 @@ def main() -> int:
 
 
 @contextmanager
-def servers() -> Iterator[tuple[str, str]]:
+def server_set() -> Iterator[tuple[PostgresServer, str, str]]:
     """A fresh PostgreSQL (fsync on) with the schema, and a broker with the topic:
-    (dsn, bootstrap servers)."""
+    (the server, dsn, bootstrap servers)."""
     with (
         PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
         TansuBroker() as broker,
@@ -161,7 +161,14 @@ def servers() -> Iterator[tuple[str, str]]:
         dsn = pg.create_database("bench")
         migrate(CommonSettings(database_url=dsn))
         broker.create_topic("bench", partitions=3)
-        yield dsn, broker.bootstrap_servers
+        yield pg, dsn, broker.bootstrap_servers
+
+
+@contextmanager
+def servers() -> Iterator[tuple[str, str]]:
+    """`server_set`, for the sections that need only (dsn, bootstrap servers)."""
+    with server_set() as (_pg, dsn, bootstrap):
+        yield dsn, bootstrap
 
 
 def bench_compare(rev: str, rows: int, batches: list[int], rounds: int) -> int:
@@ -248,14 +255,8 @@ def bench_without_key_index(quick: bool) -> int:
 def bench_pooler(quick: bool) -> int:
     from bench import pooler
 
-    with (
-        PostgresServer(Path(tempfile.mkdtemp(prefix="relay-bench-pg-")), durable=True) as pg,
-        TansuBroker() as broker,
-    ):
-        dsn = pg.create_database("bench")
-        migrate(CommonSettings(database_url=dsn))
-        broker.create_topic("bench", partitions=3)
-        report = pooler.run(pg, dsn, broker.bootstrap_servers, quick)
+    with server_set() as (pg, dsn, bootstrap):
+        report = pooler.run(pg, dsn, bootstrap, quick)
     save({"sink": "kafka", "quick": quick, "pooler": report})
     return 0
 

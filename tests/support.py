@@ -80,6 +80,24 @@ def lease(dsn: str, name: str = "default") -> tuple[str | None, int]:
     return holder, int(epoch)
 
 
+def live_holder(dsn: str) -> str | None:
+    """The default lease's holder while the lease is live."""
+    holder: str | None = scalar(
+        dsn, "SELECT holder FROM leases WHERE name = 'default' AND expires_at > now()"
+    )
+    return holder
+
+
+def new_holder(dsn: str, old: str | None) -> str | None:
+    holder = live_holder(dsn)
+    return holder if holder is not None and holder != old else None
+
+
+def pid_of(holder: str | None) -> int:
+    assert holder
+    return int(holder.split(":")[1])
+
+
 def outbox_indexes(dsn: str) -> dict[str, str]:
     """The outbox's indexes: name -> definition."""
     with psycopg.connect(dsn) as conn:

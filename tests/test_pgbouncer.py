@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -36,6 +37,10 @@ from tests.support import (
     dedup_by_message_id,
     insert_rows,
     keyed_rows,
+    lease,
+    live_holder,
+    new_holder,
+    pid_of,
     scalar,
     wait_until,
 )
@@ -69,13 +74,30 @@ def pooled(bouncer: PgBouncer, relay_dsn: str) -> str:
     return bouncer.pooled(relay_dsn)
 
 
+@contextmanager
+def two_relays(env: dict[str, str], tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Two `relay run` processes through the pooler, whose logs must hold no pooling
+    error once they stopped (killed, if still running)."""
+    logs = [tmp_path / f"relay-{n}.log" for n in range(2)]
+    procs = [start_relay(env, log) for log in logs]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=20)
+    for log in logs:
+        assert pooling_errors(log) == [], log.read_text()[-3000:]
+
+
 def pooling_errors(log: Path) -> list[str]:
     lines = log.read_text(errors="replace").splitlines()
     return [line for line in lines if any(e in line for e in POOLING_ERRORS)]
 
 
 def test_the_relay_finds_the_pooler_and_keeps_its_timeouts_per_transaction(
-    pooled: str, relay_dsn: str, bouncer: PgBouncer
+    pooled: str, relay_dsn: str
 ) -> None:
     settings = CommonSettings(database_url=pooled, database_statement_timeout_seconds=0.2)
     with db.connect(settings, purpose="status") as conn:
@@ -108,9 +130,7 @@ def test_a_backlog_drains_through_the_pooler_in_order_without_an_error(
         RELAY_LEASE_TTL_SECONDS="3",
         RELAY_DATABASE_SYNCHRONOUS_COMMIT="on",
     )
-    logs = [tmp_path / f"relay-{n}.log" for n in range(2)]
-    procs = [start_relay(env, log) for log in logs]
-    try:
+    with two_relays(env, tmp_path) as procs:
         wait_until(
             lambda: scalar(database, "SELECT count(*) FROM outbox") == 0,
             timeout=60,
@@ -122,12 +142,6 @@ def test_a_backlog_drains_through_the_pooler_in_order_without_an_error(
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(timeout=20) for proc in procs] == [0, 0]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for log in logs:
-        assert pooling_errors(log) == [], log.read_text()[-3000:]
 
 
 def test_a_killed_holders_lease_is_taken_over_and_its_epoch_fenced_through_the_pooler(
@@ -139,45 +153,23 @@ def test_a_killed_holders_lease_is_taken_over_and_its_epoch_fenced_through_the_p
         RELAY_LEASE_TTL_SECONDS="2",
         RELAY_BATCH_SIZE="50",
     )
-    logs = [tmp_path / f"relay-{n}.log" for n in range(2)]
-    procs = [start_relay(env, log) for log in logs]
-    try:
-        first = wait_until(
-            lambda: scalar(
-                database, "SELECT holder FROM leases WHERE name = 'default' AND expires_at > now()"
-            ),
-            timeout=20,
-            message="a holder",
-        )
-        epoch = scalar(database, "SELECT epoch FROM leases WHERE name = 'default'")
+    with two_relays(env, tmp_path):
+        first = wait_until(lambda: live_holder(database), timeout=20, message="a holder")
+        _, epoch = lease(database)
         rows = keyed_rows(keys=20, per_key=20)
         insert_rows(database, topic, rows[:200])
         wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") < 200, timeout=20)
-        os.kill(int(str(first).split(":")[1]), signal.SIGKILL)
+        os.kill(pid_of(first), signal.SIGKILL)
         insert_rows(database, topic, rows[200:])
         second = wait_until(
-            lambda: scalar(
-                database,
-                "SELECT holder FROM leases WHERE name = 'default' AND expires_at > now()"
-                " AND holder <> %s",
-                (first,),
-            ),
-            timeout=15,
-            message="the standby taking over",
+            lambda: new_holder(database, first), timeout=15, message="the standby taking over"
         )
-        assert scalar(database, "SELECT epoch FROM leases WHERE name = 'default'") > epoch
+        assert lease(database)[1] > epoch
         wait_until(lambda: scalar(database, "SELECT count(*) FROM outbox") == 0, timeout=60)
         records = consume(kafka.bootstrap_servers, topic, min_count=len(rows), timeout=30)
         assert len(dedup_by_message_id(records)) == len(rows)
         assert_per_key_order(records)
         assert second != first
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-    for log in logs:
-        assert pooling_errors(log) == [], log.read_text()[-3000:]
 
 
 def run_cli(dsn: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -191,9 +183,7 @@ def run_cli(dsn: str, *args: str, **extra: str) -> subprocess.CompletedProcess[s
     )
 
 
-def test_the_commands_work_through_the_pooler(
-    pooled: str, database: str, topic: str, bouncer: PgBouncer, pg: PostgresServer
-) -> None:
+def test_the_commands_work_through_the_pooler(pooled: str, database: str, topic: str) -> None:
     insert_rows(database, topic, keyed_rows(keys=3, per_key=2))
     with psycopg.connect(database, autocommit=True) as conn:
         row_id = conn.execute(

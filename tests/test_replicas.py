@@ -19,28 +19,14 @@ from tests.support import (
     assert_per_key_order,
     dedup_by_message_id,
     insert_rows,
+    live_holder,
+    new_holder,
+    pid_of,
     scalar,
     wait_until,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def live_holder(dsn: str) -> str | None:
-    holder: str | None = scalar(
-        dsn, "SELECT holder FROM leases WHERE name = 'default' AND expires_at > now()"
-    )
-    return holder
-
-
-def new_holder(dsn: str, old: str | None) -> str | None:
-    holder = live_holder(dsn)
-    return holder if holder is not None and holder != old else None
-
-
-def pid_of(holder: str | None) -> int:
-    assert holder
-    return int(holder.split(":")[1])
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from types import TracebackType
 from typing import Self
@@ -27,6 +28,17 @@ class Service:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's too: the postgres user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def free_port() -> int:

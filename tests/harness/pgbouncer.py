@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.harness import Service, free_port
+from tests.harness import Service, alive, free_port
 from tests.harness.postgres import PostgresServer
 
 PGBOUNCER = Path("/usr/sbin/pgbouncer")
@@ -100,9 +100,9 @@ class PgBouncer(Service):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGINT)
             deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if _alive(pid):
+            if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         try:
@@ -130,13 +130,3 @@ class PgBouncer(Service):
         if not self.log_path.exists():
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from tests.harness import Service, free_port
+from tests.harness import Service, alive, free_port
 
 SUPERUSER = "postgres"
 SUPERUSER_PASSWORD = "postgres"
@@ -145,7 +145,7 @@ class PostgresServer(Service):
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.02)
             # Children can outlive the postmaster briefly and keep the port.
             subprocess.run(
@@ -175,7 +175,7 @@ class PostgresServer(Service):
             pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
         except (FileNotFoundError, ValueError, IndexError):
             return None
-        return pid if _alive(pid) else None
+        return pid if alive(pid) else None
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -212,13 +212,3 @@ class PostgresServer(Service):
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
