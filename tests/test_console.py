@@ -585,13 +585,20 @@ def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContex
             for t in page.locator("#dead-letter-table tbody tr td:nth-child(2)").all_inner_texts()
         ]
 
+    def follow(link: str) -> list[int]:
+        """The ids of the page a link leads to, once it has loaded: ids() does not wait,
+        and the click only starts the load."""
+        href = page.get_attribute(link, "href")
+        assert href is not None
+        page.click(link)
+        page.wait_for_url(re.compile(".*" + re.escape(href.split("?", 1)[1]) + "$"))
+        return ids()
+
     first = ids()
     assert first == list(range(first_id, first_id + 50))
-    page.click("#next")
-    second = ids()
+    second = follow("#next")
     assert second == list(range(first_id + 50, first_id + 100))
-    page.click("#prev")
-    assert ids() == first
+    assert follow("#prev") == first
     assert page.locator("#prev").count() == 0  # the first page: nothing before it
 
     def visit(query: str) -> tuple[list[int], bool, bool]:

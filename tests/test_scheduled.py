@@ -57,11 +57,22 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
         psycopg.connect(database, autocommit=True, row_factory=dict_row) as sampler,
     ):
         wait_until(lambda: sent(database, "other:0"), timeout=20, message="the other key")
-        # Until k:0 is due, by the database clock, neither row of its key goes.
+        # Until k:0 is due, by the database clock, neither row of its key goes. The
+        # sample comes first and the clock with what was sent by then after it, in one
+        # statement (one snapshot): when that still reads early, the sample was taken
+        # before the row was due.
         waited = 0
-        while scalar(database, "SELECT now() < %s - interval '100 ms'", (due,)):
-            assert not sent(database, "k:0") and not sent(database, "k:1")
+        while True:
             sample = lag.measure(sampler, 100)
+            now = sampler.execute(
+                "SELECT now() < %s - interval '100 ms' AS early, EXISTS (SELECT FROM"
+                " outbox_sent WHERE payload IN ('k:0', 'k:1')) AS sent_any",
+                (due,),
+            ).fetchone()
+            assert now is not None
+            if not now["early"]:
+                break
+            assert not now["sent_any"]
             assert sample.scheduled == 1 and sample.next_due_in_seconds is not None
             assert sample.unsent == 1  # k:1, held back; the scheduled row is not lag
             waited += 1
