@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from relay.drain.loop import Drainer
+from relay.drain.sizing import FLOOR_ROWS
 from relay.message import OutboxMessage
 from relay.sinks.base import ACKED, OnePhase, Outcome, Result
 from relay.sinks.kafka.sink import KafkaSink
@@ -421,8 +422,10 @@ def test_nothing_queued_is_sent_after_the_deadline_while_the_read_ahead_is_stuck
         try:
             stall.touch()
             insert_rows(database, topic, [("K", f"K:{i}".encode()) for i in range(200)])
+            # A batch sized by time starts at its floor (relay/drain/sizing.py): ten
+            # of its 64 on the wire, the rest queued.
             wait_until(
-                lambda: len(sink._producer) >= 150,
+                lambda: len(sink._producer) >= FLOOR_ROWS - 10,
                 timeout=10,
                 message="the batch produced, the read-ahead stuck",
             )

@@ -37,6 +37,7 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         message_bytes=message_max_bytes(settings),
         group=fairness.parse(settings.fairness_group) if settings.fairness_group else None,
         fair=settings.fairness == "keys",
+        per_key_fifth=settings.batch_max_per_key is None and not sink.serial_per_key,
     )
 
 

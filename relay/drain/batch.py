@@ -7,7 +7,7 @@ them into statements.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from relay.drain.fairness import FairnessGroup
@@ -41,6 +41,16 @@ class BatchLimits:
     # RELAY_FAIRNESS=off: first in, first out; the fetch never shares a batch out past the
     # head, so it needs no key index (relay/store/fetch.py, `_fetch_in_order`).
     fair: bool = True
+    # The cap is the default, a fifth of the batch: of the batch sized for the moment.
+    per_key_fifth: bool = False
+
+    def sized(self, rows: int) -> BatchLimits:
+        """These limits for a batch of at most `rows` (relay/drain/sizing.py)."""
+        rows = min(rows, self.rows)
+        if rows == self.rows:
+            return self
+        per_key = max(1, rows // 5) if self.per_key_fifth else self.per_key
+        return replace(self, rows=rows, per_key=per_key)
 
 
 @dataclass(slots=True)

@@ -222,7 +222,9 @@ class Drainer:
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
         room = len(self._pipeline.stragglers) + len(batch) <= self._reader.limits.rows
         results = publishing.wait(leave_stragglers=room)
-        self._recorder.published(self._clock() - started, results.count(ACKED))
+        seconds = self._clock() - started
+        self._recorder.published(seconds, results.count(ACKED))
+        self._reader.published(len(batch), seconds)
         failpoints.hit("after_publish")
 
         rows: list[OutboxMessage] = batch

@@ -7,8 +7,6 @@ unsettled and which keys are held back.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -18,6 +16,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints
 from relay.drain.batch import BatchLimits, IdSet
+from relay.drain.session_thread import SessionThread
+from relay.drain.sizing import BatchSizer
 from relay.lease.protocol import Shard
 from relay.message import OutboxMessage
 from relay.observe import metrics
@@ -59,40 +59,12 @@ def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessa
 SCHEDULE_PASS_SECONDS = 1.0
 
 
-class SessionThread:
-    """One thread running the reader's statements, one after the other. A daemon, unlike
-    a ThreadPoolExecutor's worker: a read left running at close (its server unreachable)
-    must not hold the process's exit until a TCP timeout."""
-
-    def __init__(self, name: str) -> None:
-        self._steps: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        future: Future[T] = Future()
-        self._steps.put((partial(step, *args, **kwargs), future))
-        return future
-
-    def stop(self) -> None:
-        """The thread ends after the steps handed to it."""
-        self._steps.put(None)
-
-    def _run(self) -> None:
-        while (item := self._steps.get()) is not None:
-            step, future = item
-            try:
-                future.set_result(step())
-            except BaseException as exc:  # the caller's to raise, on its own thread
-                future.set_exception(exc)
-
-
 @dataclass(slots=True)
 class Prefetched:
     """The next batch, being read (or read) while the one before it is published."""
 
     rows: Future[list[OutboxMessage] | None]  # None: the read failed
+    asked: int  # the rows its fetch asked for at most
     # Keys whose failures may not be written yet: the batches in flight at the read,
     # and those whose rows failed since.
     held: frozenset[str]
@@ -113,7 +85,11 @@ class Reader:
         shutdown: Shutdown | None = None,
     ) -> None:
         self._store = store
-        self.limits = limits
+        self.limits = limits  # the most a batch may be; each fetch asks for `_sizer.rows`
+        self._sizer = BatchSizer(limits.rows)
+        self._asked = limits.rows  # what the fetch of the batch last handed out asked for
+        self._limit_gauge = metrics.BATCH_LIMIT.labels(shard.name)
+        self._limit_gauge.set(self._sizer.rows)
         self._poll_max = poll_max_seconds
         self._clock = clock
         self._shutdown = shutdown  # once requested, waiting for a read is over
@@ -138,8 +114,16 @@ class Reader:
             rows = self._result(prefetched.rows)
             batch = without(rows, held | prefetched.held) if rows is not None else []
             if batch:
+                self._asked = prefetched.asked
                 return batch
-        return without(self._on_session(self._fetch, tuple(unsettled), held), held)
+        self._asked = asked = self._sizer.rows
+        return without(self._on_session(self._fetch, tuple(unsettled), held, asked), held)
+
+    def published(self, rows: int, seconds: float) -> None:
+        """The batch last handed out, `rows` of it published, took `seconds`: the next
+        fetches ask for about what the sink publishes in a quarter second."""
+        self._sizer.published(rows, self._asked, seconds)
+        self._limit_gauge.set(self._sizer.rows)
 
     def prefetch(self, unsettled: list[IdSet], held: frozenset[str], publishing: IdSet) -> None:
         """Start reading the batch after the one being published (`publishing`, its
@@ -150,13 +134,16 @@ class Reader:
         the prefetched rows are published, the failures of those batches may still be
         unwritten.
         """
-        read = self._submit(self._read_ahead, (*unsettled, publishing), held)
-        self._prefetched = Prefetched(read, held)
+        asked = self._sizer.rows
+        read = self._submit(self._read_ahead, (*unsettled, publishing), held, asked)
+        self._prefetched = Prefetched(read, asked, held)
 
-    def _read_ahead(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage] | None:
+    def _read_ahead(
+        self, left_out: LeftOut, held: frozenset[str], rows: int
+    ) -> list[OutboxMessage] | None:
         failpoints.stall("read_ahead")
         try:
-            return self._fetch(left_out, held)
+            return self._fetch(left_out, held, rows)
         except StoreError:
             return None  # the next step's own fetch will meet (and report) the same trouble
 
@@ -214,21 +201,21 @@ class Reader:
             raise StoreError("the reader is closing")
         return step()
 
-    def _fetch(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage]:
+    def _fetch(self, left_out: LeftOut, held: frozenset[str], rows: int) -> list[OutboxMessage]:
         started = time.perf_counter()
         try:
-            return self._rounds(left_out, held)
+            return self._rounds(left_out, held, self.limits.sized(rows))
         finally:
             metrics.FETCH_SECONDS.observe(time.perf_counter() - started)
 
-    def _rounds(self, left_out: LeftOut, held: frozenset[str]) -> list[OutboxMessage]:
+    def _rounds(
+        self, left_out: LeftOut, held: frozenset[str], limits: BatchLimits
+    ) -> list[OutboxMessage]:
         # A round over keys that met only held-back keys comes back empty: go on from
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):
             share = self._clock() >= self._look_for_others_at
-            ask = FetchRequest(
-                self.limits, left_out, held, self._after_key, self._after_group, share
-            )
+            ask = FetchRequest(limits, left_out, held, self._after_key, self._after_group, share)
             fetched = self._store.fetch(ask)
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to

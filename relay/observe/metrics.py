@@ -103,6 +103,12 @@ SETTLE_SECONDS = Histogram(
     "Time of the fenced transaction that settles a batch.",
     buckets=LATENCY_BUCKETS,
 )
+BATCH_LIMIT = Gauge(
+    "relay_batch_limit_rows",
+    "Rows the next fetch asks for at most: about what the sink publishes in a quarter "
+    "second, up to RELAY_BATCH_SIZE.",
+    ["shard"],
+)
 FETCH_SECONDS = Histogram(
     "relay_fetch_duration_seconds",
     "Time to read a batch: the fetch statements, on the reader's thread.",
