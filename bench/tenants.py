@@ -3,10 +3,12 @@ behind a big one's backlog, with and without grouping, in one run.
 
     ./dev bench --only tenants [--quick]
 
-Scenes, each from a relay started on rows committed before it:
+Scenes, at the defaults (RELAY_BATCH_SIZE=1000; HTTP: 16 requests in flight):
 - `http`: every request takes `DELAY_MS`; tenant A's rows (12,000 on 1,500 keys) first,
-  then B's 20 rows on 5 keys: seconds until B's last row is delivered, and how many of
-  A's were delivered by then;
+  then B's 20 rows on 5 keys, both committed before the relay starts: seconds until
+  B's last row is delivered, and how many of A's were delivered by then;
+- `http` `committed_later`: A's rows committed before the start, B's `LATER_S` after it,
+  while A's are being sent: seconds from B's commit to its last row's delivery;
 - `kafka`: the same rows over Kafka, at 5,000 messages a second
   (RELAY_MAX_MESSAGES_PER_SECOND, so that the scene lasts a few seconds);
 - `fetch_cost`: the grouped fetch statement alone (EXPLAIN ANALYZE: execution time and
@@ -36,6 +38,7 @@ GROUP = fairness.parse("key-prefix::")
 DELAY_MS = 20
 A_KEYS, A_PER_KEY = 1500, 8
 B_KEYS, B_PER_KEY = 5, 4
+LATER_S = 1.0
 
 
 Ids = tuple[int, int]  # a tenant's rows: the first id and the last
@@ -58,10 +61,11 @@ def _commit(dsn: str, tenant: str, keys: int, per_key: int) -> Ids:
     return int(row[0]), int(row[1])
 
 
-def _reset(dsn: str) -> dict[str, Ids]:
+def _reset(dsn: str) -> Ids:
+    """An empty outbox, then A's rows."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox")
-    return {"A": _commit(dsn, "A", A_KEYS, A_PER_KEY), "B": _commit(dsn, "B", B_KEYS, B_PER_KEY)}
+    return _commit(dsn, "A", A_KEYS, A_PER_KEY)
 
 
 def _unsent(dsn: str, ids: Ids) -> int:
@@ -76,20 +80,43 @@ def _unsent(dsn: str, ids: Ids) -> int:
 
 def _scene(dsn: str, values: dict[str, Any]) -> dict[str, Any]:
     """Seconds to B's last row, A's rows sent by then, and seconds to drain all."""
-    ids = _reset(dsn)
+    a_ids = _reset(dsn)
+    b_ids = _commit(dsn, "B", B_KEYS, B_PER_KEY)
     a_rows = A_KEYS * A_PER_KEY
     started = time.monotonic()
     with running_relay(relay_settings(dsn, values.pop("bootstrap", None), **values)):
-        wait_until(lambda: _unsent(dsn, ids["B"]) == 0, 600, message="B delivered")
+        wait_until(lambda: _unsent(dsn, b_ids) == 0, 600, message="B delivered")
         b_done = time.monotonic() - started
-        a_by_then = a_rows - _unsent(dsn, ids["A"])
-        wait_until(lambda: _unsent(dsn, ids["A"]) == 0, 600, message="A delivered")
+        a_by_then = a_rows - _unsent(dsn, a_ids)
+        wait_until(lambda: _unsent(dsn, a_ids) == 0, 600, message="A delivered")
         all_done = time.monotonic() - started
     return {
         "b_last_s": round(b_done, 2),
         "a_sent_by_then": a_by_then,
         "a_sent_by_then_pct": round(100 * a_by_then / a_rows, 1),
         "all_s": round(all_done, 2),
+    }
+
+
+def _committed_later(dsn: str, values: dict[str, Any]) -> dict[str, Any]:
+    """B committed LATER_S after the relay started, while A's rows are being sent:
+    seconds from B's commit to its last row settled (after its delivery was
+    acknowledged, so an upper bound on the arrival), and A's rows sent meanwhile."""
+    a_ids = _reset(dsn)
+    a_rows = A_KEYS * A_PER_KEY
+    started = time.monotonic()
+    with running_relay(relay_settings(dsn, values.pop("bootstrap", None), **values)):
+        time.sleep(max(0.0, started + LATER_S - time.monotonic()))
+        a_before = a_rows - _unsent(dsn, a_ids)
+        b_ids = _commit(dsn, "B", B_KEYS, B_PER_KEY)
+        committed = time.monotonic()
+        wait_until(lambda: _unsent(dsn, b_ids) == 0, 600, interval=0.01, message="B delivered")
+        b_done = time.monotonic() - committed
+        a_meanwhile = a_rows - _unsent(dsn, a_ids) - a_before
+    return {
+        "b_last_after_commit_s": round(b_done, 2),
+        "a_sent_before_b_commit": a_before,
+        "a_sent_meanwhile": a_meanwhile,
     }
 
 
@@ -162,12 +189,14 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
             "delay_ms": DELAY_MS,
             "grouped": _scene(dsn, {**http, "fairness_group": GROUP.spec}),
             "not_grouped": _scene(dsn, dict(http)),
+            "committed_later": _committed_later(dsn, {**http, "fairness_group": GROUP.spec}),
         }
     kafka = {"bootstrap": bootstrap, "max_messages_per_second": 5000}
     report["kafka"] = {
         "max_messages_per_second": 5000,
         "grouped": _scene(dsn, {**kafka, "fairness_group": GROUP.spec}),
         "not_grouped": _scene(dsn, dict(kafka)),
+        "committed_later": _committed_later(dsn, {**kafka, "fairness_group": GROUP.spec}),
     }
     big = 100_000 if quick else 1_000_000
     cost: dict[str, Any] = {}

@@ -263,6 +263,50 @@ def test_over_http_a_small_tenant_arrives_while_the_big_one_waits(
     assert all(steps == sorted(steps) for steps in by_key.values())
 
 
+def test_over_http_a_small_tenant_committed_mid_drain_waits_for_few_of_the_big_ones_rows(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    """At the defaults (RELAY_BATCH_SIZE=1000, 16 requests in flight), a receiver taking
+    20 ms a request: tenant B commits 20 rows on 5 keys while A's 4,000 rows on 500 keys
+    are being sent. A row committed mid-drain waits for the batch being published, the one
+    read ahead and its own (where B's rows come after A's, in id order). Batches sized by
+    time (relay/drain/sizing.py) are a quarter second of the receiver's rate each, so
+    fewer than 600 of A's rows arrive between B's commit and B's last row, whatever the
+    machine's speed; with fixed batches of 1,000, B's own batch alone puts about 980 of
+    A's before it."""
+    with WebhookServer(lambda d: Reply(200, delay=0.02)) as receiver:
+        insert_rows(database, "t", tenant_rows("A", keys=500, per_key=8))
+        build_index(database, BY_PREFIX)
+        settings = make_settings(
+            sink="http",
+            http_url=receiver.url + "/hooks/{topic}",
+            batch_size=1000,
+            fairness_group=BY_PREFIX.spec,
+        )
+        assert settings.sink_max_in_flight is None  # the default: 16
+        with running_relay(settings):
+            wait_until(lambda: len(receiver.acked()) >= 500, 60, message="A being sent")
+            insert_rows(database, "t", tenant_rows("B", keys=5, per_key=4))
+            committed = time.monotonic()
+            wait_until(
+                lambda: sum(1 for d in receiver.acked() if d.body.startswith(b"B:")) == 20,
+                60,
+                message="tenant B delivered",
+            )
+        history = receiver.history()
+    b_last = max(d.started for d in history if d.body.startswith(b"B:"))
+    a_between = [d for d in history if d.body.startswith(b"A:") and committed < d.started < b_last]
+    assert len(a_between) < 600, (
+        f"{len(a_between)} of A's rows arrived between B's commit and B's last"
+    )
+    assert sum(1 for d in history if d.body.startswith(b"A:")) < 4000  # A was still waiting
+    by_key: dict[str, list[int]] = {}
+    for d in sorted(history, key=lambda d: d.started):
+        key, step = d.body.decode().rsplit(":", 1)
+        by_key.setdefault(key, []).append(int(step))
+    assert all(steps == sorted(steps) for steps in by_key.values())
+
+
 def test_over_kafka_a_small_tenant_arrives_while_the_big_one_waits(
     make_settings: SettingsFactory, database: str, kafka: TansuBroker, topic: str
 ) -> None:

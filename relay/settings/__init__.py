@@ -444,9 +444,13 @@ class Settings(
         default=1_000,
         ge=1,
         le=50_000,
-        description="Rows per fetch. Larger batches spread the per-batch costs (a fetch, "
-        "a settle, a flush) over more rows; a crash re-publishes up to about three "
-        "batches (two unsettled, a batch of stragglers). docs/benchmarks.md.",
+        description="The most rows one fetch asks for. Each fetch asks for about what "
+        "the sink published in a quarter second (at least 64 rows), so a fast sink (Kafka) "
+        "fetches this many and a slow receiver fewer, and a row committed meanwhile waits "
+        "for about three small batches, not three of these. Larger batches spread the "
+        "per-batch costs (a fetch, a settle, a flush) over more rows; a crash re-publishes "
+        "up to about three batches (two unsettled, a batch of stragglers). "
+        "docs/benchmarks.md.",
     )
     batch_max_bytes: int = Field(
         default=8 * 1024 * 1024,
@@ -467,7 +471,8 @@ class Settings(
         default=None,
         ge=1,
         description="Rows of one key in one batch while other keys' rows wait. Default: a "
-        "fifth of the batch for Kafka (a key alone still fills whole batches); 4 for HTTP, "
+        "fifth of the batch of the moment (RELAY_BATCH_SIZE's ask, sized by time) for Kafka, "
+        "NATS and RabbitMQ (a key alone still fills whole batches); 4 for HTTP, "
         "which sends a key's rows one at a time (there it holds even when nobody waits).",
     )
     fairness: Literal["keys", "off"] = Field(
