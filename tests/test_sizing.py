@@ -1,7 +1,7 @@
 """Batches sized by time (relay/drain/sizing.py), without servers: the estimate on made-up
 publishes, the limits it makes, and the real `Drainer` on the memory store with a sink
 that takes a set time a row on the fake clock: a slow sink gets batches of about a
-quarter second of its rate, a fast one batches at the cap."""
+TARGET_SECONDS of its rate, a fast one batches at the cap."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_it_starts_at_the_floor_and_at_most_doubles_a_batch_up_to_the_cap() -> N
     assert seen == [FLOOR_ROWS, 128, 256, 512, 1000, 1000, 1000]
 
 
-def test_a_slow_sink_gets_about_a_quarter_second_of_its_rate() -> None:
+def test_a_slow_sink_gets_about_its_target_time_of_its_rate() -> None:
     sizer = BatchSizer(1000)
     for _ in range(30):  # 800 rows a second, whatever the batch
         sizer.published(sizer.rows, sizer.rows, sizer.rows / 800)
@@ -42,11 +42,12 @@ def test_a_short_batch_may_raise_the_estimate_but_never_lower_it() -> None:
     sizer = BatchSizer(1000)
     for _ in range(10):
         sizer.published(sizer.rows, sizer.rows, sizer.rows / 2000)
-    assert sizer.rows == 500
-    sizer.published(3, 500, 0.05)  # three rows in 50 ms: the sink's latency, not its rate
-    assert sizer.rows == 500
-    sizer.published(0, 500, 0.0)
-    assert sizer.rows == 500
+    settled = round(2000 * TARGET_SECONDS)
+    assert sizer.rows == settled
+    sizer.published(3, settled, 0.05)  # three rows in 50 ms: the sink's latency, not its rate
+    assert sizer.rows == settled
+    sizer.published(0, settled, 0.0)
+    assert sizer.rows == settled
 
 
 def test_the_cap_and_the_floor_are_the_settings_when_smaller() -> None:
@@ -95,10 +96,10 @@ def batch_sizes(per_row: float, per_batch: float = 0.0) -> list[int]:
     return sink.sizes
 
 
-def test_the_drain_asks_a_slow_sink_for_a_quarter_second_and_a_fast_one_for_the_cap() -> None:
-    slow = batch_sizes(per_row=1 / 400)  # 400 rows a second: 100 a batch
+def test_the_drain_asks_a_slow_sink_for_its_target_time_and_a_fast_one_for_the_cap() -> None:
+    slow = batch_sizes(per_row=1 / 400)  # 400 rows a second: 160 a batch
     assert slow[0] == FLOOR_ROWS
-    assert all(size == pytest.approx(100, abs=3) for size in slow[10:-1]), slow
+    assert all(size == pytest.approx(400 * TARGET_SECONDS, abs=3) for size in slow[10:-1]), slow
     fast = batch_sizes(per_row=1e-5, per_batch=0.005)  # Kafka-like: the acks' latency
     # Each batch was read ahead while the one before it was published: one behind.
     assert fast[:6] == [FLOOR_ROWS, FLOOR_ROWS, 128, 256, 512, 1000]

@@ -121,7 +121,7 @@ class Reader:
 
     def published(self, rows: int, seconds: float) -> None:
         """The batch last handed out, `rows` of it published, took `seconds`: the next
-        fetches ask for about what the sink publishes in a quarter second."""
+        fetches ask for about what the sink publishes in 0.4 s."""
         self._sizer.published(rows, self._asked, seconds)
         self._limit_gauge.set(self._sizer.rows)
 

@@ -105,8 +105,8 @@ SETTLE_SECONDS = Histogram(
 )
 BATCH_LIMIT = Gauge(
     "relay_batch_limit_rows",
-    "Rows the next fetch asks for at most: about what the sink publishes in a quarter "
-    "second, up to RELAY_BATCH_SIZE.",
+    "Rows the next fetch asks for at most: about what the sink publishes in 0.4 s, up "
+    "to RELAY_BATCH_SIZE.",
     ["shard"],
 )
 FETCH_SECONDS = Histogram(

@@ -445,7 +445,7 @@ class Settings(
         ge=1,
         le=50_000,
         description="The most rows one fetch asks for. Each fetch asks for about what "
-        "the sink published in a quarter second (at least 64 rows), so a fast sink (Kafka) "
+        "the sink published in 0.4 s (at least 64 rows), so a fast sink (Kafka) "
         "fetches this many and a slow receiver fewer, and a row committed meanwhile waits "
         "for about three small batches, not three of these. Larger batches spread the "
         "per-batch costs (a fetch, a settle, a flush) over more rows; a crash re-publishes "
