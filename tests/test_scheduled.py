@@ -64,15 +64,15 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
         waited = 0
         while True:
             sample = lag.measure(sampler, 100)
-            now = sampler.execute(
+            snapshot = sampler.execute(
                 "SELECT now() < %s - interval '100 ms' AS early, EXISTS (SELECT FROM"
                 " outbox_sent WHERE payload IN ('k:0', 'k:1')) AS sent_any",
                 (due,),
             ).fetchone()
-            assert now is not None
-            if not now["early"]:
+            assert snapshot is not None
+            if not snapshot["early"]:
                 break
-            assert not now["sent_any"]
+            assert not snapshot["sent_any"]
             assert sample.scheduled == 1 and sample.next_due_in_seconds is not None
             assert sample.unsent == 1  # k:1, held back; the scheduled row is not lag
             waited += 1

@@ -1,6 +1,6 @@
 """Batches sized by time (relay/drain/sizing.py), without servers: the estimate on made-up
 publishes, the limits it makes, and the real `Drainer` on the memory store with a sink
-that takes a set time a row on the fake clock: a slow sink gets batches of about a
+that takes a set time a row on the fake clock: a slow sink gets batches of about
 TARGET_SECONDS of its rate, a fast one batches at the cap."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ say what they depend on and the fast tests build them by hand."""
 from __future__ import annotations
 
 from relay.drain import fairness
-from relay.drain.batch import BatchLimits
+from relay.drain.batch import BatchLimits, a_fifth
 from relay.drain.loop import DrainConfig
 from relay.drain.pacer import PaceLimits
 from relay.lease.elector import ElectorTimings
@@ -27,8 +27,9 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
     pace = pace_limits(settings)
     rows = pace.batch_rows(settings.batch_size)
     per_key = settings.batch_max_per_key
+    fifth = per_key is None and not sink.serial_per_key
     if per_key is None:
-        per_key = 4 if sink.serial_per_key else max(1, rows // 5)
+        per_key = a_fifth(rows) if fifth else 4
     return BatchLimits(
         rows=rows,
         bytes=pace.batch_bytes(settings.batch_max_bytes),
@@ -37,7 +38,7 @@ def batch_limits(settings: Settings, sink: Sink) -> BatchLimits:
         message_bytes=message_max_bytes(settings),
         group=fairness.parse(settings.fairness_group) if settings.fairness_group else None,
         fair=settings.fairness == "keys",
-        per_key_fifth=settings.batch_max_per_key is None and not sink.serial_per_key,
+        per_key_fifth=fifth,
     )
 
 

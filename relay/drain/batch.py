@@ -41,7 +41,8 @@ class BatchLimits:
     # RELAY_FAIRNESS=off: first in, first out; the fetch never shares a batch out past the
     # head, so it needs no key index (relay/store/fetch.py, `_fetch_in_order`).
     fair: bool = True
-    # The cap is the default, a fifth of the batch: of the batch sized for the moment.
+    # The per-key cap is the default, `a_fifth` of the batch: `sized` keeps it a fifth of
+    # the smaller batch a fetch asks for.
     per_key_fifth: bool = False
 
     def sized(self, rows: int) -> BatchLimits:
@@ -49,8 +50,14 @@ class BatchLimits:
         rows = min(rows, self.rows)
         if rows == self.rows:
             return self
-        per_key = max(1, rows // 5) if self.per_key_fifth else self.per_key
+        per_key = a_fifth(rows) if self.per_key_fifth else self.per_key
         return replace(self, rows=rows, per_key=per_key)
+
+
+def a_fifth(rows: int) -> int:
+    """The default per-key cap where a key's rows may go out together: a key alone still
+    fills whole batches, and four more keys find room beside a busy one."""
+    return max(1, rows // 5)
 
 
 @dataclass(slots=True)
