@@ -128,6 +128,17 @@ def test_when_no_replica_reaches_the_sink_the_lease_stays_and_nothing_is_lost(
     _, epoch = lease(database)
     a.endpoint.stop()
     b.endpoint.stop()
+    # The standby's probe says it cannot reach its endpoint, then the rows come: a
+    # leader whose deliveries fail gives way to a peer whose last heartbeat still said
+    # it could, as it should. The leader's traffic is its own probe.
+    wait_until(
+        lambda: (
+            scalar(database, "SELECT count(*) FROM replicas WHERE NOT sink_ok AND replica_id = 'b'")
+            == 1
+        ),
+        timeout=20,
+        message="the standby reporting its sink unreachable",
+    )
     ids = insert_rows(database, "orders", keyed_rows(keys=3, per_key=10))
     wait_until(
         lambda: scalar(database, "SELECT count(*) FROM replicas WHERE NOT sink_ok") == 2,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
@@ -41,7 +43,30 @@ def alive(pid: int) -> bool:
     return True
 
 
+# The kernel hands ports of its ephemeral range to every connection a process opens and
+# every bind to port 0, on the whole machine. A port picked there for a server started
+# seconds later (a relay's metrics, a broker) can meanwhile become a client's source
+# port: a chaos replica then stopped at start with "address already in use". Below the
+# range the kernel hands out nothing unasked, so only another pick can collide.
+_PICKS = random.Random()
+
+
+def _below_ephemeral() -> range:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 12_000), low)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nothing listens on now, outside the kernel's ephemeral range."""
+    ports = _below_ephemeral()
+    while True:
+        port = _PICKS.choice(ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
