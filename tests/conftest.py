@@ -168,64 +168,6 @@ def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
     return psycopg.connect(dsn, autocommit=True)
 
 
-def _database_at(pg: PostgresServer, tmp_path: Path, last: str) -> tuple[str, str]:
-    """(name, dsn) of a new database migrated up to migration `last` only."""
-    name = f"m_{uuid.uuid4().hex[:10]}"
-    dsn = pg.create_database(name)
-    folder = tmp_path / f"migrations-{last}"
-    folder.mkdir()
-    for path in sorted(migrations_dir().glob("[0-9][0-9][0-9][0-9]_*.sql")):
-        if path.name[:4] <= last:
-            shutil.copy(path, folder / path.name)
-    migrate(CommonSettings(database_url=dsn), folder)
-    return name, dsn
-
-
-@pytest.fixture
-def db_at_0007(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0007 only, as a relay from before scheduled delivery
-    (0008-0009) left it."""
-    name, dsn = _database_at(pg, tmp_path, "0007")
-    yield dsn
-    pg.drop_database(name)
-
-
-@pytest.fixture
-def db_at_0014(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0014 only, as a relay from before the key hash index
-    (0015-0017) left it."""
-    name, dsn = _database_at(pg, tmp_path, "0014")
-    yield dsn
-    pg.drop_database(name)
-
-
-@pytest.fixture
-def db_at_0017(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0017 only, as a relay from before outbox_dead
-    (0018-0019) left it."""
-    name, dsn = _database_at(pg, tmp_path, "0017")
-    yield dsn
-    pg.drop_database(name)
-
-
-@pytest.fixture
-def db_at_0019(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0019 only, as a relay from before outbox_scheduled
-    (0020-0021) left it."""
-    name, dsn = _database_at(pg, tmp_path, "0019")
-    yield dsn
-    pg.drop_database(name)
-
-
-@pytest.fixture
-def db_at_0021(pg: PostgresServer, tmp_path: Path) -> Iterator[str]:
-    """A database migrated up to 0021 only, as this release's first `relay migrate`
-    leaves it while 0022 waits."""
-    name, dsn = _database_at(pg, tmp_path, "0021")
-    yield dsn
-    pg.drop_database(name)
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The Spin checks start now, beside the suite (tests/model_runs.py), when spin and
     gcc are there (else their tests fail, saying so). Not in a pytest-xdist worker: each

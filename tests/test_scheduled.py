@@ -13,11 +13,8 @@ import pytest
 from psycopg.rows import dict_row
 
 import relay
-from relay.admin.migrate import migrate
-from relay.admin.schema_options import create_shard_indexes, shard_index_names
-from relay.errors import MigrationError
+from relay.admin.schema_options import shard_index_names
 from relay.observe import lag
-from relay.settings import CommonSettings
 from relay.store import connection, repository
 from tests.conftest import SettingsFactory, relay_migrate
 from tests.harness.kafka import TansuBroker, consume
@@ -263,65 +260,6 @@ def test_enqueue_says_when_by_the_database_clock_and_refuses_ambiguity(database:
         ):
             with pytest.raises(error):
                 relay.enqueue(conn, "t", b"x", **bad)
-
-
-OLD_SHARD_INDEXES = (  # what `relay migrate --shards 3` built before scheduled delivery
-    "CREATE INDEX outbox_shards_3_idx ON outbox (outbox_shard(key, id, 3), id)"
-    " WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
-    "CREATE INDEX outbox_shards_3_key_idx ON outbox (outbox_shard(key, id, 3), key, id)"
-    " WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
-)
-
-
-def test_an_upgrade_keeps_the_previous_releases_indexes_for_a_rolling_upgrade(
-    db_at_0007: str,
-) -> None:
-    with psycopg.connect(db_at_0007, autocommit=True) as conn:
-        for statement in OLD_SHARD_INDEXES:
-            conn.execute(statement)
-    before = outbox_indexes(db_at_0007)
-    migrated = migrate(CommonSettings(database_url=db_at_0007))
-    assert migrated.waiting is not None and "0010" in migrated.waiting  # tests/test_upgrade.py
-    after = outbox_indexes(db_at_0007)
-    # A relay of the previous release, still running, reads exactly these.
-    for name in ("outbox_unsent_idx", "outbox_key_idx", "outbox_shards_3_idx"):
-        assert after[name] == before[name]
-    for name in ("outbox_due_idx", "outbox_due_key_idx"):
-        assert "promoted_at IS NOT NULL" in after[name], after[name]
-    # This release's shard indexes are built by `relay migrate --shards 3` again.
-    assert create_shard_indexes(CommonSettings(database_url=db_at_0007), 3) == list(
-        shard_index_names(3)
-    )
-
-
-def test_a_dba_can_build_the_indexes_concurrently_first_and_a_failed_build_is_named(
-    db_at_0007: str,
-) -> None:
-    with psycopg.connect(db_at_0007, autocommit=True) as conn:
-        conn.execute(  # as migration 0008 does, by hand
-            "ALTER TABLE outbox ADD COLUMN available_at timestamptz,"
-            " ADD COLUMN promoted_at timestamptz"
-        )
-        conn.execute(
-            "CREATE INDEX CONCURRENTLY outbox_due_idx ON outbox (id)"
-            " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-            " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
-        )
-        conn.execute("UPDATE pg_index SET indisvalid = false"  # a build that failed
-                     " WHERE indexrelid = 'outbox_due_idx'::regclass")  # fmt: skip
-    with pytest.raises(MigrationError, match="outbox_due_idx"):
-        migrate(CommonSettings(database_url=db_at_0007))
-    with psycopg.connect(db_at_0007, autocommit=True) as conn:
-        conn.execute("DROP INDEX outbox_due_idx")
-        conn.execute(
-            "CREATE INDEX CONCURRENTLY outbox_due_idx ON outbox (id)"
-            " WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-            " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
-        )
-    applied = migrate(CommonSettings(database_url=db_at_0007)).applied  # 0008 went in before
-    # 0009 now, 0010 waiting for the rollout (the later ones go in beside it).
-    assert [name[:4] for name in applied if name[:4] <= "0010"] == ["0009"]
-    assert "outbox_scheduled_key_idx" in outbox_indexes(db_at_0007)
 
 
 def test_new_shard_indexes_leave_out_scheduled_rows(database: str) -> None:

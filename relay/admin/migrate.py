@@ -28,6 +28,9 @@ WAITS_SQLSTATE = "RLW01"
 # A migration that removes what relays of an earlier release read says which migration
 # those relays predate: it is applied only once that one was applied by an earlier run.
 _AFTER_ROLLOUT = re.compile(r"^-- after-rollout-of: (?P<version>\d{4})$", re.MULTILINE)
+# A schema file for a fresh database says which migrations of an earlier release it
+# stands for: a database that ran all of them has it already.
+_REPLACES = re.compile(r"^-- replaces: (?P<first>\d{4})-(?P<last>\d{4})$", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,20 @@ class Migration:
     def after_rollout_of(self) -> str | None:
         found = _AFTER_ROLLOUT.search(self.sql)
         return found["version"] if found else None
+
+    @property
+    def replaces(self) -> frozenset[str]:
+        """The versions this file stands for on a database that ran them all."""
+        found = _REPLACES.search(self.sql)
+        if not found:
+            return frozenset()
+        first, last = int(found["first"]), int(found["last"])
+        return frozenset(f"{n:04d}" for n in range(first, last + 1))
+
+    def held_by(self, applied: set[str] | dict[str, str]) -> bool:
+        """Whether a database with `applied` has this file's schema: it ran this file,
+        or every migration the file replaces."""
+        return self.version in applied or bool(self.replaces) and self.replaces <= set(applied)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +119,12 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
             applied = {
                 r["version"]: r["checksum"] for r in conn.execute(QUERIES.migrations_applied)
             }
+            _check_replaced_whole(migrations, applied)
             for migration in migrations:
                 if migration.version in applied:
                     _check_unchanged(migration, applied[migration.version])
+                    continue
+                if migration.held_by(applied):
                     continue
                 waits = _waits_for_rollout(migration, applied)
                 if waits is not None:
@@ -143,7 +163,7 @@ def missing(conn: db.Conn, directory: Path | None = None) -> list[str]:
     those that only retire what an earlier release read, which wait for a rollout."""
     applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
     return [
-        m.name for m in load(directory) if m.after_rollout_of is None and m.version not in applied
+        m.name for m in load(directory) if m.after_rollout_of is None and not m.held_by(applied)
     ]
 
 
@@ -158,7 +178,7 @@ class SchemaState:
     newer: list[str] = field(default_factory=list)  # applied, unknown to this release
 
     def describe(self) -> str:
-        """`0016`, or `0016; not applied: 0017_retire_key_index.sql` (one that waits
+        """`0100`, or `0100; not applied: 0101_retire_x.sql` (one that waits
         for a rollout, or a database an older `relay migrate` left behind), and the
         versions a newer release applied, if any."""
         parts = [self.version or "none"]
@@ -175,12 +195,27 @@ def schema_state(conn: db.Conn, directory: Path | None = None) -> SchemaState:
     not_applied: list[str] = []
     known = load(directory)  # in version order
     for migration in known:
-        if migration.version not in applied:
+        if not migration.held_by(applied):
             not_applied.append(migration.name)
         elif not not_applied:
             version = migration.version
-    newer = sorted(applied - {m.version for m in known})
+    newer = sorted(applied - {v for m in known for v in (m.version, *m.replaces)})
     return SchemaState(version, not_applied, newer)
+
+
+def _check_replaced_whole(migrations: list[Migration], applied: dict[str, str]) -> None:
+    """A database that ran only some of the migrations a schema file replaces was left
+    by a build from before that file: neither the file nor the rest of them can apply."""
+    for migration in migrations:
+        ran = migration.replaces & set(applied)
+        if ran and ran != migration.replaces and migration.version not in applied:
+            missing_ones = sorted(migration.replaces - ran)
+            raise MigrationError(
+                f"this database ran migrations {min(ran)}-{max(ran)} of the schema before"
+                f" {migration.name} but not {', '.join(missing_ones)}: bring it to"
+                f" {max(migration.replaces)} with a build of the relay from before"
+                f" {migration.name} (its migrations/ folder), then run `relay migrate` again"
+            )
 
 
 def _check_unchanged(migration: Migration, checksum: str) -> None:

@@ -1,0 +1,896 @@
+-- The relay's schema, for a fresh database: `relay migrate` applies this file alone.
+-- replaces: 0001-0022
+--
+-- A database migrated before 1.0 (migrations 0001-0022, every one of them applied) has
+-- this schema already, and `relay migrate` applies only what comes after this file; one
+-- with only some of them applied is refused (docs/howto/upgrades.md).
+--
+-- In order: the outbox and what its rows are read by (the shard, key hash and fairness
+-- group functions); the leases, their groups and the replicas' heartbeats; the history of
+-- sent rows; the dead letters; the rows scheduled for later; the console's audit. The
+-- runtime role's rights are granted by grants.sql and console_grants.sql, not here.
+
+------------------------------------------------------------------------------------
+-- The outbox
+------------------------------------------------------------------------------------
+
+-- Applications INSERT (topic, key, payload, headers) inside their own transaction;
+-- id, message_id and created_at have defaults. available_at is the app's too: NULL (the
+-- default) means now, a later time schedules the row. The remaining columns are the
+-- relay's bookkeeping and are written only by the relay and its CLI.
+CREATE TABLE outbox (
+    id                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id          uuid        NOT NULL DEFAULT gen_random_uuid(),
+    topic               text        NOT NULL,
+    key                 text,
+    payload             bytea,
+    headers             jsonb,
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    -- relay bookkeeping
+    sent_at             timestamptz,
+    attempts            integer     NOT NULL DEFAULT 0,
+    next_attempt_at     timestamptz,
+    last_error          text,
+    dead_lettered_at    timestamptz,
+    dead_letter_reason  text,
+    available_at        timestamptz,  -- the app's: not published before this time
+    promoted_at         timestamptz
+);
+
+COMMENT ON TABLE outbox IS
+    'Transactional outbox: rows written by the application, published by the relay.';
+COMMENT ON COLUMN outbox.message_id IS
+    'Stable id sent as the message-id header; consumers deduplicate on it.';
+COMMENT ON COLUMN outbox.next_attempt_at IS
+    'Set after a failed publish; NULL means eligible now.';
+COMMENT ON COLUMN outbox.available_at IS
+    'Not published before this time (database clock); NULL means now. Written by the app.';
+COMMENT ON COLUMN outbox.promoted_at IS
+    'When the relay found this scheduled row due and let it into the drain (bookkeeping).';
+
+-- The fetch's walk in id order goes by the primary key: the outbox holds only rows to
+-- send (dead letters and rows scheduled for later are moved out, below; sent rows are
+-- deleted or moved into outbox_sent). The other indexes but the key hash's are partial,
+-- on states a new row is not in: an app's insert writes the primary key and the key
+-- hash index only.
+
+-- hashtextextended is what hash partitioning uses, so PostgreSQL keeps it stable across
+-- versions; NULL for a NULL key. IMMUTABLE and a plain SQL body: the planner inlines it,
+-- so the fetch's outbox_key_hash(o.key) is the index's expression.
+CREATE FUNCTION outbox_key_hash(key text) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN hashtextextended(key, 0);
+COMMENT ON FUNCTION outbox_key_hash(text) IS
+    'A 64-bit hash of an outbox row''s key: the fair fetch walks keys by it (NULL: no key).';
+
+-- The fair fetch's walk over keys, one descent per key, on a 64-bit hash of the key: the
+-- walk needs only each key's rows in id order, never the keys' order, and 8 bytes
+-- compared as an integer cost an app's insert less than its whole key under a
+-- collation. Two keys with one hash (about 3 in 10^8 that any two of a million keys do)
+-- are walked as one: their rows still go in id order, each key's prefix kept.
+CREATE INDEX outbox_due_key_hash_idx ON outbox (outbox_key_hash(key), id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+
+-- Rows waiting out a retry backoff block later rows of their key. There are few of
+-- them, so the per-row "is my key blocked?" probe hits a tiny index.
+CREATE INDEX outbox_backoff_idx ON outbox (key, id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL AND next_attempt_at IS NOT NULL;
+
+-- Rows that failed, by id: the lag sampler finds the first failing row with one probe.
+-- `attempts > 0`, not the backoff probe's predicate, so the planner never picks this
+-- index for that probe (it read every failing row with a lower id, per row checked).
+CREATE INDEX outbox_failing_rows_idx ON outbox (id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL AND attempts > 0;
+
+-- Dead letters the move into outbox_dead leaves in place (rows over 16 MiB): listing
+-- and requeueing them.
+CREATE INDEX outbox_dead_letter_idx ON outbox (id)
+    WHERE dead_lettered_at IS NOT NULL;
+
+-- Rows marked sent in place (an own table's way; the relay's own outbox moves sent rows
+-- into outbox_sent): the purge finds those past their retention with one descent.
+CREATE INDEX outbox_sent_idx ON outbox (sent_at)
+    WHERE sent_at IS NOT NULL;
+
+-- Rows scheduled for later still in the outbox (until the drain's next pass moves them
+-- into outbox_scheduled), by due time for their promotion and by key: they hold back
+-- the later rows of their key.
+CREATE INDEX outbox_scheduled_idx ON outbox (available_at)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND available_at IS NOT NULL AND promoted_at IS NULL;
+
+-- ... by key: the fetch's per-row probe "is an earlier row of my key scheduled?".
+CREATE INDEX outbox_scheduled_key_idx ON outbox (key, id)
+    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
+      AND available_at IS NOT NULL AND promoted_at IS NULL;
+
+-- With N shards, a row belongs to shard outbox_shard(key, id, N): a stable hash of its
+-- key (so all rows of a key share a shard and per-key order can hold), or of its id for
+-- a NULL key (spread evenly). Nothing is stored in the outbox and apps change nothing:
+-- the per-N indexes that let one shard's fetch read only its own rows are expression
+-- indexes on this function, created for a given N by `relay migrate --shards N`
+-- (docs/howto/sharding.md).
+CREATE FUNCTION outbox_shard(key text, id bigint, shards integer) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN abs(coalesce(hashtextextended(key, 0), id) % shards)::integer;
+
+COMMENT ON FUNCTION outbox_shard(text, bigint, integer) IS
+    'The shard (0..shards-1) of an outbox row: a hash of its key, or of its id without one.';
+
+-- A group is what the operator calls a tenant: the key up to the first delimiter
+-- (`key-prefix`, e.g. `tenant-42` of `tenant-42:order-7`; a key without the delimiter
+-- is its own group) or the value of one header (`header`). A row with neither (no key,
+-- no such header, headers that are no object) is in the group ''. Nothing is stored in
+-- the outbox and apps change nothing: the fetch walks the groups through an expression
+-- index on this function, created for one grouping by
+-- `relay migrate --fairness-group SPEC` (docs/concepts/fairness.md).
+-- IMMUTABLE and a plain SQL body: the planner inlines it and folds `kind` away, so the
+-- fetch's expression, with the grouping's constants, is the index's expression.
+CREATE FUNCTION outbox_fairness_group(key text, headers jsonb, kind text, arg text)
+    RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN coalesce(CASE kind
+                        WHEN 'key-prefix' THEN split_part(key, arg, 1)
+                        WHEN 'header' THEN CASE WHEN jsonb_typeof(headers) = 'object'
+                                                THEN headers ->> arg END
+                    END, '');
+
+COMMENT ON FUNCTION outbox_fairness_group(text, jsonb, text, text) IS
+    'The fairness group (tenant) of an outbox row: a key prefix or a header''s value; '''' for none.';
+
+-- What the fetch reads from a row's headers, in one walk of them (relay/sql/drain.sql,
+-- fragment header_facts): their size, why they cannot be sent if so, and the pairs to
+-- send. A named type, so that one scalar subquery hands all three on, and a row
+-- without headers skips it (a lateral join would run, and cost, for every row).
+-- Nothing is stored: it only types a value of the fetch.
+CREATE TYPE outbox_header_facts AS (
+    bytes   bigint,  -- names and values, as row_size counts them
+    refused text,    -- why the first header whose value is an object or array cannot go
+    pairs   text[]   -- [name, value] pairs to send
+);
+
+------------------------------------------------------------------------------------
+-- Leases, their groups, and the replicas
+------------------------------------------------------------------------------------
+
+-- A lease row per drained outbox, or per shard: `name` is the row's key (the shard's
+-- own name, e.g. `default#3/8`; `default` itself with one shard), `lease_group` the
+-- lease it is a shard of (NULL: the row is its own group), `shards` the shard count it
+-- was made for and `shard` which one it is.
+CREATE TABLE leases (
+    name         text        PRIMARY KEY,
+    holder       text,
+    epoch        bigint      NOT NULL DEFAULT 0,
+    expires_at   timestamptz NOT NULL DEFAULT now(),  -- born expired
+    acquired_at  timestamptz,
+    renewed_at   timestamptz,
+    released_at  timestamptz,
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    lease_group  text,
+    shards       integer     NOT NULL DEFAULT 1 CHECK (shards >= 1),
+    shard        integer     NOT NULL DEFAULT 0 CHECK (shard >= 0 AND shard < shards)
+);
+
+COMMENT ON TABLE leases IS
+    'One row per drained outbox: who may publish, until when, and the fencing epoch.';
+COMMENT ON COLUMN leases.epoch IS
+    'Fencing token: incremented on every acquisition; marks are conditioned on it.';
+
+-- One row per lease group: the shard count its replicas drain with now. Every lease
+-- acquisition of the group updates this row first, so acquisitions of one group are
+-- serialized (under REPEATABLE READ a concurrent one fails with 40001), and the count
+-- changes only when no lease of the old count is live; the change fences every lease of
+-- the old count (epoch + 1), so a paused holder of one can never settle again. Two
+-- shard counts never drain one outbox at once: per-key order survives a change of N.
+CREATE TABLE lease_groups (
+    name         text        PRIMARY KEY,
+    shards       integer     NOT NULL CHECK (shards >= 1),
+    switched_at  timestamptz,
+    claimed_at   timestamptz
+);
+
+COMMENT ON TABLE lease_groups IS
+    'Per lease name: the shard count in force; every acquisition passes through its row.';
+
+-- Every running replica, as it last reported itself: alive, and able to reach the sink.
+--
+-- A leader cut off from the broker (or the endpoint) but not from PostgreSQL would
+-- otherwise renew its lease forever while a standby that can deliver waits. Each replica
+-- writes its row every RELAY_HEARTBEAT_SECONDS; a standby says whether its own probe of
+-- the sink succeeded. A leader that has delivered nothing for RELAY_GIVE_WAY_SECONDS
+-- while rows wait hands the lease over only if some live replica here says it can
+-- reach the sink. Rows of replicas gone for an hour are removed by the others.
+--
+-- Tiny (one row per replica) and written only by the relay.
+CREATE TABLE replicas (
+    lease_name  text        NOT NULL,
+    replica_id  text        NOT NULL,
+    started_at  timestamptz NOT NULL DEFAULT now(),
+    seen_at     timestamptz NOT NULL DEFAULT now(),  -- database clock
+    sink_ok     boolean     NOT NULL,
+    sink_error  text,
+    PRIMARY KEY (lease_name, replica_id)
+);
+
+COMMENT ON TABLE replicas IS
+    'Relay replicas per lease: last heartbeat (database clock) and whether each reaches the sink.';
+
+------------------------------------------------------------------------------------
+-- The history of sent rows (RELAY_RETENTION_SECONDS)
+------------------------------------------------------------------------------------
+
+-- In retention mode the relay settles a batch by moving its rows out of the outbox into
+-- outbox_sent, in the same fenced statement (a DELETE ... RETURNING feeding an INSERT):
+-- the outbox keeps only rows still to send and dead letters, as in delete mode, and its
+-- indexes never see a sent row. outbox_sent has no index at all, so keeping a row costs
+-- one heap insert; and it is never purged row by row. It is split into four fixed
+-- generations (LIST partitions): one takes the rows sent now; the relay's purge empties
+-- the oldest with one TRUNCATE and makes it the current one, once a third of the
+-- retention has passed and every row in it is older than RELAY_RETENTION_SECONDS
+-- (outbox_sent_generations says when each began). A row is kept for at least the
+-- retention and at most about 4/3 of it. The runtime role needs INSERT on the table,
+-- TRUNCATE on the generations and UPDATE on their start times (grants.sql), never DDL.
+CREATE TABLE outbox_sent (
+    generation          smallint    NOT NULL,
+    id                  bigint      NOT NULL,
+    message_id          uuid        NOT NULL,
+    topic               text        NOT NULL,
+    key                 text,
+    payload             bytea,
+    headers             jsonb,
+    created_at          timestamptz NOT NULL,
+    available_at        timestamptz,
+    attempts            integer     NOT NULL,
+    last_error          text,
+    sent_at             timestamptz NOT NULL
+) PARTITION BY LIST (generation);
+
+CREATE TABLE outbox_sent_0 PARTITION OF outbox_sent FOR VALUES IN (0);
+CREATE TABLE outbox_sent_1 PARTITION OF outbox_sent FOR VALUES IN (1);
+CREATE TABLE outbox_sent_2 PARTITION OF outbox_sent FOR VALUES IN (2);
+CREATE TABLE outbox_sent_3 PARTITION OF outbox_sent FOR VALUES IN (3);
+
+COMMENT ON TABLE outbox_sent IS
+    'Sent outbox rows kept for RELAY_RETENTION_SECONDS; each generation is emptied whole.';
+
+-- When each generation began taking rows: the current one is the latest. A generation
+-- that never did begins at -infinity (so the first rotations need not wait).
+CREATE TABLE outbox_sent_generations (
+    generation  smallint    PRIMARY KEY CHECK (generation >= 0 AND generation < 4),
+    started_at  timestamptz NOT NULL
+);
+
+INSERT INTO outbox_sent_generations (generation, started_at)
+VALUES (0, now()), (1, '-infinity'), (2, '-infinity'), (3, '-infinity');
+
+COMMENT ON TABLE outbox_sent_generations IS
+    'When each generation of outbox_sent began taking sent rows (the latest is current).';
+
+------------------------------------------------------------------------------------
+-- Dead letters
+------------------------------------------------------------------------------------
+
+-- Dead letters leave the outbox: the settle that gives up on a row moves it into
+-- outbox_dead (outbox_dead_letter, below), in its fenced transaction, as the retention
+-- mode moves sent rows into outbox_sent. The outbox then holds only rows still to
+-- send, so a walk of it in id order meets no row it must step over for good, however
+-- many dead letters pile up (but for rows over 16 MiB, below).
+--
+-- A dead letter keeps its id: `relay dead-letter requeue` and the console's requeue move
+-- it back into the outbox under that id (outbox_requeue, below), so requeued rows are
+-- sent in their original order relative to each other. It keeps every column: the
+-- outbox's own as columns here, and any the app added to the outbox in `extra` (as
+-- JSON, built from those columns alone), from which a requeue restores them.
+--
+-- A row over 16 MiB is left in the outbox, marked (dead_lettered_at): every listing,
+-- count, requeue and discard reads or handles both places (outbox_dead_letters shows
+-- both). An own table (RELAY_OUTBOX_TABLE) marks all its dead letters in place.
+--
+-- outbox_dead's ids are the outbox's: never restart the outbox's identity while dead
+-- letters are kept (a new row could then take a dead letter's id, and its move here
+-- would fail on the primary key).
+--
+CREATE TABLE outbox_dead (
+    id                  bigint      PRIMARY KEY,
+    message_id          uuid        NOT NULL,
+    topic               text        NOT NULL,
+    key                 text,
+    payload             bytea,
+    headers             jsonb,
+    created_at          timestamptz NOT NULL,
+    available_at        timestamptz,
+    promoted_at         timestamptz,
+    attempts            integer     NOT NULL,
+    last_error          text,
+    dead_lettered_at    timestamptz NOT NULL,
+    dead_letter_reason  text,
+    extra               jsonb  -- columns the app added to the outbox; NULL: none
+);
+
+COMMENT ON TABLE outbox_dead IS
+    'Outbox rows the relay gave up on, with the reason; requeued back into the outbox by id.';
+
+-- A requeue by key, and its check for an earlier dead letter of a requeued row's key.
+CREATE INDEX outbox_dead_key_idx ON outbox_dead (key, id);
+
+-- Every dead letter, wherever it is kept: moved out, and marked in place.
+CREATE VIEW outbox_dead_letters AS
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
+FROM outbox_dead
+UNION ALL
+SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
+       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
+FROM outbox
+WHERE dead_lettered_at IS NOT NULL;
+
+COMMENT ON VIEW outbox_dead_letters IS
+    'Every dead letter: moved to outbox_dead, or marked in the outbox by an earlier release.';
+
+-- The two ways in and out of outbox_dead are functions that run as their owner, so the
+-- roles that use them need neither INSERT on outbox_dead nor INSERT on the outbox: a
+-- role can move into outbox_dead only rows of the outbox, and back only what was there.
+--
+-- The columns the app added to the outbox, if any: those a dead letter keeps in
+-- `extra`. Read from the catalog at each move, so a column added later is kept too.
+-- Never the whole row as JSON: a payload of hundreds of MB would not fit one jsonb. A
+-- generated column is left out: it is computed again when the row comes back.
+CREATE FUNCTION outbox_added_columns()
+RETURNS text[]
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT coalesce(array_agg(a.attname::text ORDER BY a.attnum), '{}')
+    FROM pg_attribute AS a
+    WHERE a.attrelid = 'outbox'::regclass
+      AND a.attnum > 0
+      AND NOT a.attisdropped
+      AND a.attgenerated = ''
+      AND a.attname <> ALL (ARRAY['id', 'message_id', 'topic', 'key', 'payload', 'headers',
+                                  'created_at', 'sent_at', 'attempts', 'next_attempt_at',
+                                  'last_error', 'dead_lettered_at', 'dead_letter_reason',
+                                  'available_at', 'promoted_at'])
+$$;
+
+-- outbox_extra_of: the SQL expression of the added columns of the outbox row `source`
+-- (an alias in the statement it goes into) as one jsonb object, built 50 columns at a
+-- time (jsonb_build_object takes at most 100 arguments); 'NULL::jsonb' with none.
+CREATE FUNCTION outbox_extra_of(source text)
+RETURNS text
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT coalesce(string_agg(piece.sql, ' || ' ORDER BY piece.part), 'NULL::jsonb')
+    FROM (SELECT (added.n - 1) / 50 AS part,
+                 'jsonb_build_object('
+                 || string_agg(quote_literal(added.c) || ', ' || source || '.'
+                               || quote_ident(added.c), ', ' ORDER BY added.n)
+                 || ')' AS sql
+          FROM unnest(outbox_added_columns()) WITH ORDINALITY AS added (c, n)
+          GROUP BY 1) AS piece
+$$;
+
+-- outbox_restored_of: for an INSERT into the outbox of a row `source` that kept the added
+-- columns in `extra`: their names (', a, b'), the SQL of their values (', ..., ...'),
+-- and the join that reads them (`kept`: one jsonb_to_record a row, the columns typed by
+-- their base types, so a domain is checked once, on the INSERT). Each value is the one
+-- kept, or for a column added since the row left (no key in `extra`) what an INSERT that
+-- leaves the column out writes: the column's default, its domain's, or its identity's
+-- next value (NULL without any).
+CREATE FUNCTION outbox_restored_of(source text, OUT columns text, OUT restored text,
+                                   OUT kept text)
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT coalesce(', ' || string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum), ''),
+           coalesce(', ' || string_agg(
+               format('CASE WHEN %1$s.extra ? %2$L THEN kept.%3$I::%4$s ELSE (%5$s)::%4$s END',
+                      source, a.attname, a.attname, format_type(a.atttypid, a.atttypmod),
+                      CASE WHEN a.attidentity <> '' THEN
+                               format('nextval(%L)',
+                                      pg_get_serial_sequence(format('%I.outbox',
+                                                                    current_schema()),
+                                                             a.attname))
+                           ELSE coalesce(pg_get_expr(d.adbin, d.adrelid), t.typdefault,
+                                         'NULL')
+                      END),
+               ', ' ORDER BY a.attnum), ''),
+           CASE WHEN count(*) = 0 THEN ''
+                ELSE format(' CROSS JOIN LATERAL jsonb_to_record(coalesce(%s.extra, %L))'
+                            ' AS kept (%s)',
+                            source, '{}',
+                            string_agg(quote_ident(a.attname) || ' '
+                                       || format_type(CASE WHEN t.typtype = 'd'
+                                                           THEN t.typbasetype
+                                                           ELSE a.atttypid END,
+                                                      CASE WHEN t.typtype = 'd'
+                                                           THEN t.typtypmod
+                                                           ELSE a.atttypmod END),
+                                       ', ' ORDER BY a.attnum))
+           END
+    FROM pg_attribute AS a
+    JOIN pg_type AS t ON t.oid = a.atttypid
+    LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    WHERE a.attrelid = 'outbox'::regclass
+      AND a.attname = ANY (outbox_added_columns())
+$$;
+
+-- outbox_dead_letter: the settle's dead path (relay/sql/drain.sql, dead_letter_move), in
+-- its fenced transaction: the rows given up on, out of the outbox into outbox_dead with
+-- the attempts they spent and the reason. A row marked in place already (an earlier
+-- release's) keeps its time and reason. A row over 16 MiB of payload
+-- and headers stays where it is (the settle then marks it in place, with drain.sql's
+-- dead_letter): copying hundreds of MB could outlast the settle's statement timeout,
+-- and the settle would fail again and again. Returns how many it moved.
+CREATE FUNCTION outbox_dead_letter(ids bigint[], attempted integer[], reasons text[])
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    moved bigint;
+BEGIN
+    EXECUTE format($move$
+        WITH gone AS (
+            DELETE FROM outbox AS o
+            USING unnest($1, $2, $3) AS f (id, attempted, reason)
+            WHERE o.id = f.id
+              AND coalesce(octet_length(o.payload), 0)
+                  + coalesce(pg_column_size(o.headers), 0) <= 16777216
+            RETURNING o.*, f.attempted, f.reason
+        ),
+        moved AS (
+            INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers,
+                                     created_at, available_at, promoted_at, attempts,
+                                     last_error, dead_lettered_at, dead_letter_reason,
+                                     extra)
+            SELECT gone.id, gone.message_id, gone.topic, gone.key, gone.payload,
+                   gone.headers, gone.created_at, gone.available_at, gone.promoted_at,
+                   gone.attempts + gone.attempted,
+                   CASE WHEN gone.dead_lettered_at IS NULL THEN gone.reason
+                        ELSE gone.last_error END,
+                   coalesce(gone.dead_lettered_at, now()),
+                   CASE WHEN gone.dead_lettered_at IS NULL THEN gone.reason
+                        ELSE gone.dead_letter_reason END,
+                   %s
+            FROM gone
+            RETURNING 1
+        )
+        SELECT count(*) FROM moved
+    $move$, outbox_extra_of('gone'))
+    INTO moved
+    USING ids, attempted, reasons;
+    RETURN moved;
+END
+$$;
+
+-- outbox_requeue: the dead letters named (by id, by key, or all) back into the outbox
+-- under their ids, with fresh attempts and the columns the app added restored
+-- (`relay dead-letter requeue`, the console). Rows marked in place are requeued by an
+-- UPDATE, as before (relay/sql/operations.sql, dead_letter_requeue). Returns their ids.
+-- A row leaves outbox_dead only once the outbox took it: one an app's BEFORE INSERT
+-- trigger drops stays a dead letter. Locked first, so a concurrent requeue of the same
+-- rows waits, then finds them gone. Planned for the arguments given (EXECUTE): a
+-- requeue of a few ids or of one key reads those by outbox_dead's indexes.
+CREATE FUNCTION outbox_requeue(ids bigint[], by_key text, everything boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    added record := outbox_restored_of('back');
+BEGIN
+    RETURN QUERY EXECUTE format($back$
+        WITH back AS (
+            SELECT d.*
+            FROM outbox_dead AS d
+            WHERE $3 OR d.id = ANY($1) OR d.key = $2
+            FOR UPDATE
+        ),
+        moved AS (
+            INSERT INTO outbox (id, message_id, topic, key, payload, headers, created_at,
+                                available_at, promoted_at, attempts, last_error%s)
+            OVERRIDING SYSTEM VALUE
+            SELECT back.id, back.message_id, back.topic, back.key, back.payload,
+                   back.headers, back.created_at, back.available_at, back.promoted_at, 0,
+                   back.last_error%s
+            FROM back%s
+            RETURNING outbox.id
+        ),
+        gone AS (
+            DELETE FROM outbox_dead AS d
+            USING moved
+            WHERE d.id = moved.id
+            RETURNING d.id
+        )
+        SELECT gone.id FROM gone
+    $back$, added.columns, added.restored, added.kept)
+    USING ids, by_key, everything;
+END
+$$;
+
+-- As their owner, they resolve names in this schema only (then pg_temp, last), whatever
+-- the caller's search_path; and only the roles granted them may run them (grants.sql,
+-- console_grants.sql), not PUBLIC as a function's default.
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION outbox_added_columns()'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_extra_of(text)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_restored_of(text)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_dead_letter(bigint[], integer[], text[])'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_requeue(bigint[], text, boolean)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) FROM PUBLIC;
+
+COMMENT ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) IS
+    'Move outbox rows the relay gave up on into outbox_dead, with attempts spent and reason.';
+COMMENT ON FUNCTION outbox_requeue(bigint[], text, boolean) IS
+    'Move dead letters (by id, by key, or all) from outbox_dead back into the outbox, by id.';
+
+------------------------------------------------------------------------------------
+-- Rows scheduled for later
+------------------------------------------------------------------------------------
+
+-- Scheduled rows not yet due leave the outbox: they wait in outbox_scheduled, and come
+-- back into the outbox under their ids when due (let in, promoted_at set), as dead
+-- letters go to outbox_dead. The outbox then holds only rows that may go now or are
+-- settling, so a walk of it in id order meets no row waiting for a later time, however
+-- large the schedule.
+--
+-- outbox_unpark_all moves every parked row back and stops parking (outbox_parking), for
+-- a rollback to a relay that does not read outbox_scheduled
+-- (docs/howto/scheduled-delivery.md).
+--
+-- The readers of the schedule (the fetch's "an earlier row of my key is scheduled", the
+-- lag gauges, the console) read both places. An own table (RELAY_OUTBOX_TABLE) keeps its
+-- scheduled rows in place; its view schema has an empty outbox_scheduled of its own
+-- (`relay migrate --own-table`).
+CREATE TABLE outbox_scheduled (
+    id                  bigint      PRIMARY KEY,
+    message_id          uuid        NOT NULL,
+    topic               text        NOT NULL,
+    key                 text,
+    payload             bytea,
+    headers             jsonb,
+    created_at          timestamptz NOT NULL,
+    available_at        timestamptz NOT NULL,
+    attempts            integer     NOT NULL,
+    last_error          text,
+    extra               jsonb  -- columns the app added to the outbox (as outbox_dead's)
+);
+
+COMMENT ON TABLE outbox_scheduled IS
+    'Outbox rows scheduled for later (available_at), let back into the outbox by id when due.';
+
+-- The due ones, soonest first, and when the next one is due: one descent.
+CREATE INDEX outbox_scheduled_due_idx ON outbox_scheduled (available_at);
+
+-- The fetch's per-row probe "is an earlier row of my key scheduled?".
+CREATE INDEX outbox_scheduled_parked_key_idx ON outbox_scheduled (key, id);
+
+-- Whether rows scheduled for later are moved out (outbox_park_scheduled): on, until
+-- outbox_unpark_all switches it off.
+CREATE TABLE outbox_parking (
+    single  boolean PRIMARY KEY DEFAULT true CHECK (single),
+    enabled boolean NOT NULL
+);
+INSERT INTO outbox_parking (enabled) VALUES (true);
+
+COMMENT ON TABLE outbox_parking IS
+    'Whether the relay moves rows scheduled for later into outbox_scheduled (0021 on).';
+
+-- The moves below tell an error that may pass (a lock wait, a deadlock, a full disk, a
+-- cancel) from one the row itself causes (a constraint or trigger of the app's refuses
+-- it): the first fails the pass, which the next pass tries again; the second is dealt
+-- with row by row and the rest goes on, so no row can stop the drain's lane.
+--
+-- outbox_park_scheduled: up to max_rows rows of the outbox scheduled for later, soonest
+-- due first (outbox_scheduled_idx), moved into outbox_scheduled, skipping rows another
+-- session holds (the app's own transaction, say): at most 16 MiB of payload and headers,
+-- and no row over 1 MiB (it is let in where it is when due: two copies would cost more
+-- than stepping over it). Nothing to move, or parking off: no DELETE at all (a
+-- statement trigger of the app's on the outbox would fire for none). The columns the app
+-- added go along in `extra`, as a dead letter's do. If the outbox refuses to let
+-- any of them go (an app's DELETE trigger raising, a foreign key to a row, say), the
+-- pass moves none, with a WARNING: they are then let in where they are when due.
+-- How many moved.
+CREATE FUNCTION outbox_park_scheduled(max_rows integer)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    ids bigint[];
+    parked bigint;
+BEGIN
+    -- A rollback's outbox_unpark_all switching parking off waits for a pass under way
+    -- (it takes this advisory lock, keyed by outbox_parking's oid, exclusive), and a
+    -- pass that starts meanwhile waits for it, then reads the flag off; else a pass
+    -- could park rows the rollback's snapshot no longer sees. An advisory lock writes
+    -- nothing: a row lock on the flag made every idle pass a commit to flush.
+    PERFORM pg_advisory_xact_lock_shared('outbox_parking'::regclass::oid::integer, 0);
+    IF NOT (SELECT p.enabled FROM outbox_parking AS p) THEN
+        RETURN 0;
+    END IF;
+    -- A deferred constraint of the app's is checked here, not at commit: its error is
+    -- the move's, dealt with below, never one that fails every pass.
+    SET CONSTRAINTS ALL IMMEDIATE;
+    SELECT array_agg(chosen.id)
+    INTO ids
+    FROM (SELECT later.id,
+                 sum(later.size) OVER (ORDER BY later.available_at, later.id) AS bytes,
+                 row_number() OVER (ORDER BY later.available_at, later.id) AS n
+          FROM (SELECT o.id, o.available_at,
+                       coalesce(octet_length(o.payload), 0)
+                       + coalesce(pg_column_size(o.headers), 0) AS size
+                FROM outbox AS o
+                WHERE o.sent_at IS NULL
+                  AND o.dead_lettered_at IS NULL
+                  AND o.available_at IS NOT NULL
+                  AND o.promoted_at IS NULL
+                  AND o.available_at > now()
+                  AND coalesce(octet_length(o.payload), 0)
+                      + coalesce(pg_column_size(o.headers), 0) <= 1048576
+                ORDER BY o.available_at
+                LIMIT max_rows
+                FOR UPDATE SKIP LOCKED) AS later) AS chosen
+    WHERE chosen.bytes <= 16777216 OR chosen.n = 1;
+    IF ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    BEGIN
+        EXECUTE format($park$
+            WITH gone AS (
+                DELETE FROM outbox AS o WHERE o.id = ANY($1) RETURNING o.*
+            ),
+            parked AS (
+                INSERT INTO outbox_scheduled (id, message_id, topic, key, payload, headers,
+                                              created_at, available_at, attempts,
+                                              last_error, extra)
+                SELECT gone.id, gone.message_id, gone.topic, gone.key, gone.payload,
+                       gone.headers, gone.created_at, gone.available_at, gone.attempts,
+                       gone.last_error, %s
+                FROM gone
+                RETURNING 1
+            )
+            SELECT count(*) FROM parked
+        $park$, outbox_extra_of('gone'))
+        INTO parked
+        USING ids;
+    EXCEPTION
+        WHEN transaction_rollback OR lock_not_available OR insufficient_resources
+             OR operator_intervention OR system_error THEN
+            RAISE;
+        WHEN OTHERS THEN
+            RAISE WARNING 'rows scheduled for later stay in the outbox: %', SQLERRM;
+            RETURN 0;
+    END;
+    RETURN parked;
+END
+$$;
+
+-- outbox_let_in: due rows of outbox_scheduled, soonest due first, of shard `shard` of
+-- `shards` (1: all), back into the outbox under their ids, let in (promoted_at now):
+-- from then on they are ordinary unsent rows, in their id's place. At most max_rows
+-- rows, and 16 MiB of payload and headers (one row at least), so a pass stays short;
+-- `more` says it stopped there, and the drain looks again at once. Rows another session
+-- holds wait for the next pass. Nothing due: no INSERT at all (a statement trigger on
+-- the outbox, the NOTIFY one say, would fire for none). A row leaves outbox_scheduled
+-- only once the outbox took it: a row the outbox refuses (a constraint or trigger of
+-- the app's) or drops (a BEFORE INSERT trigger returning NULL) goes to outbox_dead
+-- with the reason, and the rest go in. The columns the app added come back from
+-- `extra` (one added since gets its default). How many went in.
+CREATE FUNCTION outbox_let_in(max_rows integer, shards integer, shard integer,
+                              OUT let_in bigint, OUT more boolean)
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    added record;
+    ids bigint[];
+    chosen_count bigint;
+    move text;
+    bury text;
+    took bigint[] := '{}';
+    one_took bigint[];
+    one_id bigint;
+    refused boolean := false;
+BEGIN
+    SELECT array_agg(chosen.id ORDER BY chosen.n)
+               FILTER (WHERE chosen.bytes <= 16777216 OR chosen.n = 1),
+           count(*)
+    INTO ids, chosen_count
+    FROM (SELECT s.id,
+                 sum(s.size) OVER (ORDER BY s.available_at, s.id) AS bytes,
+                 row_number() OVER (ORDER BY s.available_at, s.id) AS n
+          FROM (SELECT s.id, s.available_at,
+                       coalesce(octet_length(s.payload), 0)
+                       + coalesce(pg_column_size(s.headers), 0) AS size
+                FROM outbox_scheduled AS s
+                WHERE s.available_at <= now()
+                  AND (shards = 1 OR outbox_shard(s.key, s.id, shards) = shard)
+                ORDER BY s.available_at, s.id
+                LIMIT max_rows
+                FOR UPDATE SKIP LOCKED) AS s) AS chosen;
+    SET CONSTRAINTS ALL IMMEDIATE;  -- as in outbox_park_scheduled
+    let_in := 0;
+    more := ids IS NOT NULL AND (chosen_count >= max_rows OR cardinality(ids) < chosen_count);
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    added := outbox_restored_of('back');  -- the catalog read, only with rows to move
+    move := format($back$
+        WITH back AS (
+            SELECT s.* FROM outbox_scheduled AS s WHERE s.id = ANY($1)
+        ),
+        moved AS (
+            INSERT INTO outbox (id, message_id, topic, key, payload, headers, created_at,
+                                available_at, promoted_at, attempts, last_error%s)
+            OVERRIDING SYSTEM VALUE
+            SELECT back.id, back.message_id, back.topic, back.key, back.payload,
+                   back.headers, back.created_at, back.available_at, now(),
+                   back.attempts, back.last_error%s
+            FROM back%s
+            RETURNING outbox.id
+        ),
+        gone AS (
+            DELETE FROM outbox_scheduled AS s USING moved WHERE s.id = moved.id
+            RETURNING s.id
+        )
+        SELECT coalesce(array_agg(gone.id), '{}') FROM gone
+    $back$, added.columns, added.restored, added.kept);
+    bury := $bury$
+        WITH gone AS (
+            DELETE FROM outbox_scheduled AS s WHERE s.id = ANY($1) RETURNING s.*
+        )
+        INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers, created_at,
+                                 available_at, promoted_at, attempts, last_error,
+                                 dead_lettered_at, dead_letter_reason, extra)
+        SELECT gone.id, gone.message_id, gone.topic, gone.key, gone.payload, gone.headers,
+               gone.created_at, gone.available_at, NULL, gone.attempts, gone.last_error,
+               now(), $2, gone.extra
+        FROM gone
+    $bury$;
+    BEGIN
+        EXECUTE move INTO took USING ids;
+    EXCEPTION
+        WHEN transaction_rollback OR lock_not_available OR insufficient_resources
+             OR operator_intervention OR system_error THEN
+            RAISE;
+        WHEN OTHERS THEN
+            refused := true;  -- undone; tried one at a time below
+    END;
+    IF refused THEN
+        FOREACH one_id IN ARRAY ids LOOP
+            BEGIN
+                EXECUTE move INTO one_took USING ARRAY[one_id];
+                took := took || one_took;
+            EXCEPTION
+                WHEN transaction_rollback OR lock_not_available OR insufficient_resources
+                     OR operator_intervention OR system_error THEN
+                    RAISE;
+                WHEN OTHERS THEN
+                    EXECUTE bury
+                    USING ARRAY[one_id], 'could not be let back into the outbox: ' || SQLERRM;
+            END;
+        END LOOP;
+    END IF;
+    IF cardinality(took) < cardinality(ids) THEN
+        -- Left without an error: a BEFORE INSERT trigger of the app's dropped them. A row
+        -- refused above is in outbox_dead already.
+        EXECUTE bury
+        USING ARRAY(SELECT unnest(ids) EXCEPT SELECT unnest(took)),
+              'could not be let back into the outbox: a BEFORE INSERT trigger on the'
+              ' outbox dropped it';
+    END IF;
+    let_in := cardinality(took);
+END
+$$;
+
+-- outbox_unpark_all: for a rollback past this release (docs/howto/scheduled-delivery.md):
+-- parking off, and every row of outbox_scheduled back into the outbox under its id,
+-- unchanged and not let in, so a relay of an earlier release sees it as it always did.
+-- A row the outbox drops stays in outbox_scheduled. How many went back. One statement:
+-- on a large schedule, a long one.
+CREATE FUNCTION outbox_unpark_all()
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+DECLARE
+    added record := outbox_restored_of('back');
+    moved bigint;
+BEGIN
+    UPDATE outbox_parking SET enabled = false;
+    -- Every pass under way done (see outbox_park_scheduled); the move's snapshot, taken
+    -- next, sees what they parked, and the passes after read the flag off.
+    PERFORM pg_advisory_xact_lock('outbox_parking'::regclass::oid::integer, 0);
+    EXECUTE format($back$
+        WITH back AS (
+            SELECT s.* FROM outbox_scheduled AS s FOR UPDATE
+        ),
+        moved AS (
+            INSERT INTO outbox (id, message_id, topic, key, payload, headers, created_at,
+                                available_at, attempts, last_error%s)
+            OVERRIDING SYSTEM VALUE
+            SELECT back.id, back.message_id, back.topic, back.key, back.payload,
+                   back.headers, back.created_at, back.available_at, back.attempts,
+                   back.last_error%s
+            FROM back%s
+            RETURNING outbox.id
+        ),
+        gone AS (
+            DELETE FROM outbox_scheduled AS s USING moved WHERE s.id = moved.id
+            RETURNING 1
+        )
+        SELECT count(*) FROM gone
+    $back$, added.columns, added.restored, added.kept)
+    INTO moved;
+    RETURN moved;
+END
+$$;
+
+-- As their owner, they resolve names in this schema only (then pg_temp, last), whatever
+-- the caller's search_path; and only the roles granted them may run them (grants.sql).
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION outbox_park_scheduled(integer)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_let_in(integer, integer, integer)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_unpark_all()'
+                   ' SET search_path = %I, pg_temp', current_schema());
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_park_scheduled(integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox_let_in(integer, integer, integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox_unpark_all() FROM PUBLIC;
+
+COMMENT ON FUNCTION outbox_park_scheduled(integer) IS
+    'Move outbox rows scheduled for later into outbox_scheduled (once outbox_parking is on).';
+COMMENT ON FUNCTION outbox_let_in(integer, integer, integer) IS
+    'Move due rows of outbox_scheduled back into the outbox, by id, let in.';
+COMMENT ON FUNCTION outbox_unpark_all() IS
+    'Rollback: parking off, and every row of outbox_scheduled back into the outbox, unchanged.';
+
+------------------------------------------------------------------------------------
+-- The console's audit
+------------------------------------------------------------------------------------
+
+-- Every requeue and discard the console makes writes one row here, in the same
+-- transaction as the change itself: who (the login: "token", or the user an
+-- authenticating proxy named), when (database clock), what (the row ids chosen, or the
+-- filter matched), and how many rows it changed. The console reads it back on its
+-- Audit page. Neither the relay nor its CLI writes here; `relay dead-letter requeue`
+-- is an operator's shell, which keeps its own trail.
+--
+-- A discard deletes rows for good, and a discard by search records the search, which
+-- matches other rows (or none) afterwards: without the ids, which rows went could not
+-- be told. `row_ids` holds every outbox id the requeue or discard changed, in id order
+-- (as many as row_count); the console writes it with the entry, in the change's
+-- transaction.
+CREATE TABLE console_audit (
+    id         bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at         timestamptz NOT NULL DEFAULT now(),
+    actor      text        NOT NULL,
+    action     text        NOT NULL CHECK (action IN ('requeue', 'discard')),
+    target     jsonb       NOT NULL,  -- {"ids": [...]} or {"filter": {...}}
+    row_count  integer     NOT NULL CHECK (row_count >= 0),
+    first_id   bigint,                -- the lowest and highest id it changed
+    last_id    bigint,
+    note       text,                  -- e.g. the per-key order warning shown
+    row_ids    bigint[]    CHECK (row_ids IS NULL OR cardinality(row_ids) = row_count)
+);
+
+COMMENT ON TABLE console_audit IS
+    'Requeues and discards made from the operators'' console: who, when, what, how many rows.';
+COMMENT ON COLUMN console_audit.row_ids IS
+    'Every outbox id the change requeued or discarded, in id order (NULL: recorded before migration 0014).';
