@@ -668,7 +668,7 @@ def test_image_install_steps_give_a_working_relay_outside_docker(
     try:
         migrated = run("migrate", env=image_env(empty_db))
         assert migrated.returncode == 0, migrated.stderr
-        assert "0001" in migrated.stdout
+        assert "0100_schema.sql" in migrated.stdout
     finally:
         pg.drop_database(name)
 
