@@ -60,7 +60,7 @@ class Migration:
     def held_by(self, applied: set[str] | dict[str, str]) -> bool:
         """Whether a database with `applied` has this file's schema: it ran this file,
         or every migration the file replaces."""
-        return self.version in applied or bool(self.replaces) and self.replaces <= set(applied)
+        return self.version in applied or (bool(self.replaces) and self.replaces <= set(applied))
 
 
 @dataclass(frozen=True, slots=True)
