@@ -163,7 +163,7 @@ def test_credentials_stay_with_the_origin_they_were_given_for(
     settings = http_settings(
         make_settings,
         server.url,
-        http_auth_header_value="Bearer home-token",
+        http_auth_header="Authorization: Bearer home-token",
         http_signing_secret=SECRET,
         http_topic_urls={"same": server.url + "/same", "plain": elsewhere.url + "/plain"},
     )
@@ -187,7 +187,7 @@ def test_another_origin_shares_credentials_only_when_told_or_has_its_own(
     settings = http_settings(
         make_settings,
         server.url,
-        http_auth_header_value="Bearer home-token",
+        http_auth_header="Authorization: Bearer home-token",
         http_signing_secret=SECRET,
         http_topic_urls={
             "shared": {"url": elsewhere.url + "/shared", "share_credentials": True},
@@ -216,7 +216,7 @@ def test_destinations_and_their_credentials(make_settings: SettingsFactory) -> N
     settings = http_settings(
         make_settings,
         "https://hooks.example",
-        http_auth_header_value="Bearer home",
+        http_auth_header="Authorization: Bearer home",
         http_signing_secret=SECRET,
         http_topic_urls={
             "explicit-port": "https://HOOKS.example:443/x",  # the same origin
@@ -246,6 +246,123 @@ def test_destinations_and_their_credentials(make_settings: SettingsFactory) -> N
     forged = dict(builder.build(message(headers={"x-key": "forged"})).headers)
     assert "x-key" not in forged
     assert "Bearer home" not in repr(builder.build(message()))
+
+
+@pytest.mark.unit
+def test_the_auth_header_is_a_name_a_colon_and_a_value() -> None:
+    """RELAY_HTTP_AUTH_HEADER is one secret, `Name: value` (RELAY_HTTP_AUTH_HEADER_NAME and
+    _VALUE before); whitespace around the value and a file's newline are dropped."""
+    for given, name, value in [
+        ("Authorization: Bearer hunter2", "Authorization", "Bearer hunter2"),
+        ("X-Api-Key:hunter2", "X-Api-Key", "hunter2"),
+        ("X-Api-Key: \t hunter2 \n", "X-Api-Key", "hunter2"),
+        ("Authorization: Basic dXNlcjpwYXNz:x", "Authorization", "Basic dXNlcjpwYXNz:x"),
+    ]:
+        settings = load_settings(
+            Settings, **BASE, http_url="https://hooks.example/in", http_auth_header=given
+        )
+        sent = dict(RequestBuilder(settings).build(message()).headers)
+        assert sent[name] == value.encode()
+        assert settings.http_auth_header_name == name
+        for text in (repr(settings), str(settings), settings.model_dump_json()):
+            assert "hunter2" not in text
+    for bad, says in [
+        ("Bearer hunter2", "it has no colon"),
+        ("X Key: hunter2", "before the colon an HTTP header name"),
+        ("Authorization : hunter2", "before the colon an HTTP header name"),
+        (": hunter2", "before the colon an HTTP header name"),
+        ("X-Api-Key:", "after the colon a non-empty header value"),
+        ("X-Api-Key:   ", "after the colon a non-empty header value"),
+        ("X-Api-Key: hun\r\nter2", "after the colon a non-empty header value"),
+        ("X-Api-Key: hünter2", "after the colon a non-empty header value"),
+    ]:
+        with pytest.raises(SettingsError) as err:
+            load_settings(
+                Settings, **BASE, http_url="https://hooks.example/in", http_auth_header=bad
+            )
+        assert err.value.name == "RELAY_HTTP_AUTH_HEADER"
+        assert says in err.value.message and "`Name: value`" in err.value.message
+        assert "hun" not in str(err.value)
+    assert "http_auth_header" in SECRET_FIELDS
+    assert is_setting_variable("RELAY_HTTP_AUTH_HEADER_FILE")
+
+
+@pytest.mark.unit
+def test_the_auth_header_comes_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "auth-header"
+    path.write_text("X-Api-Key: hunter2\n")  # as `echo ... > file` leaves it
+    monkeypatch.setenv("RELAY_HTTP_AUTH_HEADER_FILE", str(path))
+    settings = load_settings(Settings, **BASE, http_url="https://hooks.example/in")
+    assert dict(RequestBuilder(settings).build(message()).headers)["X-Api-Key"] == b"hunter2"
+    monkeypatch.setenv("RELAY_HTTP_AUTH_HEADER", "X-Api-Key: hunter2")
+    with pytest.raises(SettingsError) as err:
+        load_settings(Settings, **BASE, http_url="https://hooks.example/in")
+    assert err.value.name == "RELAY_HTTP_AUTH_HEADER_FILE"
+
+
+@pytest.mark.unit
+def test_a_topic_urls_own_value_goes_in_its_name_else_in_the_global_headers() -> None:
+    """As with RELAY_HTTP_AUTH_HEADER_NAME before: a topic entry's auth_header_value
+    without auth_header_name goes in the global header's name; a shared global value goes
+    in the entry's auth_header_name if it has one."""
+    topics = {
+        "own-value": {"url": "https://o.example/in", "auth_header_value": "own"},
+        "own-name": {
+            "url": "https://o.example/in",
+            "auth_header_name": "X-Own",
+            "auth_header_value": "own",
+        },
+        "shared-in-own-name": {
+            "url": "https://s.example/in",
+            "auth_header_name": "X-Shared",
+            "share_credentials": True,
+        },
+        "shared": {"url": "https://s.example/in", "share_credentials": True},
+    }
+
+    def sent(settings: Settings, topic: str) -> dict[str, bytes]:
+        return dict(RequestBuilder(settings).build(message(topic=topic)).headers)
+
+    named = load_settings(
+        Settings,
+        **BASE,
+        http_url="https://hooks.example/in",
+        http_auth_header="X-Api-Key: home",
+        http_topic_urls=topics,
+    )
+    assert sent(named, "orders")["X-Api-Key"] == b"home"
+    assert sent(named, "own-value")["X-Api-Key"] == b"own"
+    assert sent(named, "own-name")["X-Own"] == b"own"
+    assert "X-Api-Key" not in sent(named, "own-name")
+    assert sent(named, "shared-in-own-name")["X-Shared"] == b"home"
+    assert sent(named, "shared")["X-Api-Key"] == b"home"
+    # A row cannot set the global header's name, wherever it goes.
+    forged = RequestBuilder(named).build(message(topic="own-name", headers={"x-api-key": "f"}))
+    assert "x-api-key" not in dict(forged.headers)
+    unnamed = load_settings(
+        Settings, **BASE, http_url="https://hooks.example/in", http_topic_urls=topics
+    )
+    assert "Authorization" not in sent(unnamed, "orders")
+    assert sent(unnamed, "own-value")["Authorization"] == b"own"
+    assert sent(unnamed, "own-name")["X-Own"] == b"own"
+    assert "X-Shared" not in sent(unnamed, "shared-in-own-name")
+    forged = RequestBuilder(unnamed).build(message(headers={"authorization": "f"}))
+    assert "authorization" not in dict(forged.headers)
+
+
+def test_a_bad_auth_header_stops_start_up_with_exit_2() -> None:
+    env = relay_env(
+        "postgresql://relay@nowhere.invalid/db",
+        RELAY_SINK="http",
+        RELAY_HTTP_URL="https://hooks.example/in",
+        RELAY_HTTP_AUTH_HEADER="Bearer hunter2",  # the old _VALUE's form: no name
+    )
+    done = subprocess.run(
+        relay_command("check"), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "RELAY_HTTP_AUTH_HEADER: must be `Name: value`" in done.stderr
+    assert "hunter2" not in done.stderr + done.stdout
 
 
 @pytest.mark.unit
@@ -308,8 +425,10 @@ def test_topic_urls_with_their_credentials_come_from_a_file(
 def test_a_global_credential_that_goes_nowhere_is_refused() -> None:
     only_topics = {"http_topic_urls": {"orders": "https://o.example/in"}}
     with pytest.raises(SettingsError) as err:
-        load_settings(Settings, **BASE, **only_topics, http_auth_header_value="Bearer hunter2")
-    assert err.value.name == "RELAY_HTTP_AUTH_HEADER_VALUE"
+        load_settings(
+            Settings, **BASE, **only_topics, http_auth_header="Authorization: Bearer hunter2"
+        )
+    assert err.value.name == "RELAY_HTTP_AUTH_HEADER"
     assert "hunter2" not in str(err.value)
     with pytest.raises(SettingsError) as err:
         load_settings(Settings, **BASE, **only_topics, http_signing_secret=SECRET)
@@ -325,7 +444,10 @@ def test_a_global_credential_that_goes_nowhere_is_refused() -> None:
 def test_plaintext_credentials_need_an_opt_in() -> None:
     cases: list[tuple[dict[str, Any], str, str]] = [
         (
-            {"http_url": "http://hooks.example/in", "http_auth_header_value": "Bearer hunter2"},
+            {
+                "http_url": "http://hooks.example/in",
+                "http_auth_header": "Authorization: Bearer hunter2",
+            },
             "RELAY_HTTP_URL",
             "the Authorization header",
         ),
@@ -347,7 +469,7 @@ def test_plaintext_credentials_need_an_opt_in() -> None:
         (
             {
                 "http_url": "https://hooks.example/in",
-                "http_auth_header_value": "Bearer hunter2",
+                "http_auth_header": "Authorization: Bearer hunter2",
                 "http_topic_urls": {"t": {"url": "http://t.example", "share_credentials": True}},
             },
             "RELAY_HTTP_TOPIC_URLS",
@@ -366,7 +488,7 @@ def test_plaintext_credentials_need_an_opt_in() -> None:
 
 @pytest.mark.unit
 def test_what_needs_no_plaintext_opt_in() -> None:
-    token = {"http_auth_header_value": "Bearer t"}
+    token = {"http_auth_header": "Authorization: Bearer t"}
     for url in (
         "http://localhost:8080/in",
         "http://127.0.0.1:9/in",
@@ -400,7 +522,7 @@ def test_plaintext_credentials_stop_start_up_with_exit_2() -> None:
         "postgresql://relay@nowhere.invalid/db",
         RELAY_SINK="http",
         RELAY_HTTP_URL="http://hooks.example/in",
-        RELAY_HTTP_AUTH_HEADER_VALUE="Bearer hunter2",
+        RELAY_HTTP_AUTH_HEADER="Authorization: Bearer hunter2",
     )
     done = subprocess.run(
         relay_command("check"), env=env, capture_output=True, text=True, timeout=60, check=False

@@ -182,7 +182,7 @@ def test_request_headers_and_signature(make_settings: SettingsFactory) -> None:
     assert "webhook-signature" in dict(special.headers)  # another origin, opted in
     # A row can neither replace the relay's credentials nor smuggle a bad header.
     everything = RequestBuilder(
-        http_settings(make_settings, "https://h", http_auth_header_value="Bearer real")
+        http_settings(make_settings, "https://h", http_auth_header="Authorization: Bearer real")
     )
     forged = everything.build(
         message(headers={"Authorization": "Bearer forged", "User-Agent": "x"})
@@ -228,13 +228,13 @@ def test_settings_reject_bad_http_values(make_settings: SettingsFactory) -> None
     assert err.value.name == "RELAY_HTTP_URL"
     # `echo token > file` leaves a newline: stripped. An inner one is refused, unquoted.
     # (https: an auth header over http:// to a remote host needs an opt-in.)
-    ok = load_settings(Settings, **base, http_url="https://h", http_auth_header_value="Bearer t\n")
-    assert ok.http_auth_header_value is not None
-    assert ok.http_auth_header_value.get_secret_value() == "Bearer t"
+    ok = load_settings(Settings, **base, http_url="https://h", http_auth_header="X-Key: t\n")
+    assert ok.http_auth_header is not None
+    assert ok.http_auth_header.get_secret_value() == "X-Key: t"
     with pytest.raises(SettingsError) as err:
-        load_settings(Settings, **base, http_url="https://h", http_auth_header_value="Bea\nrer t")
-    assert err.value.name == "RELAY_HTTP_AUTH_HEADER_VALUE"
-    assert "Bea" not in str(err.value)
+        load_settings(Settings, **base, http_url="https://h", http_auth_header="X-Key: hun\nter2")
+    assert err.value.name == "RELAY_HTTP_AUTH_HEADER"
+    assert "hun" not in str(err.value)
 
 
 # --- against a real server ---------------------------------------------------------
@@ -247,7 +247,7 @@ def test_per_key_order_with_concurrency_across_keys(
     keys, per_key = 8, 12
     insert_rows(database, TOPIC, keyed_rows(keys, per_key), headers={"traceparent": "t-1"})
     settings = http_settings(
-        make_settings, server.url, batch_size=50, http_auth_header_value="Bearer t0ken"
+        make_settings, server.url, batch_size=50, http_auth_header="Authorization: Bearer t0ken"
     )
     with running_relay(settings):
         wait_until(lambda: unsent_count(database) == 0, 30, message="outbox drained")
@@ -508,7 +508,7 @@ def test_check_reaches_the_endpoint_and_keeps_secrets(
         RELAY_SINK="http",
         RELAY_HTTP_URL=server.url + "/hooks/{topic}",
         RELAY_HTTP_SIGNING_SECRET=SECRET,
-        RELAY_HTTP_AUTH_HEADER_VALUE="Bearer top-secret-token",
+        RELAY_HTTP_AUTH_HEADER="Authorization: Bearer top-secret-token",
     )
     done = subprocess.run(
         relay_command("check"), env=env, capture_output=True, timeout=60, check=False

@@ -33,6 +33,20 @@ RETIRED: Mapping[str, str] = {
     "RELAY_HTTP_CLIENT_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
     "RELAY_NATS_TLS_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
     "RELAY_RABBITMQ_TLS_KEY_FILE": "RELAY_SINK_TLS_KEY_FILE",
+    # One setting for one header.
+    "RELAY_HTTP_AUTH_HEADER_VALUE": (
+        "RELAY_HTTP_AUTH_HEADER, name and value in one: `Authorization: <value>` (or"
+        " `<RELAY_HTTP_AUTH_HEADER_NAME>: <value>`)"
+    ),
+    "RELAY_HTTP_AUTH_HEADER_VALUE_FILE": (
+        "RELAY_HTTP_AUTH_HEADER_FILE, its file holding `Authorization: <value>` (or"
+        " `<RELAY_HTTP_AUTH_HEADER_NAME>: <value>`)"
+    ),
+    "RELAY_HTTP_AUTH_HEADER_NAME": (
+        "RELAY_HTTP_AUTH_HEADER as `<name>: <value>`; a RELAY_HTTP_TOPIC_URLS entry's own"
+        " auth_header_value goes in its auth_header_name, else in RELAY_HTTP_AUTH_HEADER's"
+        " name, else in Authorization"
+    ),
     # Credentials a URL carries.
     "RELAY_NATS_USER": "RELAY_NATS_URL with nats://user:password@host:4222",
     "RELAY_NATS_PASSWORD": "RELAY_NATS_URL with nats://user:password@host:4222",

@@ -1,6 +1,6 @@
 """Where the HTTP sink sends: each configured URL with the credentials that go with it.
 
-The global credentials (RELAY_HTTP_AUTH_HEADER_VALUE, RELAY_HTTP_SIGNING_SECRET) were
+The global credentials (RELAY_HTTP_AUTH_HEADER, RELAY_HTTP_SIGNING_SECRET) were
 given for RELAY_HTTP_URL's server: they go to its origin (scheme, host, port), and to a
 RELAY_HTTP_TOPIC_URLS entry elsewhere only if it opts in; an entry may have its own.
 """
@@ -18,7 +18,7 @@ from relay.errors import SettingsError
 from relay.setting_checks import is_loopback
 
 if TYPE_CHECKING:  # the settings module checks its values with these
-    from relay.sinks.http.settings import HttpSettings, TopicUrl
+    from relay.sinks.http.settings import AuthHeader, HttpSettings, TopicUrl
 
 
 Origin = tuple[str, str, int]  # scheme, host, port
@@ -77,24 +77,32 @@ class Destination:
 def destinations(settings: HttpSettings) -> dict[str | None, Destination]:
     """Every configured URL by topic (None: RELAY_HTTP_URL, for the other topics), with
     its credentials."""
+    from relay.sinks.http.settings import auth_header
+
+    home = auth_header(settings)
     found: dict[str | None, Destination] = {}
     if settings.http_url is not None:
         found[None] = Destination(
             "RELAY_HTTP_URL",
             "",
             settings.http_url,
-            _auth(settings.http_auth_header_name, settings.http_auth_header_value),
+            None if home is None else (home.name, home.value),
             settings.http_signing_secret,
         )
     for topic, entry in settings.http_topic_urls.items():
-        found[topic] = _topic_destination(settings, topic, entry)
+        found[topic] = _topic_destination(settings, home, topic, entry)
     return found
 
 
-def _topic_destination(settings: HttpSettings, topic: str, entry: TopicUrl) -> Destination:
-    """A topic URL's credentials: its own, else the global ones if it may have them."""
+def _topic_destination(
+    settings: HttpSettings, home: AuthHeader | None, topic: str, entry: TopicUrl
+) -> Destination:
+    """A topic URL's credentials: its own, else the global ones if it may have them. Its
+    own value without a name goes in the global header's name (unset: Authorization);
+    the global value, shared, goes in the entry's own name if it gives one."""
     shared = _shares_credentials(settings, entry)
-    value = entry.auth_header_value or (settings.http_auth_header_value if shared else None)
+    home_value = None if home is None else home.value
+    value = entry.auth_header_value or (home_value if shared else None)
     return Destination(
         "RELAY_HTTP_TOPIC_URLS",
         f"topic {topic!r}: ",
@@ -119,8 +127,11 @@ def _auth(name: str, value: SecretStr | None) -> tuple[str, SecretStr] | None:
 def check_credentials_go_somewhere(settings: HttpSettings, found: Collection[Destination]) -> None:
     """A global credential no destination gets is a mistake to hear of at start-up (say
     RELAY_HTTP_URL was dropped), not from an endpoint's 401s."""
+    from relay.sinks.http.settings import auth_header
+
+    home = auth_header(settings)
     auth_sent = [d.auth[1] for d in found if d.auth is not None]
-    _check_sent("RELAY_HTTP_AUTH_HEADER_VALUE", settings.http_auth_header_value, auth_sent)
+    _check_sent("RELAY_HTTP_AUTH_HEADER", None if home is None else home.value, auth_sent)
     keys_sent = [d.signing_secret for d in found]
     _check_sent("RELAY_HTTP_SIGNING_SECRET", settings.http_signing_secret, keys_sent)
 

@@ -38,7 +38,11 @@ from relay.sinks.settings import SinkSettings, refuse
 MAX_RATE = 1_000_000.0  # requests a second: past this a limit is no limit, likely a typo
 
 # Webhook URLs often carry a token; a topic URL may hold its own credentials.
-HTTP_SECRETS = ("http_url", "http_topic_urls", "http_signing_secret", "http_auth_header_value")
+HTTP_SECRETS = ("http_url", "http_topic_urls", "http_signing_secret", "http_auth_header")
+
+# The header a credential given without a name goes in: a RELAY_HTTP_TOPIC_URLS entry's
+# auth_header_value without auth_header_name, when RELAY_HTTP_AUTH_HEADER is unset.
+DEFAULT_AUTH_HEADER_NAME = "Authorization"
 
 
 class TopicUrl(BaseModel):
@@ -95,7 +99,7 @@ class HttpSettings(BaseModel):
         '{"orders": "https://x/orders"}, or -> an object {"url": ..., "share_credentials": '
         'true, "auth_header_name": ..., "auth_header_value": ..., "signing_secret": ..., '
         '"max_requests_per_second": ...}. '
-        "RELAY_HTTP_AUTH_HEADER_VALUE and RELAY_HTTP_SIGNING_SECRET go to RELAY_HTTP_URL's "
+        "RELAY_HTTP_AUTH_HEADER and RELAY_HTTP_SIGNING_SECRET go to RELAY_HTTP_URL's "
         "origin (scheme, host, port) and to topic URLs on that origin; a topic URL on "
         "another origin gets them only with share_credentials, or has its own.",
     )
@@ -129,16 +133,13 @@ class HttpSettings(BaseModel):
     http_signing_secret: SecretStr | None = Field(
         default=None, description="Standard Webhooks secret (`whsec_<base64>`)."
     )
-    http_auth_header_name: str = Field(
-        default="Authorization",
-        description="The header RELAY_HTTP_AUTH_HEADER_VALUE (and a topic URL's own value "
-        "without a name) is sent in; a row's header of that name is never forwarded.",
-    )
-    http_auth_header_value: SecretStr | None = Field(
+    http_auth_header: SecretStr | None = Field(
         default=None,
-        description="A static credential sent with every request to RELAY_HTTP_URL's "
-        "origin, e.g. `Bearer <token>`; a topic URL elsewhere gets it only with "
-        "share_credentials.",
+        description="A static credential header sent with every request to RELAY_HTTP_URL's "
+        "origin, as `Name: value`, e.g. `Authorization: Bearer <token>`; a topic URL "
+        "elsewhere gets it only with share_credentials. A RELAY_HTTP_TOPIC_URLS entry's own "
+        "auth_header_value without auth_header_name goes in this header's name (unset: "
+        "Authorization); a row's header of that name is never forwarded.",
     )
     http_allow_plaintext_credentials: bool = Field(
         default=False,
@@ -178,20 +179,22 @@ class HttpSettings(BaseModel):
             signing_key(value)  # fail at start-up, not on the first message
         return value
 
-    @field_validator("http_auth_header_name")
-    @classmethod
-    def _header_name_shape(cls, value: str) -> str:
-        return _header_name(value)
-
-    @field_validator("http_auth_header_value", "http_signing_secret", mode="before")
+    @field_validator("http_auth_header", "http_signing_secret", mode="before")
     @classmethod
     def _strip_secret(cls, value: Any) -> Any:
         return _stripped(value)
 
-    @field_validator("http_auth_header_value")
+    @field_validator("http_auth_header")
     @classmethod
-    def _auth_value_shape(cls, value: SecretStr | None) -> SecretStr | None:
-        return None if value is None else _auth_value(value)
+    def _auth_header_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else AuthHeader.parse(value.get_secret_value())
+
+    @property
+    def http_auth_header_name(self) -> str:
+        """The name of RELAY_HTTP_AUTH_HEADER, else Authorization: where a credential
+        given without a name goes, and a header no row may set."""
+        header = auth_header(self)
+        return DEFAULT_AUTH_HEADER_NAME if header is None else header.name
 
     @field_validator("http_content_type")
     @classmethod
@@ -232,6 +235,49 @@ def _auth_value(value: SecretStr) -> SecretStr:
     if not _HEADER_VALUE.fullmatch(value.get_secret_value()):
         raise ValueError("must be a non-empty header value of visible ASCII characters")
     return value
+
+
+class AuthHeader(SecretStr):
+    """RELAY_HTTP_AUTH_HEADER, `Name: value`: a secret as a whole, and its two parts.
+
+    The value is one object for the settings' lifetime, so what receives it can be told
+    by identity from a topic URL's own value (relay/sinks/http/destinations.py)."""
+
+    def __init__(self, name: str, value: str) -> None:
+        super().__init__(f"{name}: {value}")
+        self.name = name
+        self.value = SecretStr(value)
+
+    @classmethod
+    def parse(cls, text: str) -> AuthHeader:
+        """`Name: value`, checked without quoting it (the value is a credential)."""
+        name, colon, value = text.partition(":")
+        if not colon:
+            raise ValueError(
+                "must be `Name: value`, e.g. `Authorization: Bearer <token>` (it has no colon;"
+                " not shown: a secret)"
+            )
+        if not HEADER_TOKEN.fullmatch(name):
+            raise ValueError(
+                "must be `Name: value`: before the colon an HTTP header name (letters, digits,"
+                " ! # $ % & ' * + - . ^ _ ` | ~; no spaces)"
+            )
+        value = value.strip(" \t")
+        if not _HEADER_VALUE.fullmatch(value):
+            raise ValueError(
+                "must be `Name: value`: after the colon a non-empty header value of visible"
+                " ASCII characters (not shown: a secret)"
+            )
+        return cls(name, value)
+
+
+def auth_header(settings: HttpSettings) -> AuthHeader | None:
+    """RELAY_HTTP_AUTH_HEADER's name and value (None: unset)."""
+    header = settings.http_auth_header
+    if header is None or isinstance(header, AuthHeader):
+        return header
+    # Set without validation (model_copy(update=...)): parsed here, each time.
+    return AuthHeader.parse(header.get_secret_value())
 
 
 _TOPIC_URL_KEYS = ", ".join(TopicUrl.model_fields)
