@@ -29,6 +29,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg.conninfo import conninfo_to_dict
 
 from relay.settings import SECRET_FIELDS, Settings, is_setting_variable
 from tests.conftest import REPO, relay_env, start_relay
@@ -288,13 +289,36 @@ def _pod_env(kind: str, name: str) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(("kind", "name"), [("Deployment", "relay"), ("Job", "relay-migrate")])
+def _example_secret_file(kind: str, name: str, variable: str) -> str:
+    """What the pod's RELAY_*_FILE variable reads: the example Secret's key it mounts."""
+    spec = _pod_spec(kind, name)
+    (container,) = spec["containers"]
+    path = next(e["value"] for e in container["env"] if e["name"] == variable)
+    folder, key = path.rsplit("/", 1)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    secrets = {
+        doc["metadata"]["name"]: doc
+        for doc in _load_all(K8S / "base" / "secrets.example.yaml")
+        if doc["kind"] == "Secret"
+    }
+    return str(secrets[volume["secret"]["secretName"]]["stringData"][key])
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("Deployment", "relay"), ("Job", "relay-migrate"), ("Deployment", "relay-console")],
+)
 def test_pods_verify_the_database_server_against_a_mounted_ca(kind: str, name: str) -> None:
-    """verify-full, with RELAY_DATABASE_SSLROOTCERT a file of a mounted volume. Before:
-    sslmode require, which checks no certificate: the password went to whoever answered."""
+    """verify-full, with the URL's sslrootcert a file of a mounted volume. Before:
+    sslmode require, which checks no certificate: the password went to whoever answered.
+    (RELAY_DATABASE_SSLMODE and _SSLROOTCERT are gone: libpq reads them from the URL.)"""
     env = _pod_env(kind, name)
-    assert env["RELAY_DATABASE_SSLMODE"] == "verify-full"
-    folder, file_name = env["RELAY_DATABASE_SSLROOTCERT"].rsplit("/", 1)
+    assert not {"RELAY_DATABASE_SSLMODE", "RELAY_DATABASE_SSLROOTCERT"} & set(env)
+    url = _example_secret_file(kind, name, "RELAY_DATABASE_URL_FILE")
+    params = conninfo_to_dict(url)
+    assert params["sslmode"] == "verify-full"
+    folder, file_name = str(params["sslrootcert"]).rsplit("/", 1)
     spec = _pod_spec(kind, name)
     (container,) = spec["containers"]
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
@@ -303,7 +327,7 @@ def test_pods_verify_the_database_server_against_a_mounted_ca(kind: str, name: s
     source = volume.get("configMap") or volume.get("secret")
     assert source is not None, volume
     assert [item["path"] for item in source["items"]] == [file_name]
-    # The relay and its migration trust the same CA.
+    # The relay, its migration and the console trust the same CA.
     relay_ca = _pod_spec("Deployment", "relay")["volumes"]
     assert volume in relay_ca
 

@@ -416,7 +416,6 @@ HTTPS = {"RELAY_SINK": "http", "RELAY_HTTP_URL": "https://hooks.example/in"}
 NATS = {"RELAY_SINK": "nats", "RELAY_NATS_URL": "tls://nats.example:4222"}
 RABBITMQ = {"RELAY_SINK": "rabbitmq", "RELAY_RABBITMQ_URL": "amqps://u:s3cr3t-pw@mq.example/"}
 FILE_SETTINGS = [
-    ("RELAY_DATABASE_SSLROOTCERT", KAFKA),
     ("RELAY_SINK_TLS_CA_FILE", HTTPS),
     ("RELAY_SINK_TLS_CERT_FILE", HTTPS),
     ("RELAY_SINK_TLS_KEY_FILE", {**HTTPS, "RELAY_SINK_TLS_CERT_FILE": "{cert}"}),
@@ -468,14 +467,17 @@ def test_a_directory_where_a_file_belongs_is_refused(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("variable", ["RELAY_DATABASE_URL", "RELAY_DATABASE_DIRECT_URL"])
 @pytest.mark.parametrize("key", ["sslrootcert", "sslcert", "sslkey"])
 def test_a_missing_file_the_database_url_names_is_refused_without_quoting_the_url(
-    monkeypatch: pytest.MonkeyPatch, key: str
+    monkeypatch: pytest.MonkeyPatch, key: str, variable: str
 ) -> None:
-    env_for(monkeypatch, **KAFKA, RELAY_DATABASE_URL=f"{URL}?{key}={MISSING}")
+    """RELAY_DATABASE_SSLROOTCERT, checked readable at start, is sslrootcert in the URLs
+    now: they are checked as it was."""
+    env_for(monkeypatch, **KAFKA, **{"RELAY_DATABASE_URL": URL, variable: f"{URL}?{key}={MISSING}"})
     with pytest.raises(SettingsError) as caught:
         load_settings(Settings)
-    assert caught.value.name == "RELAY_DATABASE_URL"
+    assert caught.value.name == variable
     assert key in caught.value.message
     assert MISSING not in str(caught.value) and "s3cr3t" not in str(caught.value)
 
@@ -485,16 +487,16 @@ def test_the_special_locations_are_no_files(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """libpq's sslrootcert=system, librdkafka's ssl.ca.location=probe or a directory."""
+    system = f"{URL}?sslmode=verify-full&sslrootcert=system"
     env_for(
         monkeypatch,
         **KAFKA,
-        RELAY_DATABASE_URL=URL,
-        RELAY_DATABASE_SSLMODE="verify-full",
-        RELAY_DATABASE_SSLROOTCERT="system",
+        RELAY_DATABASE_URL=system,
+        RELAY_DATABASE_DIRECT_URL=system,
         RELAY_KAFKA__SSL_CA_LOCATION="probe",
         RELAY_KAFKA__HTTPS_CA_LOCATION=str(tmp_path),
     )
-    assert load_settings(Settings).database_sslrootcert == "system"
+    assert load_settings(Settings).database_url.get_secret_value() == system
 
 
 @pytest.mark.unit
@@ -506,9 +508,6 @@ def test_the_files_of_a_sink_not_chosen_are_not_checked(monkeypatch: pytest.Monk
 @pytest.mark.parametrize(
     ("command", "variable", "extra"),
     [
-        ("run", "RELAY_DATABASE_SSLROOTCERT", KAFKA),
-        ("check", "RELAY_DATABASE_SSLROOTCERT", KAFKA),
-        ("migrate", "RELAY_DATABASE_SSLROOTCERT", {}),
         ("run", "RELAY_SINK_TLS_CA_FILE", HTTPS),
         ("check", "RELAY_SINK_TLS_CA_FILE", HTTPS),
         ("run", "RELAY_KAFKA__SSL_CA_LOCATION", KAFKA),
@@ -528,6 +527,22 @@ def test_a_missing_ca_file_exits_2_naming_it(
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         f"relay: configuration error: {variable}: cannot read {MISSING}: No such file or directory"
+    )
+    assert "s3cr3t" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "check", "migrate"])
+def test_a_missing_database_ca_exits_2_naming_the_url(command: str) -> None:
+    """With a missing database CA the relay ran, failing every connection (before
+    RELAY_DATABASE_SSLROOTCERT was checked; now the URL's sslrootcert is)."""
+    env = relay_env(f"{URL}?sslmode=verify-full&sslrootcert={MISSING}", "k:9092")
+    done = subprocess.run(
+        relay_command(command), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "relay: configuration error: RELAY_DATABASE_URL: cannot read its sslrootcert file:"
+        " No such file or directory (the path is not shown: the URL is a secret)"
     )
     assert "s3cr3t" not in done.stdout + done.stderr
 
@@ -560,6 +575,27 @@ def test_a_variable_1_0_retired_stops_start_up_naming_what_replaces_it(
         load_settings(Settings)
     assert caught.value.name == variable
     assert caught.value.message == f"was renamed or removed in 1.0: use {RETIRED[variable]}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("variable", "key"),
+    [("RELAY_DATABASE_SSLMODE", "sslmode="), ("RELAY_DATABASE_SSLROOTCERT", "sslrootcert=")],
+)
+def test_the_database_tls_settings_stop_the_console_too_naming_the_urls(
+    monkeypatch: pytest.MonkeyPatch, variable: str, key: str
+) -> None:
+    """They applied to every command's connections and to RELAY_DATABASE_DIRECT_URL's: the
+    console (the common settings and its own) stops as `relay run` does."""
+    from relay.console.settings import load_all
+
+    env_for(monkeypatch, RELAY_DATABASE_URL=URL, RELAY_CONSOLE_TOKEN="t" * 16, **{variable: "x"})
+    with pytest.raises(SettingsError) as caught:
+        load_all()
+    assert caught.value.name == variable
+    assert key in caught.value.message
+    assert "RELAY_DATABASE_URL" in caught.value.message
+    assert "RELAY_DATABASE_DIRECT_URL" in caught.value.message
 
 
 def test_relay_run_with_a_retired_variable_exits_2_naming_its_replacement() -> None:

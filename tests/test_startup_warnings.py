@@ -36,24 +36,26 @@ def ca(tmp_path: Path) -> str:
     [
         (REMOTE, {}, {}, "prefer"),  # libpq's default: plaintext if TLS fails
         (REMOTE + "?sslmode=require", {}, {}, "require"),
-        (REMOTE, {"database_sslmode": "require"}, {}, "require"),
-        (REMOTE, {"database_sslmode": "disable"}, {}, "disable"),
+        (REMOTE + "?sslmode=disable", {}, {}, "disable"),
         (REMOTE, {}, {"PGSSLMODE": "allow"}, "allow"),
-        # The setting wins over the URL's sslmode.
-        (REMOTE + "?sslmode=verify-full", {"database_sslmode": "prefer"}, {}, "prefer"),
+        # The URL's sslmode wins over PGSSLMODE (libpq's rule).
+        (REMOTE + "?sslmode=prefer", {}, {"PGSSLMODE": "verify-full"}, "prefer"),
+        # sslrootcert makes only require verify.
+        (REMOTE + "?sslmode=prefer&sslrootcert={ca}", {}, {}, "prefer"),
         ("postgresql://relay@db.example.internal/app", {"database_password": "pw"}, {}, "prefer"),
         ("postgresql://relay@db.example.internal/app", {}, {"PGPASSWORD": "pw"}, "prefer"),
         ("host=127.0.0.1,db.example.internal user=relay password=pw", {}, {}, "prefer"),
     ],
 )
 def test_a_password_over_an_unverified_connection_is_warned_about(
-    url: str, values: dict[str, Any], environ: dict[str, str], mode: str
+    url: str, values: dict[str, Any], environ: dict[str, str], mode: str, ca: str
 ) -> None:
-    settings = CommonSettings(database_url=url, **values)
+    settings = CommonSettings(database_url=url.replace("{ca}", ca), **values)
     warning = db.unverified_password(settings, environ)
     assert warning is not None
     assert f"sslmode={mode}" in warning
-    assert "RELAY_DATABASE_SSLMODE=verify-full" in warning
+    assert "put sslmode=verify-full and sslrootcert=" in warning
+    assert "in RELAY_DATABASE_URL" in warning
     assert "s3cr3t" not in warning
 
 
@@ -61,10 +63,12 @@ def test_a_password_over_an_unverified_connection_is_warned_about(
     ("url", "values", "environ"),
     [
         (REMOTE + "?sslmode=verify-full", {}, {}),
-        (REMOTE, {"database_sslmode": "verify-ca"}, {}),
+        (REMOTE + "?sslmode=verify-ca&sslrootcert={ca}", {}, {}),
         (REMOTE, {}, {"PGSSLMODE": "verify-full"}),
         # require with a root certificate verifies as verify-ca does (libpq's rule).
-        (REMOTE, {"database_sslmode": "require", "database_sslrootcert": "{ca}"}, {}),
+        (REMOTE + "?sslmode=require&sslrootcert={ca}", {}, {}),
+        (REMOTE + "?sslmode=require", {}, {"PGSSLROOTCERT": "{ca}"}),
+        ("host=db.example.internal password=pw sslmode=verify-full sslrootcert={ca}", {}, {}),
         ("postgresql://relay:pw@127.0.0.1:5432/app", {}, {}),
         ("postgresql://relay:pw@localhost/app", {}, {}),
         ("postgresql://relay:pw@[::1]:5432/app", {}, {}),
@@ -76,9 +80,29 @@ def test_a_password_over_an_unverified_connection_is_warned_about(
 def test_no_warning_for_a_verified_or_local_connection(
     url: str, values: dict[str, Any], environ: dict[str, str], ca: str
 ) -> None:
-    values = {k: v.replace("{ca}", ca) if isinstance(v, str) else v for k, v in values.items()}
-    settings = CommonSettings(database_url=url, **values)
+    environ = {k: v.replace("{ca}", ca) for k, v in environ.items()}
+    settings = CommonSettings(database_url=url.replace("{ca}", ca), **values)
     assert db.unverified_password(settings, environ) is None
+
+
+@pytest.mark.unit
+def test_the_direct_url_is_warned_about_on_its_own(ca: str) -> None:
+    """RELAY_DATABASE_SSLMODE covered both URLs; now each carries its own sslmode, and a
+    direct URL left without one is named."""
+    verified = f"{REMOTE}?sslmode=verify-full&sslrootcert={ca}"
+    settings = CommonSettings(database_url=verified, database_direct_url=REMOTE)
+    ((variable, warning),) = db.unverified_passwords(settings, {})
+    assert variable == "RELAY_DATABASE_DIRECT_URL"
+    assert "sslmode=prefer" in warning and "in RELAY_DATABASE_DIRECT_URL" in warning
+    assert "s3cr3t" not in warning
+    both = CommonSettings(database_url=REMOTE, database_direct_url=REMOTE)
+    assert [v for v, _ in db.unverified_passwords(both, {})] == [
+        "RELAY_DATABASE_URL",
+        "RELAY_DATABASE_DIRECT_URL",
+    ]
+    assert db.unverified_passwords(CommonSettings(database_url=verified), {}) == []
+    neither = CommonSettings(database_url=verified, database_direct_url=verified)
+    assert db.unverified_passwords(neither, {}) == []
 
 
 def kafka_settings(**values: Any) -> Settings:
@@ -193,9 +217,9 @@ def test_relay_run_warns_at_start_up_naming_the_settings(tmp_path: Path) -> None
     log = tmp_path / "relay.log"
     events = _run_until(env, log, "relay.started")
     warned = {e["setting"]: e for e in events if e.get("event") == "settings.insecure"}
-    assert set(warned) == {"RELAY_DATABASE_SSLMODE", "RELAY_KAFKA__SECURITY_PROTOCOL"}
+    assert set(warned) == {"RELAY_DATABASE_URL", "RELAY_KAFKA__SECURITY_PROTOCOL"}
     assert all(e["level"] == "warning" for e in warned.values())
-    assert "sslmode=prefer" in warned["RELAY_DATABASE_SSLMODE"]["problem"]
+    assert "sslmode=prefer" in warned["RELAY_DATABASE_URL"]["problem"]
     assert "in clear" in warned["RELAY_KAFKA__SECURITY_PROTOCOL"]["problem"]
     assert "s3cr3t" not in log.read_text(errors="replace")
 
@@ -220,5 +244,5 @@ def test_relay_check_prints_the_same_warnings(tmp_path: Path) -> None:
     done = subprocess.run(
         relay_command("check"), env=env, capture_output=True, text=True, timeout=60, check=False
     )
-    assert "settings: warning: RELAY_DATABASE_SSLMODE: " in done.stdout, done.stdout
+    assert "settings: warning: RELAY_DATABASE_URL: " in done.stdout, done.stdout
     assert "s3cr3t" not in done.stdout + done.stderr

@@ -230,9 +230,7 @@ def startup_warnings(settings: Settings) -> list[tuple[str, str]]:
     """(variable, why) for each setting that works but lets credentials be read in
     transit: refusing them would stop deployments that run today."""
     found: list[tuple[str, str]] = []
-    database = db.unverified_password(settings, os.environ)
-    if database is not None:
-        found.append(("RELAY_DATABASE_SSLMODE", database))
+    found += db.unverified_passwords(settings, os.environ)
     if settings.sink == "kafka":
         found += plaintext_sasl_warnings(settings)
     return found

@@ -58,7 +58,7 @@ ENV_PREFIX = "RELAY_"
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 5  # with no connect_timeout in RELAY_DATABASE_URL
 IDLE_IN_TRANSACTION_TIMEOUT_SECONDS = 30.0  # relay run caps it at the lease ttl
 
-# Files libpq reads that RELAY_DATABASE_URL may name.
+# Files libpq reads that RELAY_DATABASE_URL (and RELAY_DATABASE_DIRECT_URL) may name.
 _URL_TLS_FILES = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
 
 # The relay's fields an own table's columns can be mapped to (RELAY_OUTBOX_COLUMNS).
@@ -155,7 +155,10 @@ class CommonSettings(BaseSettings):
     # --- database ---
     database_url: SecretStr = Field(
         description="libpq URL or DSN of the PostgreSQL database that holds the outbox. "
-        "Its parameters are libpq's: sslmode, sslrootcert, connect_timeout (default here "
+        "Its parameters are libpq's: sslmode (unset: PGSSLMODE, else libpq's `prefer`, "
+        "which checks no certificate; `?sslmode=verify-full&sslrootcert=/path/ca.crt` keeps "
+        "the password from whoever answers), sslrootcert (the CA file, checked readable at "
+        "start; `system` for the system's CAs, libpq 16+), connect_timeout (default here "
         "5 s), ..."
     )
     database_password: SecretStr | None = Field(
@@ -167,21 +170,8 @@ class CommonSettings(BaseSettings):
         "RELAY_DATABASE_URL goes through a transaction pooler (PgBouncer, RDS Proxy, "
         "Supavisor): `relay migrate`'s lock and the LISTEN of RELAY_NOTIFY_CHANNEL. The relay "
         "finds a pooler by itself and then runs each transaction as one needs; without this "
-        "URL those two are refused, naming it. docs/howto/poolers.md.",
-    )
-    database_sslmode: (
-        Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] | None
-    ) = Field(
-        default=None,
-        description="libpq sslmode, over the URL's. Unset: the URL's, else PGSSLMODE, else "
-        "libpq's `prefer`, which checks no certificate; `verify-full` (with "
-        "RELAY_DATABASE_SSLROOTCERT) keeps the password from whoever answers.",
-    )
-    database_sslrootcert: str | None = Field(
-        default=None,
-        description="The CA file (PEM) the server's certificate is verified against, over the "
-        "URL's sslrootcert; `system` for the system's CAs (libpq 16+). Checked readable at "
-        "start.",
+        "URL those two are refused, naming it. Its TLS is its own: give it sslmode and "
+        "sslrootcert as RELAY_DATABASE_URL has them. docs/howto/poolers.md.",
     )
     database_statement_timeout_seconds: float = Field(
         default=10.0,
@@ -328,32 +318,26 @@ class CommonSettings(BaseSettings):
             raise ValueError("has an '@' in the host part: write an '@' in the password as %40")
         return SecretStr(raw)
 
-    @field_validator("database_sslrootcert")
-    @classmethod
-    def _sslrootcert_readable(cls, value: str | None) -> str | None:
-        """A CA missing from its mount is a setting to fix, not a connection failure that
-        every retry repeats."""
-        if value is not None and value != "system":  # libpq 16+: the system's CAs
-            problem = unreadable(value)
-            if problem:
-                raise ValueError(f"cannot read {value}: {problem}")
-        return value
-
     @model_validator(mode="after")
     def _url_tls_files_readable(self) -> CommonSettings:
-        """The certificate files RELAY_DATABASE_URL itself names (?sslrootcert=...)."""
-        params = conninfo_to_dict(self.database_url.get_secret_value())
-        for key in _URL_TLS_FILES:
-            path = str(params.get(key) or "")
-            if not path or (key == "sslrootcert" and path == "system"):
-                continue
-            problem = unreadable(path)
-            if problem:
-                raise SettingsError(
-                    "RELAY_DATABASE_URL",
-                    f"cannot read its {key} file: {problem} (the path is not shown: the URL"
-                    " is a secret)",
-                )
+        """The certificate files the URLs name (?sslrootcert=...): a CA missing from its
+        mount is a setting to fix, not a connection failure that every retry repeats."""
+        urls = {"RELAY_DATABASE_URL": self.database_url}
+        if self.database_direct_url is not None:
+            urls["RELAY_DATABASE_DIRECT_URL"] = self.database_direct_url
+        for variable, url in urls.items():
+            params = conninfo_to_dict(url.get_secret_value())
+            for key in _URL_TLS_FILES:
+                path = str(params.get(key) or "")
+                if not path or (key == "sslrootcert" and path == "system"):  # libpq 16+
+                    continue
+                problem = unreadable(path)
+                if problem:
+                    raise SettingsError(
+                        variable,
+                        f"cannot read its {key} file: {problem} (the path is not shown: the"
+                        " URL is a secret)",
+                    )
         return self
 
     @classmethod

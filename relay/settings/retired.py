@@ -59,6 +59,14 @@ RETIRED: Mapping[str, str] = {
     "RELAY_DATABASE_CONNECT_TIMEOUT_SECONDS": (
         "connect_timeout in RELAY_DATABASE_URL (?connect_timeout=5, the default)"
     ),
+    "RELAY_DATABASE_SSLMODE": (
+        "sslmode in RELAY_DATABASE_URL (?sslmode=verify-full), and in RELAY_DATABASE_DIRECT_URL"
+        " if set"
+    ),
+    "RELAY_DATABASE_SSLROOTCERT": (
+        "sslrootcert in RELAY_DATABASE_URL (?sslmode=verify-full&sslrootcert=/path/ca.crt),"
+        " and in RELAY_DATABASE_DIRECT_URL if set"
+    ),
     "RELAY_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS": (
         "nothing: relay run's sessions use the lease ttl, the others 30 s"
     ),

@@ -38,10 +38,6 @@ def connect_kwargs(settings: CommonSettings) -> dict[str, Any]:
     }
     if settings.database_password is not None:
         kwargs["password"] = settings.database_password.get_secret_value()
-    if settings.database_sslmode is not None:
-        kwargs["sslmode"] = settings.database_sslmode
-    if settings.database_sslrootcert is not None:
-        kwargs["sslrootcert"] = settings.database_sslrootcert
     return kwargs
 
 
@@ -54,30 +50,51 @@ _UNVERIFIED = {
 }
 
 
-def unverified_password(settings: CommonSettings, environ: Mapping[str, str]) -> str | None:
-    """Why the database password could be read in transit, or None: a password is sent
-    (the URL's, RELAY_DATABASE_PASSWORD or PGPASSWORD) to a host not on this machine,
-    and the effective sslmode (the setting, the URL's, PGSSLMODE, else libpq's prefer)
-    does not verify the server. require with a root certificate verifies it as verify-ca
-    does (libpq's rule)."""
-    params = conninfo_to_dict(settings.database_url.get_secret_value())
+def unverified_passwords(
+    settings: CommonSettings, environ: Mapping[str, str]
+) -> list[tuple[str, str]]:
+    """(variable, why) for each database URL over which the password could be read in
+    transit: RELAY_DATABASE_URL, and RELAY_DATABASE_DIRECT_URL if set (its TLS is its
+    own)."""
+    found = []
+    for direct in (False, True):
+        problem = unverified_password(settings, environ, direct=direct)
+        if problem is not None:
+            found.append((_url_variable(direct), problem))
+    return found
+
+
+def _url_variable(direct: bool) -> str:
+    return "RELAY_DATABASE_DIRECT_URL" if direct else "RELAY_DATABASE_URL"
+
+
+def unverified_password(
+    settings: CommonSettings, environ: Mapping[str, str], *, direct: bool = False
+) -> str | None:
+    """Why the database password could be read in transit over RELAY_DATABASE_URL (or
+    RELAY_DATABASE_DIRECT_URL), or None (also when that URL is unset): a password is sent
+    (the URL's, RELAY_DATABASE_PASSWORD or PGPASSWORD) to a host not on this machine, and
+    the effective sslmode (the URL's, else PGSSLMODE, else libpq's prefer) does not verify
+    the server. require with a root certificate verifies it as verify-ca does (libpq's
+    rule)."""
+    url = settings.database_direct_url if direct else settings.database_url
+    if url is None:
+        return None
+    params = conninfo_to_dict(url.get_secret_value())
     if not (settings.database_password or params.get("password") or environ.get("PGPASSWORD")):
         return None
     hosts = str(params.get("hostaddr") or params.get("host") or environ.get("PGHOST") or "")
     if all(_on_this_machine(host) for host in hosts.split(",")):
         return None
-    mode = settings.database_sslmode or params.get("sslmode") or environ.get("PGSSLMODE")
-    mode = str(mode or "prefer")
-    rootcert = (
-        settings.database_sslrootcert or params.get("sslrootcert") or environ.get("PGSSLROOTCERT")
-    )
+    mode = str(params.get("sslmode") or environ.get("PGSSLMODE") or "prefer")
+    rootcert = params.get("sslrootcert") or environ.get("PGSSLROOTCERT")
     exposure = _UNVERIFIED.get(mode)
     if exposure is None or (mode == "require" and rootcert):
         return None
     return (
         f"the database password goes to a remote server with sslmode={mode}, which"
-        f" {exposure}; set RELAY_DATABASE_SSLMODE=verify-full and RELAY_DATABASE_SSLROOTCERT"
-        " to the server's CA file"
+        f" {exposure}; put sslmode=verify-full and sslrootcert=<the server's CA file> in"
+        f" {_url_variable(direct)} (?sslmode=verify-full&sslrootcert=/path/ca.crt)"
     )
 
 
