@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import relay.settings
+import relay.settings.loading
+import relay.settings.sources
 from relay.settings import (
     SECRET_FIELDS,
     Settings,
@@ -255,7 +256,8 @@ def map_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """RELAY_HTTP_TOPIC_URLS among the secrets, as the HTTP sink declares it (its URLs
     may carry tokens), whether or not its declaration is in this checkout yet."""
     if "http_topic_urls" not in SECRET_FIELDS:
-        monkeypatch.setattr(relay.settings, "SECRET_FIELDS", (*SECRET_FIELDS, "http_topic_urls"))
+        for module in (relay.settings.sources, relay.settings.loading):  # where it is read
+            monkeypatch.setattr(module, "SECRET_FIELDS", (*SECRET_FIELDS, "http_topic_urls"))
 
 
 HTTP = {"RELAY_DATABASE_URL": URL, "RELAY_SINK": "http"}
