@@ -41,7 +41,7 @@ and identity, whatever the migrations made them) and dropped afterwards:
    untimed run on `outbox`; every run on emptied, vacuumed tables after a CHECKPOINT;
    each run is printed, so drift shows, and the ratio is of the means.
 
-Sizes: 200,000 rows for the loops, 300,000 for the bare relay and the relay in 2
+Sizes: 200,000 rows for the loops, 300,000 for the bare relay and the relay in 3
 rounds, 15 s per pgbench run, 200,000 rows of COPY (--quick: 50,000, 100,000 in one
 round, 5 s, 50,000).
 """
@@ -487,7 +487,7 @@ def run(dsn: str, bootstrap: str, quick: bool) -> dict[str, Any]:
         )
         loops = raw_loops(dsn, raw_rows)
         _print_loops(raw_rows, loops)
-        floor = relay_floor(dsn, bootstrap, relay_rows, 1 if quick else 2)
+        floor = relay_floor(dsn, bootstrap, relay_rows, 1 if quick else 3)
         _print_floor(floor)
         writes = write_path(dsn, seconds, copy_rows)
         _print_writes(writes)

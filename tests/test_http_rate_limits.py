@@ -162,8 +162,10 @@ def test_one_origin_with_a_limit_waits_for_its_budget_without_writing_a_row(
         with running_relay(settings):
             wait_until(lambda: unsent_count(database) == 0, 60, message="outbox drained")
         history = server.history()
+    # The bound on arrivals is the receiver's own: it refuses one beyond 25 in a second.
+    # The relay releases at most 21 in any second, but a loaded machine bunches their
+    # arrivals by a few (23 in one run), which no assert on the relay's rate can allow for.
     assert limiter.refused == 0 and len(history) == 60
-    assert most_in_a_window(history) <= 22
     assert span(history) >= 59 / 20 - 0.1
     assert_in_order(history, 10, 6)
     assert scalar(database, "SELECT max(attempts) FROM outbox_sent") == 0
