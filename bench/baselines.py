@@ -339,6 +339,13 @@ def relay_floor(dsn: str, bootstrap: str, rows: int, rounds: int) -> dict[str, A
         report[name + "_per_round"] = [
             r["rows_per_s"] / b["rows_per_s"] for r, b in zip(runs[way], runs[base], strict=True)
         ]
+    # CPU per message, the relay's process over the bare loop's (issue 48: <= 1.3).
+    for name, way in (("cpu_ratio", "relay"), ("cpu_ratio_batch_2000", "relay_batch_2000")):
+        report[name] = report[way]["cpu_us_per_msg"] / report["bare_minimal"]["cpu_us_per_msg"]
+        report[name + "_per_round"] = [
+            r["cpu_us_per_msg"] / b["cpu_us_per_msg"]
+            for r, b in zip(runs[way], runs["bare_minimal"], strict=True)
+        ]
     return report
 
 
@@ -549,6 +556,12 @@ def _print_floor(floor: dict[str, Any]) -> None:
         f" {floor['ratio_to_bare_outbox']:.2f} ({rounds('ratio_to_bare_outbox')});"
         f" the relay at batch 2000 / bare relay: {floor['ratio_batch_2000']:.2f}"
         f" ({rounds('ratio_batch_2000')})",
+        flush=True,
+    )
+    print(
+        f"    CPU per message, relay / bare relay: {floor['cpu_ratio']:.2f}"
+        f" (rounds: {rounds('cpu_ratio')}; issue 48's target <= 1.3); at batch 2000:"
+        f" {floor['cpu_ratio_batch_2000']:.2f} ({rounds('cpu_ratio_batch_2000')})",
         flush=True,
     )
     print(
