@@ -53,10 +53,23 @@ def unsent_of(dsn: str, keys: set[str]) -> int:
     )
 
 
+def spread_topic(cluster: MockCluster) -> tuple[str, dict[int, int]]:
+    """A topic whose partitions more than one broker leads, and its leaders. The mock
+    cluster picks each partition's leader at random, all on one broker for about one
+    topic in 27 (4 partitions, 3 brokers): a test of one sick broker among healthy
+    ones takes the first of its names that the cluster spread."""
+    for n in range(30):
+        topic = f"{TOPIC}-{n}"
+        leaders = cluster.partition_leaders(topic)
+        if len(set(leaders.values())) > 1:
+            return topic, leaders
+    raise AssertionError("30 topics, each led by one broker alone")
+
+
 def test_a_sick_partition_holds_back_its_own_keys_only(
     make_settings: SettingsFactory, database: str, cluster: MockCluster
 ) -> None:
-    leaders = cluster.partition_leaders(TOPIC)
+    topic, leaders = spread_topic(cluster)
     sick_port = leaders[0]
     sick = {p for p, port in leaders.items() if port == sick_port}
     assert len(sick) < len(leaders), leaders
@@ -73,10 +86,10 @@ def test_a_sick_partition_holds_back_its_own_keys_only(
         batch_size=50,
     )
     with running_relay(settings):
-        insert_rows(database, TOPIC, [("k0", b"warm-up")])
+        insert_rows(database, topic, [("k0", b"warm-up")])
         wait_until(lambda: unsent_count(database) == 0, timeout=30, message="warm producer")
         with blackhole(sick_port):
-            ids = insert_rows(database, TOPIC, keyed_rows(KEYS, PER_KEY))
+            ids = insert_rows(database, topic, keyed_rows(KEYS, PER_KEY))
             wait_until(
                 lambda: unsent_of(database, healthy_keys) == 0,
                 timeout=20,
@@ -92,7 +105,7 @@ def test_a_sick_partition_holds_back_its_own_keys_only(
         )
         assert scalar(database, "SELECT count(*) FROM outbox_dead_letters") == 0
 
-    records = consume(cluster.bootstrap_servers, TOPIC, min_count=len(ids) + 1, timeout=60)
+    records = consume(cluster.bootstrap_servers, topic, min_count=len(ids) + 1, timeout=60)
     delivered = dedup_by_message_id(records)
     assert len(delivered) == len(ids) + 1
     assert_per_key_order([r for r in delivered if r.value != b"warm-up"])
