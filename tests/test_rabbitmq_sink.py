@@ -169,6 +169,9 @@ def test_a_queue_missing_just_after_a_restart_waits_and_one_deleted_meanwhile_is
         assert send(deleted, 2).outcome is Outcome.DEAD  # gone under an open connection
         assert send(kept, 3).outcome is Outcome.ACKED
         delete(kept)
+        # The deletion on disk before the crash: a SIGKILL while it is only in the node's
+        # memory brings the queue back (seen once in 20 runs), and every send is acked.
+        rabbitmq_server.persist_definitions()
         rabbitmq_server.restart()
 
         def answered() -> Result | None:
