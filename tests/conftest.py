@@ -71,6 +71,15 @@ def database(pg: PostgresServer) -> Iterator[str]:
 
 
 @pytest.fixture
+def empty_db(pg: PostgresServer) -> Iterator[str]:
+    """DSN (superuser) of a new database with nothing in it: not migrated."""
+    name = f"m_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name)
+    yield dsn
+    pg.drop_database(name)
+
+
+@pytest.fixture
 def relay_dsn(pg: PostgresServer, database: str) -> str:
     """The same database, as the least-privilege relay role."""
     dbname = database.rsplit("/", 1)[1]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -14,15 +12,6 @@ from relay.admin.migrate import migrate, migrations_dir, schema_state
 from relay.settings import CommonSettings
 from relay.store import db
 from tests.conftest import REPO, relay_command, relay_env
-from tests.harness.postgres import PostgresServer
-
-
-@pytest.fixture
-def empty_db(pg: PostgresServer) -> Iterator[str]:
-    name = f"m_{uuid.uuid4().hex[:10]}"
-    dsn = pg.create_database(name)
-    yield dsn
-    pg.drop_database(name)
 
 
 def run_migrate(dsn: str) -> subprocess.Popen[bytes]:

@@ -192,15 +192,11 @@ def previous_code(tmp_path: Path) -> Path:
     return release(PREVIOUS, tmp_path)
 
 
-def new_database(pg: PostgresServer) -> tuple[str, str]:
-    name = f"u_{uuid.uuid4().hex[:10]}"
-    return name, pg.create_database(name)
-
-
 @pytest.fixture
 def previous_db(pg: PostgresServer, previous_code: Path) -> Iterator[str]:
     """A database the previous release's own `relay migrate` made."""
-    name, dsn = new_database(pg)
+    name = f"u_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name)
     env = {**relay_env(dsn), "PYTHONPATH": str(previous_code)}
     done = subprocess.run(
         relay_command("migrate"),
@@ -212,13 +208,6 @@ def previous_db(pg: PostgresServer, previous_code: Path) -> Iterator[str]:
     )
     assert done.returncode == 0, done.stderr
     assert "applied 22 migration(s)" in done.stdout, done.stdout
-    yield dsn
-    pg.drop_database(name)
-
-
-@pytest.fixture
-def fresh_db(pg: PostgresServer) -> Iterator[str]:
-    name, dsn = new_database(pg)
     yield dsn
     pg.drop_database(name)
 
@@ -265,17 +254,17 @@ def seeded_state(dsn: str) -> list[tuple[Any, ...]]:
 
 
 def test_a_fresh_install_applies_one_file_and_builds_the_previous_releases_schema(
-    fresh_db: str, previous_db: str
+    empty_db: str, previous_db: str
 ) -> None:
     """The schema file is the 22 migrations' end state, object for object: the same
     tables, columns, indexes, functions, views, types and comments as pg_dump prints them,
     and the same rows in the tables the schema fills."""
-    migrated = migrate(CommonSettings(database_url=fresh_db))
+    migrated = migrate(CommonSettings(database_url=empty_db))
     assert migrated.applied == [SCHEMA_FILE] and migrated.waiting is None
-    dumped = schema_dump(fresh_db)
+    dumped = schema_dump(empty_db)
     assert "CREATE TABLE public.outbox (" in dumped and len(dumped) > 500
     assert dumped == schema_dump(previous_db)
-    assert seeded_state(fresh_db) == seeded_state(previous_db)
+    assert seeded_state(empty_db) == seeded_state(previous_db)
 
 
 def test_a_database_the_previous_release_migrated_has_this_schema_already(
@@ -289,7 +278,7 @@ def test_a_database_the_previous_release_migrated_has_this_schema_already(
 
 
 def test_a_database_left_part_way_through_the_previous_migrations_is_refused(
-    fresh_db: str, previous_code: Path, tmp_path: Path
+    empty_db: str, previous_code: Path, tmp_path: Path
 ) -> None:
     """Nothing applies to it: neither the schema file (its tables exist) nor the rest of
     the old migrations (this release has none); the error says how to go on."""
@@ -298,10 +287,10 @@ def test_a_database_left_part_way_through_the_previous_migrations_is_refused(
     for path in sorted((previous_code / "migrations").glob("00*.sql")):
         if path.name[:4] <= "0014":
             shutil.copy(path, folder / path.name)
-    migrate(CommonSettings(database_url=fresh_db), folder)
+    migrate(CommonSettings(database_url=empty_db), folder)
     with pytest.raises(MigrationError, match=r"not 0015, 0016.*0022: bring it to 0022"):
-        migrate(CommonSettings(database_url=fresh_db))
-    assert "outbox_due_key_hash_idx" not in outbox_indexes(fresh_db)
+        migrate(CommonSettings(database_url=empty_db))
+    assert "outbox_due_key_hash_idx" not in outbox_indexes(empty_db)
 
 
 def test_a_rolling_upgrade_from_the_previous_release_delivers_everything_in_order(
