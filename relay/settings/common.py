@@ -218,14 +218,19 @@ class CommonSettings(BaseSettings):
             raise ValueError("has an '@' in the host part: write an '@' in the password as %40")
         return SecretStr(raw)
 
+    def database_urls(self) -> dict[str, SecretStr]:
+        """Each database URL that is set, by its variable: RELAY_DATABASE_URL, and
+        RELAY_DATABASE_DIRECT_URL (its TLS parameters are its own)."""
+        urls = {"RELAY_DATABASE_URL": self.database_url}
+        if self.database_direct_url is not None:
+            urls["RELAY_DATABASE_DIRECT_URL"] = self.database_direct_url
+        return urls
+
     @model_validator(mode="after")
     def _url_tls_files_readable(self) -> CommonSettings:
         """The certificate files the URLs name (?sslrootcert=...): a CA missing from its
         mount is a setting to fix, not a connection failure that every retry repeats."""
-        urls = {"RELAY_DATABASE_URL": self.database_url}
-        if self.database_direct_url is not None:
-            urls["RELAY_DATABASE_DIRECT_URL"] = self.database_direct_url
-        for variable, url in urls.items():
+        for variable, url in self.database_urls().items():
             params = conninfo_to_dict(url.get_secret_value())
             for key in _URL_TLS_FILES:
                 path = str(params.get(key) or "")

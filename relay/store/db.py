@@ -11,6 +11,7 @@ import psycopg
 from psycopg import IsolationLevel
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
+from pydantic import SecretStr
 
 from relay.errors import SettingsError
 from relay.setting_checks import is_loopback
@@ -54,32 +55,28 @@ def unverified_passwords(
     settings: CommonSettings, environ: Mapping[str, str]
 ) -> list[tuple[str, str]]:
     """(variable, why) for each database URL over which the password could be read in
-    transit: RELAY_DATABASE_URL, and RELAY_DATABASE_DIRECT_URL if set (its TLS is its
-    own)."""
+    transit (CommonSettings.database_urls)."""
     found = []
-    for direct in (False, True):
-        problem = unverified_password(settings, environ, direct=direct)
+    for variable, url in settings.database_urls().items():
+        problem = _unverified(settings, variable, url, environ)
         if problem is not None:
-            found.append((_url_variable(direct), problem))
+            found.append((variable, problem))
     return found
 
 
-def _url_variable(direct: bool) -> str:
-    return "RELAY_DATABASE_DIRECT_URL" if direct else "RELAY_DATABASE_URL"
+def unverified_password(settings: CommonSettings, environ: Mapping[str, str]) -> str | None:
+    """unverified_passwords' answer for RELAY_DATABASE_URL alone."""
+    return _unverified(settings, "RELAY_DATABASE_URL", settings.database_url, environ)
 
 
-def unverified_password(
-    settings: CommonSettings, environ: Mapping[str, str], *, direct: bool = False
+def _unverified(
+    settings: CommonSettings, variable: str, url: SecretStr, environ: Mapping[str, str]
 ) -> str | None:
-    """Why the database password could be read in transit over RELAY_DATABASE_URL (or
-    RELAY_DATABASE_DIRECT_URL), or None (also when that URL is unset): a password is sent
-    (the URL's, RELAY_DATABASE_PASSWORD or PGPASSWORD) to a host not on this machine, and
-    the effective sslmode (the URL's, else PGSSLMODE, else libpq's prefer) does not verify
-    the server. require with a root certificate verifies it as verify-ca does (libpq's
-    rule)."""
-    url = settings.database_direct_url if direct else settings.database_url
-    if url is None:
-        return None
+    """Why the database password could be read in transit over `url` (`variable`'s), or
+    None: a password is sent (the URL's, RELAY_DATABASE_PASSWORD or PGPASSWORD) to a host
+    not on this machine, and the effective sslmode (the URL's, else PGSSLMODE, else
+    libpq's prefer) does not verify the server. require with a root certificate verifies
+    it as verify-ca does (libpq's rule)."""
     params = conninfo_to_dict(url.get_secret_value())
     if not (settings.database_password or params.get("password") or environ.get("PGPASSWORD")):
         return None
@@ -94,7 +91,7 @@ def unverified_password(
     return (
         f"the database password goes to a remote server with sslmode={mode}, which"
         f" {exposure}; put sslmode=verify-full and sslrootcert=<the server's CA file> in"
-        f" {_url_variable(direct)} (?sslmode=verify-full&sslrootcert=/path/ca.crt)"
+        f" {variable} (?sslmode=verify-full&sslrootcert=/path/ca.crt)"
     )
 
 
