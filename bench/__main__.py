@@ -15,7 +15,7 @@
         rows/s in alternating runs, and the bare select-and-mark loop (bench/compare.py)
 
 Starts its own PostgreSQL (fsync ON, realistic settings) and Tansu broker and prints:
-  1. the raw limit: a bare select + mark (or delete) loop through the same partial index
+  1. the raw limit: a bare select + move to outbox_sent (or delete) loop, by the primary key
   2. the bare producer rate to the broker (idempotent, acks=all, lz4)
   3. the relay end to end, rows pre-loaded then drained by a relay process, per batch
      size and retention mode, with its ratio to 1. and its CPU time per message

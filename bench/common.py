@@ -22,12 +22,12 @@ BARE_PRODUCER = {
     "compression.type": "lz4",
     "linger.ms": 5,
 }
-# "Unsent and due" as the drain's statements and outbox_due_key_hash_idx state it, so the
-# benchmark's own probes read what the relay reads.
-DUE = (
-    "sent_at IS NULL AND dead_lettered_at IS NULL"
-    " AND (available_at IS NULL OR promoted_at IS NOT NULL)"
-)
+# The outbox holds only rows still to send (sent rows are deleted or moved into
+# outbox_sent, dead letters into outbox_dead), so "unsent" is every row of it. "Due", a row
+# the drain may take (not scheduled for later, or let in), as the drain's statements
+# (relay/sql/drain.sql, fragment drainable) and outbox_key_hash_idx's predicate state it,
+# word for word: the benchmark's probes by key hash read that index, as the relay's do.
+DUE = "(available_at IS NULL OR promoted_at IS NOT NULL)"
 
 
 def produce_batch(
@@ -74,8 +74,9 @@ def preload(
     table: str = "outbox",
 ) -> None:
     """`rows` outbox rows over 100 keys (each with the JSON object `headers`, if
-    given), then ANALYZE. `table`: another table with the
-    outbox's columns (bench/baselines.py's minimal one)."""
+    given), then ANALYZE. `table`: another table that takes the app's columns (topic,
+    key, payload, headers) with the outbox's defaults for the rest (bench/baselines.py's
+    minimal one)."""
     name = sql.Identifier(table)
     with psycopg.connect(dsn, autocommit=True) as conn:
         if truncate:
@@ -92,7 +93,9 @@ def preload(
 
 
 def first_unsent_id(conn: psycopg.Connection[Any]) -> int | None:
-    row = conn.execute("SELECT min(id) FROM outbox WHERE " + DUE).fetchone()
+    """The lowest id still to send: every row of the outbox is (one descent of its
+    primary key)."""
+    row = conn.execute("SELECT min(id) FROM outbox").fetchone()
     return None if row is None else row[0]
 
 

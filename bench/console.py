@@ -6,8 +6,9 @@ The console runs as `relay console` (its own process, as deployed) over a databa
 holding `rows` dead letters over 50 topics; a client logs in and times whole requests
 (query, template, HTTP on loopback), the median of several, for: the first page, a deep
 page (a keyset cursor near the end), a filtered page (one topic, reason substring), and
-a row's page. The page query is a walk of outbox_dead_letter_idx from the cursor, so
-the deep page should cost what the first does.
+a row's page. The page query (outbox_dead_letters, the view over outbox_dead) is a walk
+of outbox_dead's primary key from the cursor, so the deep page should cost what the
+first does.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ TOPICS = 50
 
 def _load(dsn: str, rows: int) -> tuple[int, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        # Dead letters as the relay keeps them: moved out of the outbox (migration 0018).
+        # Dead letters as the relay keeps them: moved out of the outbox into outbox_dead,
+        # under ids of the outbox's identity.
         conn.execute(
             "INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers, created_at,"
             " attempts, dead_lettered_at, dead_letter_reason)"

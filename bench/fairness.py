@@ -53,7 +53,7 @@ def commit_others(conn: psycopg.Connection[Any], table: str = "outbox") -> float
 
 
 def _left(conn: psycopg.Connection[Any], key: str) -> int:
-    """Unsent rows of `key` (an index range of outbox_due_key_hash_idx)."""
+    """Unsent rows of `key` (an index range of outbox_key_hash_idx)."""
     row = conn.execute(
         "SELECT count(*) FROM outbox"
         " WHERE outbox_key_hash(key) = outbox_key_hash(%(key)s) AND key = %(key)s AND " + DUE,

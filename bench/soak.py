@@ -67,9 +67,8 @@ def _sample(conn: psycopg.Connection[Any], started: float) -> dict[str, Any]:
         "SELECT coalesce(sum(pg_total_relation_size(inhrelid)), 0)"
         " FROM pg_inherits WHERE inhparent = 'outbox_sent'::regclass"
     ).fetchone()
-    unsent = conn.execute(
-        "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-    ).fetchone()
+    # The outbox holds only rows still to send: the backlog is every row of it.
+    unsent = conn.execute("SELECT count(*) FROM outbox").fetchone()
     plan = conn.execute(
         "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.fetch_head,
         {

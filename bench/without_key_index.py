@@ -4,7 +4,7 @@ for"). A sketch, measured, not the relay.
 
     ./dev bench --only without-key-index [--quick]
 
-The app's COPY runs at 0.96-0.99 of a bare table without `outbox_due_key_hash_idx`
+The app's COPY runs at 0.96-0.99 of a bare table without `outbox_key_hash_idx`
 and 0.78-0.80 with it (bench/baselines.py). Without it, the only way past a key's backlog is
 to move that backlog out of the outbox: rows a full head cannot send now go into a
 table of the relay's own that has a key index, and come out of it by key. This module

@@ -1,9 +1,9 @@
--- The relay's schema, for a fresh database: `relay migrate` applies this file alone.
--- replaces: 0001-0022
+-- The relay's 1.0 schema, for a fresh database: `relay migrate` applies this file alone.
+-- replaces: 0001-0024
 --
--- A database migrated before 1.0 (migrations 0001-0022, every one of them applied) has
--- this schema already, and `relay migrate` applies only what comes after this file; one
--- with only some of them applied is refused (docs/howto/upgrades.md).
+-- A database migrated before 1.0 (migrations 0001-0022, every one of them applied) is
+-- brought to this schema by 0023 and 0024, which `relay migrate` applies instead of this
+-- file; one with only some of 0001-0022 applied is refused (docs/howto/upgrades.md).
 --
 -- In order: the outbox and what its rows are read by (the shard, key hash and fairness
 -- group functions); the leases, their groups and the replicas' heartbeats; the history of
@@ -17,7 +17,10 @@
 -- Applications INSERT (topic, key, payload, headers) inside their own transaction;
 -- id, message_id and created_at have defaults. available_at is the app's too: NULL (the
 -- default) means now, a later time schedules the row. The remaining columns are the
--- relay's bookkeeping and are written only by the relay and its CLI.
+-- relay's bookkeeping of a row still to send, written only by the relay and its CLI.
+-- The outbox holds only rows still to send: a sent row is deleted (or moved into
+-- outbox_sent), a dead letter moved into outbox_dead, a row scheduled for later into
+-- outbox_scheduled until it is due.
 CREATE TABLE outbox (
     id                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     message_id          uuid        NOT NULL DEFAULT gen_random_uuid(),
@@ -27,12 +30,9 @@ CREATE TABLE outbox (
     headers             jsonb,
     created_at          timestamptz NOT NULL DEFAULT now(),
     -- relay bookkeeping
-    sent_at             timestamptz,
     attempts            integer     NOT NULL DEFAULT 0,
     next_attempt_at     timestamptz,
     last_error          text,
-    dead_lettered_at    timestamptz,
-    dead_letter_reason  text,
     available_at        timestamptz,  -- the app's: not published before this time
     promoted_at         timestamptz
 );
@@ -48,11 +48,10 @@ COMMENT ON COLUMN outbox.available_at IS
 COMMENT ON COLUMN outbox.promoted_at IS
     'When the relay found this scheduled row due and let it into the drain (bookkeeping).';
 
--- The fetch's walk in id order goes by the primary key: the outbox holds only rows to
--- send (dead letters and rows scheduled for later are moved out, below; sent rows are
--- deleted or moved into outbox_sent). The other indexes but the key hash's are partial,
--- on states a new row is not in: an app's insert writes the primary key and the key
--- hash index only.
+-- Three indexes: the primary key (the settle finds rows by id, and the fetch walks them
+-- in id order), the key hash index (the fair fetch's walk over keys) and the waiting
+-- index (rows that hold their key back). An app's insert writes the first two only: a
+-- new row waits for nothing.
 
 -- hashtextextended is what hash partitioning uses, so PostgreSQL keeps it stable across
 -- versions; NULL for a NULL key. IMMUTABLE and a plain SQL body: the planner inlines it,
@@ -67,43 +66,19 @@ COMMENT ON FUNCTION outbox_key_hash(text) IS
 -- walk needs only each key's rows in id order, never the keys' order, and 8 bytes
 -- compared as an integer cost an app's insert less than its whole key under a
 -- collation. Two keys with one hash (about 3 in 10^8 that any two of a million keys do)
--- are walked as one: their rows still go in id order, each key's prefix kept.
-CREATE INDEX outbox_due_key_hash_idx ON outbox (outbox_key_hash(key), id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+-- are walked as one: their rows still go in id order, each key's prefix kept. Its
+-- predicate is the drain's (relay/sql/drain.sql, fragment drainable): a row not
+-- scheduled for later, or let in.
+CREATE INDEX outbox_key_hash_idx ON outbox (outbox_key_hash(key), id)
+    WHERE available_at IS NULL OR promoted_at IS NOT NULL;
 
--- Rows waiting out a retry backoff block later rows of their key. There are few of
--- them, so the per-row "is my key blocked?" probe hits a tiny index.
-CREATE INDEX outbox_backoff_idx ON outbox (key, id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL AND next_attempt_at IS NOT NULL;
-
--- Rows that failed, by id: the lag sampler finds the first failing row with one probe.
--- `attempts > 0`, not the backoff probe's predicate, so the planner never picks this
--- index for that probe (it read every failing row with a lower id, per row checked).
-CREATE INDEX outbox_failing_rows_idx ON outbox (id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL AND attempts > 0;
-
--- Dead letters the move into outbox_dead leaves in place (rows over 16 MiB): listing
--- and requeueing them.
-CREATE INDEX outbox_dead_letter_idx ON outbox (id)
-    WHERE dead_lettered_at IS NOT NULL;
-
--- Rows marked sent in place (an own table's way; the relay's own outbox moves sent rows
--- into outbox_sent): the purge finds those past their retention with one descent.
-CREATE INDEX outbox_sent_idx ON outbox (sent_at)
-    WHERE sent_at IS NOT NULL;
-
--- Rows scheduled for later still in the outbox (until the drain's next pass moves them
--- into outbox_scheduled), by due time for their promotion and by key: they hold back
--- the later rows of their key.
-CREATE INDEX outbox_scheduled_idx ON outbox (available_at)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND available_at IS NOT NULL AND promoted_at IS NULL;
-
--- ... by key: the fetch's per-row probe "is an earlier row of my key scheduled?".
-CREATE INDEX outbox_scheduled_key_idx ON outbox (key, id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND available_at IS NOT NULL AND promoted_at IS NULL;
+-- Rows that hold back the later rows of their key: waiting out a retry backoff, or
+-- scheduled and not yet let in (until the drain's next pass moves them into
+-- outbox_scheduled). There are few of them, so the fetch's per-row probe "is an earlier
+-- row of my key waiting?" hits a tiny index; the promotion of due rows and the lag
+-- sampler's first failing row read it whole.
+CREATE INDEX outbox_waiting_idx ON outbox (key, id)
+    WHERE next_attempt_at IS NOT NULL OR (available_at IS NOT NULL AND promoted_at IS NULL);
 
 -- With N shards, a row belongs to shard outbox_shard(key, id, N): a stable hash of its
 -- key (so all rows of a key share a shard and per-key order can hold), or of its id for
@@ -275,22 +250,18 @@ COMMENT ON TABLE outbox_sent_generations IS
 -- outbox_dead (outbox_dead_letter, below), in its fenced transaction, as the retention
 -- mode moves sent rows into outbox_sent. The outbox then holds only rows still to
 -- send, so a walk of it in id order meets no row it must step over for good, however
--- many dead letters pile up (but for rows over 16 MiB, below).
+-- many dead letters pile up.
 --
 -- A dead letter keeps its id: `relay dead-letter requeue` and the console's requeue move
 -- it back into the outbox under that id (outbox_requeue, below), so requeued rows are
 -- sent in their original order relative to each other. It keeps every column: the
 -- outbox's own as columns here, and any the app added to the outbox in `extra` (as
--- JSON, built from those columns alone), from which a requeue restores them.
---
--- A row over 16 MiB is left in the outbox, marked (dead_lettered_at): every listing,
--- count, requeue and discard reads or handles both places (outbox_dead_letters shows
--- both). An own table (RELAY_OUTBOX_TABLE) marks all its dead letters in place.
+-- JSON, built from those columns alone), from which a requeue restores them. An own
+-- table (RELAY_OUTBOX_TABLE) marks its dead letters in place instead.
 --
 -- outbox_dead's ids are the outbox's: never restart the outbox's identity while dead
 -- letters are kept (a new row could then take a dead letter's id, and its move here
 -- would fail on the primary key).
---
 CREATE TABLE outbox_dead (
     id                  bigint      PRIMARY KEY,
     message_id          uuid        NOT NULL,
@@ -314,19 +285,15 @@ COMMENT ON TABLE outbox_dead IS
 -- A requeue by key, and its check for an earlier dead letter of a requeued row's key.
 CREATE INDEX outbox_dead_key_idx ON outbox_dead (key, id);
 
--- Every dead letter, wherever it is kept: moved out, and marked in place.
+-- Every dead letter, as the console, `relay dead-letter` and the lag gauges read them
+-- (an own table's view schema has a view of this name over its rows marked in place).
 CREATE VIEW outbox_dead_letters AS
 SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
        promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
-FROM outbox_dead
-UNION ALL
-SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
-       promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
-FROM outbox
-WHERE dead_lettered_at IS NOT NULL;
+FROM outbox_dead;
 
 COMMENT ON VIEW outbox_dead_letters IS
-    'Every dead letter: moved to outbox_dead, or marked in the outbox by an earlier release.';
+    'Every dead letter of the outbox: the rows of outbox_dead.';
 
 -- The two ways in and out of outbox_dead are functions that run as their owner, so the
 -- roles that use them need neither INSERT on outbox_dead nor INSERT on the outbox: a
@@ -348,8 +315,7 @@ AS $$
       AND NOT a.attisdropped
       AND a.attgenerated = ''
       AND a.attname <> ALL (ARRAY['id', 'message_id', 'topic', 'key', 'payload', 'headers',
-                                  'created_at', 'sent_at', 'attempts', 'next_attempt_at',
-                                  'last_error', 'dead_lettered_at', 'dead_letter_reason',
+                                  'created_at', 'attempts', 'next_attempt_at', 'last_error',
                                   'available_at', 'promoted_at'])
 $$;
 
@@ -416,13 +382,12 @@ AS $$
       AND a.attname = ANY (outbox_added_columns())
 $$;
 
--- outbox_dead_letter: the settle's dead path (relay/sql/drain.sql, dead_letter_move), in
--- its fenced transaction: the rows given up on, out of the outbox into outbox_dead with
--- the attempts they spent and the reason. A row marked in place already (an earlier
--- release's) keeps its time and reason. A row over 16 MiB of payload
--- and headers stays where it is (the settle then marks it in place, with drain.sql's
--- dead_letter): copying hundreds of MB could outlast the settle's statement timeout,
--- and the settle would fail again and again. Returns how many it moved.
+-- outbox_dead_letter: the settle's dead path (relay/sql/drain.sql, dead_letter_move):
+-- the rows given up on, out of the outbox into outbox_dead with the attempts they spent
+-- and the reason. The settle moves the rows of up to 16 MiB of payload and headers in
+-- its fenced transaction, and the larger ones after it, in a fenced transaction of
+-- their own without a statement timeout: copying hundreds of MB could outlast the
+-- settle's, and the settle would fail again and again. Returns how many it moved.
 CREATE FUNCTION outbox_dead_letter(ids bigint[], attempted integer[], reasons text[])
 RETURNS bigint
 LANGUAGE plpgsql
@@ -436,8 +401,6 @@ BEGIN
             DELETE FROM outbox AS o
             USING unnest($1, $2, $3) AS f (id, attempted, reason)
             WHERE o.id = f.id
-              AND coalesce(octet_length(o.payload), 0)
-                  + coalesce(pg_column_size(o.headers), 0) <= 16777216
             RETURNING o.*, f.attempted, f.reason
         ),
         moved AS (
@@ -447,13 +410,7 @@ BEGIN
                                      extra)
             SELECT gone.id, gone.message_id, gone.topic, gone.key, gone.payload,
                    gone.headers, gone.created_at, gone.available_at, gone.promoted_at,
-                   gone.attempts + gone.attempted,
-                   CASE WHEN gone.dead_lettered_at IS NULL THEN gone.reason
-                        ELSE gone.last_error END,
-                   coalesce(gone.dead_lettered_at, now()),
-                   CASE WHEN gone.dead_lettered_at IS NULL THEN gone.reason
-                        ELSE gone.dead_letter_reason END,
-                   %s
+                   gone.attempts + gone.attempted, gone.reason, now(), gone.reason, %s
             FROM gone
             RETURNING 1
         )
@@ -467,8 +424,7 @@ $$;
 
 -- outbox_requeue: the dead letters named (by id, by key, or all) back into the outbox
 -- under their ids, with fresh attempts and the columns the app added restored
--- (`relay dead-letter requeue`, the console). Rows marked in place are requeued by an
--- UPDATE, as before (relay/sql/operations.sql, dead_letter_requeue). Returns their ids.
+-- (`relay dead-letter requeue`, the console). Returns their ids.
 -- A row leaves outbox_dead only once the outbox took it: one an app's BEFORE INSERT
 -- trigger drops stays a dead letter. Locked first, so a concurrent requeue of the same
 -- rows waits, then finds them gone. Planned for the arguments given (EXECUTE): a
@@ -593,7 +549,7 @@ COMMENT ON TABLE outbox_parking IS
 -- with row by row and the rest goes on, so no row can stop the drain's lane.
 --
 -- outbox_park_scheduled: up to max_rows rows of the outbox scheduled for later, soonest
--- due first (outbox_scheduled_idx), moved into outbox_scheduled, skipping rows another
+-- due first (outbox_waiting_idx), moved into outbox_scheduled, skipping rows another
 -- session holds (the app's own transaction, say): at most 16 MiB of payload and headers,
 -- and no row over 1 MiB (it is let in where it is when due: two copies would cost more
 -- than stepping over it). Nothing to move, or parking off: no DELETE at all (a
@@ -632,8 +588,8 @@ BEGIN
                        coalesce(octet_length(o.payload), 0)
                        + coalesce(pg_column_size(o.headers), 0) AS size
                 FROM outbox AS o
-                WHERE o.sent_at IS NULL
-                  AND o.dead_lettered_at IS NULL
+                WHERE (o.next_attempt_at IS NOT NULL
+                       OR (o.available_at IS NOT NULL AND o.promoted_at IS NULL))
                   AND o.available_at IS NOT NULL
                   AND o.promoted_at IS NULL
                   AND o.available_at > now()

@@ -8,23 +8,18 @@
 --   CREATE ROLE relay_console_viewer LOGIN PASSWORD '...';
 --
 -- relay_console: the console that may requeue and discard. It reads the outbox, the
--- leases, the replicas' heartbeats and its audit; it writes only what a requeue resets
--- (dead_lettered_at, dead_letter_reason, attempts, next_attempt_at: the columns
--- `relay dead-letter requeue` writes), deletes rows (a discard: the console deletes
--- dead-lettered rows only, which a table privilege cannot express), and appends to its
--- audit. It never inserts outbox rows, never changes what the app wrote, never touches
--- a lease.
+-- leases, the replicas' heartbeats and its audit; it deletes dead letters (a discard)
+-- and requeues them through outbox_requeue, and appends to its audit. It never inserts
+-- outbox rows, never changes what the app wrote, never touches a lease. (For an own
+-- table, RELAY_OUTBOX_TABLE, the grants on its views are yours: docs/howto/own-tables.md.)
 GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations TO relay_console;
-GRANT UPDATE (dead_lettered_at, dead_letter_reason, attempts, next_attempt_at)
-    ON outbox TO relay_console;
-GRANT DELETE ON outbox TO relay_console;
 GRANT SELECT, INSERT ON console_audit TO relay_console;
--- Dead letters moved out of the outbox (migration 0018): read, discarded (deleted), and
+-- Dead letters, moved out of the outbox: read, discarded (deleted), and
 -- requeued through outbox_requeue, which moves them back only.
 GRANT SELECT, DELETE ON outbox_dead TO relay_console;
 GRANT SELECT ON outbox_dead_letters TO relay_console;
 GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay_console;
--- Rows scheduled for later, moved out until due (migration 0020): counted, and shown.
+-- Rows scheduled for later, moved out until due: counted, and shown.
 GRANT SELECT ON outbox_scheduled TO relay_console;
 
 -- relay_console_viewer: a console run with RELAY_CONSOLE_READ_ONLY=true (people who

@@ -5,28 +5,28 @@
 --
 --   CREATE ROLE relay LOGIN PASSWORD '...';
 --
--- The relay reads unsent rows, deletes them once sent, and writes its bookkeeping: sent
--- marks (retention), attempts and the next attempt, the last error, dead letters and
--- their requeue (`relay dead-letter requeue`), scheduled rows let in (promoted_at). It
--- inserts no outbox row of its own (a requeue puts back, through outbox_requeue, only
+-- The relay reads unsent rows, deletes them once sent, and writes its bookkeeping:
+-- attempts and the next attempt, the last error, scheduled rows let in (promoted_at).
+-- It inserts no outbox row of its own (a requeue puts back, through outbox_requeue, only
 -- rows a settle moved out), and never changes what the app wrote (topic, key, payload,
 -- headers, ids, times): UPDATE reaches the bookkeeping columns only.
 -- The REVOKE takes back the table-wide UPDATE that earlier versions of this file gave
--- (it must come first: revoking a table privilege revokes its column grants too).
+-- (it must come first: revoking a table privilege revokes its column grants too). On a
+-- database upgraded from before 1.0, run this file once `relay migrate` has applied
+-- 0024: until then relays of the previous release may still run, and they update
+-- columns this file no longer names.
 GRANT SELECT, DELETE ON outbox TO relay;
 REVOKE UPDATE ON outbox FROM relay;
-GRANT UPDATE (sent_at, attempts, next_attempt_at, last_error, dead_lettered_at,
-              dead_letter_reason, promoted_at)
-    ON outbox TO relay;
+GRANT UPDATE (attempts, next_attempt_at, last_error, promoted_at) ON outbox TO relay;
 
--- Retention mode (migration 0013): a settle moves the acknowledged rows into
+-- Retention mode: a settle moves the acknowledged rows into
 -- outbox_sent's current generation; the purge empties the oldest generation whole
 -- (TRUNCATE of that partition, no DDL) and records when it began taking rows again.
 GRANT SELECT, INSERT ON outbox_sent TO relay;
 GRANT TRUNCATE ON outbox_sent_0, outbox_sent_1, outbox_sent_2, outbox_sent_3 TO relay;
 GRANT SELECT, UPDATE ON outbox_sent_generations TO relay;
 
--- Dead letters (migration 0018): a settle moves the rows it gives up on into
+-- Dead letters: a settle moves the rows it gives up on into
 -- outbox_dead through outbox_dead_letter, and `relay dead-letter requeue` moves them
 -- back through outbox_requeue. Both run as the tables' owner and move rows only: the
 -- role inserts no row of its own into either table. `relay dead-letter list` and the
@@ -35,7 +35,7 @@ GRANT SELECT ON outbox_dead, outbox_dead_letters TO relay;
 GRANT EXECUTE ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay;
 
--- Scheduled rows (migration 0020): rows scheduled for later wait in outbox_scheduled,
+-- Scheduled rows: rows scheduled for later wait in outbox_scheduled,
 -- moved out and let back in through functions that move rows only; the fetch and the
 -- lag gauges read it.
 GRANT SELECT ON outbox_scheduled TO relay;

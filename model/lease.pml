@@ -281,8 +281,8 @@ inline release(l) {
  * statement; with RELAY_FAIRNESS=off, fetch_head's windows in one REPEATABLE READ
  * snapshot, so the same one view; the rows it reads are only ever settled under a
  * fence, so a stale read costs a duplicate, never more):
- *   sql: drain.sql fetch_head sha256:7a5bb387352def16
- *   sql: drain.sql fetch_batch sha256:d6c886fc80106725
+ *   sql: drain.sql fetch_head sha256:64d7729167faccf2
+ *   sql: drain.sql fetch_batch sha256:161557ef0d2735cf
  * unsent, in this lane's shard, not in flight here (`in_flight`, by id or span), not
  * in a backoff (`ready`), and the first such row of its key: an earlier unsent row of the key is
  * fetched first, one in a backoff holds it back (`ready`), one in flight here without
@@ -380,9 +380,13 @@ inline settle(l) {
      *   sql: drain.sql move_sent sha256:b914670553429ab0
      *   sql: drain.sql mark_sent sha256:1d057c0e2de7e618
      *   sql: drain.sql dead_letter sha256:30cd1fed2a46f1fe
-     *   sql: drain.sql dead_letter_move sha256:83d426d67e951d70
+     *   sql: drain.sql dead_letter_move sha256:98b7eab443805080
      * (the dead letter marked in place, or moved into outbox_dead: either way it
-     * leaves the drain, DEAD here.)
+     * leaves the drain, DEAD here.) A dead letter over 16 MiB is moved after that
+     * transaction, in one of its own that takes the fence first as well, the row in
+     * flight meanwhile: for that row, this step is that second transaction, the first
+     * having written nothing of it:
+     *   sql: drain.sql dead_letter_move_rest sha256:d8b25db94e55cf2b
      * A settle that holds renews the lease (Settler._settle: Lease.renewed); one fenced
      * out drops it (Lease.fenced). */
     atomic {

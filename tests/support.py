@@ -108,11 +108,7 @@ def outbox_indexes(dsn: str) -> dict[str, str]:
 
 
 def unsent_count(dsn: str) -> int:
-    return int(
-        scalar(
-            dsn, "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-        )
-    )
+    return int(scalar(dsn, "SELECT count(*) FROM outbox"))
 
 
 def dedup_by_message_id(records: Sequence[Record]) -> list[Record]:

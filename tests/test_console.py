@@ -195,21 +195,15 @@ def dead_letter_directly(
     key: str,
     payload: bytes,
     reason: str = "HTTP 400: bad",
-    *,
-    in_place: bool = False,
     **extra: Any,
 ) -> int:
     """A row the app wrote and the relay gave up on, written here in one statement (no
     relay round trip): for tests about the console alone. In outbox_dead, under an id
-    of the outbox's, as the relay moves it; `in_place`: marked in the outbox, as an
-    earlier release left it."""
+    of the outbox's, as the relay moves it."""
     headers = extra.get("headers")
     (row,) = execute(
         dsn,
-        "INSERT INTO outbox (topic, key, payload, headers, attempts, dead_lettered_at,"
-        " dead_letter_reason) VALUES (%s, %s, %s, %s, 1, now(), %s) RETURNING id"
-        if in_place
-        else "INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers,"
+        "INSERT INTO outbox_dead (id, message_id, topic, key, payload, headers,"
         " created_at, attempts, dead_lettered_at, dead_letter_reason)"
         " VALUES (nextval(pg_get_serial_sequence('outbox', 'id')), gen_random_uuid(),"
         " %s, %s, %s, %s, now(), 1, now(), %s) RETURNING id",
@@ -523,26 +517,24 @@ def test_markup_in_rows_renders_as_text_and_never_runs(
 
 
 def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContext) -> None:
-    """Each page is a walk of outbox_dead's key and outbox_dead_letter_idx from its
-    cursor, merged (EXPLAIN, as the console's role), first and deep; and Next/Previous
-    in the browser continue the ids across both (every other row is marked in place, as
-    an earlier release left it). The page time at 100,000 dead letters is in the
-    benchmark (bench/console.py)."""
+    """Each page is a walk of outbox_dead's key from its cursor (EXPLAIN, as the
+    console's role), first and deep; and Next/Previous in the browser continue the ids.
+    The page time at 100,000 dead letters is in
+    the benchmark (bench/console.py)."""
     topic = f"many-{uuid.uuid4().hex[:6]}"
     other = dead_letter_directly(world.dsn, f"other-{topic}", "k", b"x")  # before, unmatched
     execute(
         world.dsn,
-        "INSERT INTO outbox (topic, key, payload, attempts, dead_lettered_at,"
-        " dead_letter_reason) SELECT %s, 'k' || (g %% 50), 'x', 3, now(), 'HTTP 400: nope'"
-        " FROM generate_series(1, 3000) AS g",
+        "INSERT INTO outbox (topic, key, payload, attempts)"
+        " SELECT %s, 'k' || (g %% 50), 'x', 3 FROM generate_series(1, 3000) AS g",
         (topic,),
     )
     execute(
         world.dsn,
-        "WITH gone AS (DELETE FROM outbox WHERE topic = %s AND id %% 2 = 0 RETURNING *)"
+        "WITH gone AS (DELETE FROM outbox WHERE topic = %s RETURNING *)"
         " INSERT INTO outbox_dead (id, message_id, topic, key, payload, created_at, attempts,"
         " dead_lettered_at, dead_letter_reason) SELECT id, message_id, topic, key, payload,"
-        " created_at, attempts, dead_lettered_at, dead_letter_reason FROM gone",
+        " created_at, attempts, now(), 'HTTP 400: nope' FROM gone",
         (topic,),
     )
     execute(world.dsn, "ANALYZE outbox")
@@ -566,12 +558,9 @@ def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContex
             found = conn.execute("EXPLAIN (FORMAT JSON) " + query, params).fetchone()
             assert found is not None
             plan = found[0][0]["Plan"]
-            # outbox_dead by its key from the cursor, never read whole and sorted; the
-            # rows marked in place (an earlier release's, until migration 0019) by
-            # outbox_dead_letter_idx, or, in an outbox as small as this one, sorted.
+            # outbox_dead by its key from the cursor, never read whole and sorted.
             walks = {n.get("Index Name") for n in nodes(plan) if n.get("Relation Name")}
-            assert "outbox_dead_pkey" in walks, plan
-            assert walks <= {"outbox_dead_pkey", "outbox_dead_letter_idx", None}, plan
+            assert walks == {"outbox_dead_pkey"}, plan
             for sort in (n for n in nodes(plan) if n["Node Type"] == "Sort"):
                 assert all(n.get("Relation Name") != "outbox_dead" for n in nodes(sort)), plan
 
@@ -627,10 +616,7 @@ def test_a_discard_by_filter_states_its_count_and_is_audited(
     world: World, context: BrowserContext
 ) -> None:
     topic = f"discard-{uuid.uuid4().hex[:6]}"
-    # One as an earlier release left it, marked in place: a discard deletes both kinds.
-    ids = [
-        dead_letter_directly(world.dsn, topic, f"k{n}", b"old", in_place=n == 1) for n in range(3)
-    ]
+    ids = [dead_letter_directly(world.dsn, topic, f"k{n}", b"old") for n in range(3)]
     page = log_in(context, world)
     page.goto(f"{world.url}/dead-letters?topic={topic}")
     page.click("#by-filter button[value=discard]")
@@ -694,7 +680,7 @@ def test_requeueing_a_selection_warns_when_an_earlier_dead_letter_of_its_key_sta
     topic = f"sel-{uuid.uuid4().hex[:6]}"
     world.accept_poison[0] = True
     older = dead_letter_directly(world.dsn, topic, key, b"older")
-    newer = dead_letter_directly(world.dsn, topic, key, b"newer", in_place=True)
+    newer = dead_letter_directly(world.dsn, topic, key, b"newer")
     page = log_in(context, world)
     page.goto(f"{world.url}/dead-letters?topic={topic}")
     page.check(f"input.pick[value='{newer}']")

@@ -317,7 +317,7 @@ def test_retention_keeps_sent_rows_then_purges_them(
         wait_until(
             lambda: scalar(database, "SELECT count(*) FROM outbox_sent") == 20,
             timeout=20,
-            message="rows kept, out of the outbox, with sent_at",
+            message="rows kept, out of the outbox",
         )
         assert scalar(database, "SELECT count(*) FROM outbox") == 0
         wait_until(

@@ -121,7 +121,7 @@ def test_the_round_goes_over_more_groups_than_a_batch_holds(database: str) -> No
             fetched = fetch.fetch_batch(conn, limits, "{}", None, after_group=after)
             served |= {name for name in tenants(fetched.messages) if name.startswith("g")}
             ids = [m.id for m in fetched.messages]
-            conn.execute("UPDATE outbox SET sent_at = now() WHERE id = ANY(%s)", (ids,))
+            conn.execute("DELETE FROM outbox WHERE id = ANY(%s)", (ids,))
             after = fetched.walked_group
     assert len(served) == 250
 

@@ -620,7 +620,7 @@ def test_hostile_headers_are_dead_lettered_or_delivered_exactly_and_the_relay_go
             lambda: (
                 scalar(
                     database,
-                    "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL",
+                    "SELECT count(*) FROM outbox",
                 )
                 == 0
             ),
@@ -648,16 +648,13 @@ def test_a_hot_key_backlog_does_not_hold_back_keys_committed_after_it_kafka(
     """100k-style backlog of one key in front: the other keys' rows, committed while it
     drains, go out long before it is drained; the hot key keeps its order."""
     bulk(database, topic, "H", 60_000)
-    unsent_h = "SELECT count(*) FROM outbox WHERE key = 'H' AND sent_at IS NULL"
+    unsent_h = "SELECT count(*) FROM outbox WHERE key = 'H'"
     others = [(f"k{k}", f"k{k}:{i}".encode()) for i in range(5) for k in range(50)]
     with running_relay(make_settings(batch_size=500)):
         wait_until(lambda: scalar(database, unsent_h) < 60_000, 30, message="H flowing")
         insert_rows(database, topic, others)
         wait_until(
-            lambda: (
-                scalar(database, "SELECT count(*) FROM outbox WHERE key <> 'H' AND sent_at IS NULL")
-                == 0
-            ),
+            lambda: scalar(database, "SELECT count(*) FROM outbox WHERE key <> 'H'") == 0,
             30,
             message="other keys delivered",
         )

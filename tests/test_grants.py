@@ -19,7 +19,10 @@ from relay.store import db, repository
 from tests.conftest import RELAY_ROLE
 from tests.test_own_table import DEBEZIUM_TABLE, TABLE, VIEW_SCHEMA, migrate_own_table
 
-BOOKKEEPING = (
+# The relay's own outbox: the bookkeeping of rows still to send.
+BOOKKEEPING = ("attempts", "next_attempt_at", "last_error", "promoted_at")
+# An own table's view, which marks sent rows and dead letters in place.
+OWN_TABLE_BOOKKEEPING = (
     "sent_at",
     "attempts",
     "next_attempt_at",
@@ -43,7 +46,6 @@ WRITES = {
     "promote_due",
     "record_failures",
     "dead_letter",
-    "dead_letter_requeue",
     "dead_letter_requeue_in_place",
     "settle_mark_sent",
     "mark_sent",
@@ -54,17 +56,18 @@ LEASE = "grants"
 # The README's grants for an own table, the view's bookkeeping columns only.
 OWN_TABLE_GRANTS = f"""
 GRANT USAGE ON SCHEMA {VIEW_SCHEMA} TO {RELAY_ROLE};
-GRANT SELECT, DELETE ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
+GRANT SELECT, DELETE ON {VIEW_SCHEMA}.outbox, {VIEW_SCHEMA}.outbox_marked TO {RELAY_ROLE};
 GRANT SELECT ON {VIEW_SCHEMA}.outbox_dead_letters, {VIEW_SCHEMA}.outbox_dead,
     {VIEW_SCHEMA}.outbox_scheduled TO {RELAY_ROLE};
-GRANT UPDATE ({", ".join(BOOKKEEPING)}) ON {VIEW_SCHEMA}.outbox TO {RELAY_ROLE};
+GRANT UPDATE ({", ".join(OWN_TABLE_BOOKKEEPING)})
+    ON {VIEW_SCHEMA}.outbox, {VIEW_SCHEMA}.outbox_marked TO {RELAY_ROLE};
 """
 
 
 def _writes_outbox(text: str) -> bool:
     return bool(
-        re.search(r"\bUPDATE\s+outbox\b", text)
-        or ("FOR UPDATE" in text and re.search(r"\bFROM\s+outbox\b", text))
+        re.search(r"\bUPDATE\s+outbox(?:_marked)?\b", text)
+        or ("FOR UPDATE" in text and re.search(r"\bFROM\s+outbox(?:_marked)?\b", text))
     )
 
 
@@ -102,13 +105,7 @@ def test_the_relay_role_runs_every_outbox_write(database: str, relay_dsn: str) -
     with db.connect(settings, purpose="grants") as conn:
         assert repository.promote_due(conn, 10, set_aside="move").rows == 1
         _run_every_write(conn, ids, "move")
-        # As an earlier release leaves one: marked in place; requeued in place.
-        found = conn.execute("SELECT id FROM outbox WHERE key = 'due'").fetchone()
-        assert found is not None
-        due = int(found["id"])
-        conn.execute(QUERIES.dead_letter, {"ids": [due], "attempted": [1], "reasons": ["x"]})
-        assert dead_letters.requeue_dead_letters(conn, ids=[due], set_aside="move") == [due]
-    _assert_written(database, "outbox", "sent_at", ids)
+    _assert_written(database, "outbox", None, ids)
 
 
 def test_the_relay_role_inserts_no_row_of_its_own(database: str, relay_dsn: str) -> None:
@@ -196,40 +193,49 @@ def _insert(dsn: str, statement: str) -> list[int]:
 
 def _run_every_write(conn: db.Conn, ids: list[int], set_aside: SetAside) -> None:
     """Row a fails once, b is dead-lettered and requeued, c settles under a held lease,
-    d is marked sent; then c and d are purged."""
+    d is acknowledged; an own table keeps c and d marked sent, then they are purged."""
     a, b, c, d = ids
     with conn.transaction():
         conn.execute(
             QUERIES.record_failures,
             {"ids": [a], "attempted": [1], "delays": [60.0], "errors": ["no broker"]},
         )
-        for statement in repository.DEAD_LETTER[set_aside]:
-            conn.execute(statement, {"ids": [b], "attempted": [1], "reasons": ["bad"]})
+        conn.execute(
+            repository.DEAD_LETTER[set_aside], {"ids": [b], "attempted": [1], "reasons": ["bad"]}
+        )
     assert dead_letters.requeue_dead_letters(conn, ids=[b], set_aside=set_aside) == [b]
+    fence = {"name": LEASE, "holder": "test", "epoch": 1, "ttl": 60.0, "ids": [c]}
+    if set_aside == "move":
+        conn.execute(QUERIES.delete_sent, {"ids": [d]})
+        assert conn.execute(QUERIES.settle_delete_sent, fence).fetchone() is not None
+        return
     conn.execute(QUERIES.mark_sent, {"ids": [d]})
-    settled = conn.execute(
-        QUERIES.settle_mark_sent,
-        {"name": LEASE, "holder": "test", "epoch": 1, "ttl": 60.0, "ids": [c]},
-    ).fetchone()
+    settled = conn.execute(QUERIES.settle_mark_sent, fence).fetchone()
     assert settled is not None, "the settle's fence did not hold"
     assert repository.purge_sent(conn, 0.0, 10) == 2
 
 
-def _assert_written(dsn: str, table: str, sent_at: str, ids: list[int]) -> None:
-    prefix = "relay_" if sent_at.startswith("relay_") else ""
+def _assert_written(dsn: str, table: str, sent_at: str | None, ids: list[int]) -> None:
+    """The failed row's attempt and error, the requeued row back with fresh attempts; c
+    and d gone (deleted, or kept and purged)."""
+    prefix = "relay_" if sent_at is not None else ""
+    marks: sql.Composable = sql.SQL("")
+    if sent_at is not None:
+        marks = sql.SQL(", {dead}, {sent}").format(
+            dead=sql.Identifier(prefix + "dead_lettered_at"), sent=sql.Identifier(sent_at)
+        )
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             sql.SQL(
-                "SELECT {attempts}, {error}, {dead}, {sent} FROM {table} WHERE {id} = ANY(%s)"
-                " ORDER BY {id}"
+                "SELECT {attempts}, {error}{marks} FROM {table} WHERE {id} = ANY(%s) ORDER BY {id}"
             ).format(
                 attempts=sql.Identifier(prefix + "attempts"),
                 error=sql.Identifier(prefix + "last_error"),
-                dead=sql.Identifier(prefix + "dead_lettered_at"),
-                sent=sql.Identifier(sent_at),
+                marks=marks,
                 table=sql.Identifier(*table.split(".")),
                 id=sql.Identifier(prefix + "id"),
             ),
             (ids,),
         ).fetchall()
-    assert rows == [(1, "no broker", None, None), (0, "bad", None, None)]  # c and d purged
+    unmarked = () if sent_at is None else (None, None)
+    assert rows == [(1, "no broker", *unmarked), (0, "bad", *unmarked)]

@@ -17,6 +17,14 @@ from relay.lease.protocol import Acquired, HeldByOther, LeaseToken, LostRace
 from relay.store import lease as protocol
 from relay.store.repository import settle
 from tests.support import insert_rows, scalar, wait_until
+from tests.test_own_table import (
+    DEBEZIUM_TABLE,
+    TABLE,
+    VIEW_SCHEMA,
+    app_insert,
+    grant_view,
+    migrate_own_table,
+)
 
 Conn = psycopg.Connection[dict[str, Any]]
 
@@ -149,10 +157,8 @@ def test_released_lease_is_free_at_once(relay_dsn: str) -> None:
     [
         (False, "delete"),
         (False, "move"),
-        (False, "mark"),
         (True, "delete"),
         (True, "move"),
-        (True, "mark"),
     ],
 )
 def test_a_stale_holder_cannot_mark_rows(
@@ -173,7 +179,7 @@ def test_a_stale_holder_cannot_mark_rows(
         if failures:
             stale.dead(ids[2], "zombie says so")
         assert settle(a, old.token, 1.0, stale, sent_rows=sent_rows, set_aside="move") is None
-        unsent = "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
+        unsent = "SELECT count(*) FROM outbox"
         assert scalar(database, unsent) == 3
         assert scalar(database, "SELECT count(*) FROM outbox_sent") == 0
         # The rightful holder can.
@@ -185,9 +191,9 @@ def test_a_stale_holder_cannot_mark_rows(
         # The third row: dead-lettered (moved into outbox_dead), or still to send.
         assert scalar(database, unsent) == (0 if failures else 1)
         assert scalar(database, "SELECT count(*) FROM outbox_dead") == (1 if failures else 0)
-        kept = {"delete": (0, 0), "move": (0, 2), "mark": (2, 0)}[sent_rows]
-        assert scalar(database, "SELECT count(*) FROM outbox") == kept[0] + (0 if failures else 1)
-        assert scalar(database, "SELECT count(*) FROM outbox_sent") == kept[1]
+        assert scalar(database, "SELECT count(*) FROM outbox_sent") == (
+            2 if sent_rows == "move" else 0
+        )
         if sent_rows == "move":
             moved = scalar(
                 database,
@@ -195,6 +201,49 @@ def test_a_stale_holder_cannot_mark_rows(
                 " WHERE sent_at IS NOT NULL AND generation = 0",
             )
             assert moved == ids[:2]
+
+
+@pytest.mark.parametrize("failures", [False, True])
+def test_a_stale_holder_cannot_mark_an_own_tables_rows(
+    relay_dsn: str, database: str, failures: bool
+) -> None:
+    """The same fence for an own table (RELAY_OUTBOX_TABLE), whose sent rows and dead
+    letters are marked in place, through its view, by settle_mark_sent and dead_letter."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(DEBEZIUM_TABLE)
+    done = migrate_own_table(database)
+    assert done.returncode == 0, done.stderr
+    grant_view(database)
+    app_insert(database, "t", [("k", 1), ("k", 2), ("k", 3)])
+    marks = (
+        "SELECT count(*) FILTER (WHERE relay_sent_at IS NOT NULL),"
+        " count(*) FILTER (WHERE relay_dead_lettered_at IS NOT NULL)"
+        f" FROM {TABLE}"
+    )
+    name = f"fence-own-{failures}"
+    with rr_conn(relay_dsn) as a, rr_conn(relay_dsn) as b:
+        for session in (a, b):
+            session.execute(f"SET search_path = {VIEW_SCHEMA}, public")
+        ids = [int(r["id"]) for r in a.execute("SELECT id FROM outbox ORDER BY id")]
+        protocol.ensure_row(a, name)
+        old = protocol.try_acquire(a, name, "A", 1.0)
+        assert isinstance(old, Acquired)
+        wait_until(
+            lambda: isinstance(protocol.try_acquire(b, name, "B", 30.0), Acquired), timeout=5
+        )
+        stale = Settlement(sent=ids[:2])
+        if failures:
+            stale.dead(ids[2], "zombie says so")
+        assert settle(a, old.token, 1.0, stale, sent_rows="mark", set_aside="mark") is None
+        with psycopg.connect(database) as conn:
+            assert conn.execute(marks).fetchone() == (0, 0)  # the zombie marked nothing
+        token = LeaseToken(name, "B", old.token.epoch + 1)
+        settled = Settlement(sent=ids[:2])
+        if failures:
+            settled.dead(ids[2], "the holder says so")
+        assert settle(b, token, 30.0, settled, sent_rows="mark", set_aside="mark") is not None
+    with psycopg.connect(database) as conn:
+        assert conn.execute(marks).fetchone() == (2, 1 if failures else 0)
 
 
 def test_a_settle_waiting_on_an_open_takeover_writes_nothing_once_it_commits(

@@ -30,19 +30,19 @@ def test_four_concurrent_migrators_apply_each_file_once(empty_db: str) -> None:
     assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
     applied = [out.decode() for out, _ in outputs]
     files = sorted(p.name for p in migrations_dir().glob("0*.sql"))
-    assert files == ["0100_schema.sql"]
-    for name in files:
-        assert sum(name in text for text in applied) == 1, name
+    # The schema file, and the two upgrade steps a fresh database does not take.
+    assert files == ["0023_one_outbox.sql", "0024_one_outbox_retire.sql", "0100_schema.sql"]
+    assert sum("0100_schema.sql" in text for text in applied) == 1
+    assert not any("0023" in text or "0024" in text for text in applied), applied
     with psycopg.connect(empty_db) as conn:
         rows = conn.execute("SELECT version FROM schema_migrations ORDER BY version").fetchall()
-    assert rows == [(name[:4],) for name in files]
+    assert rows == [("0100",)]
 
 
 def test_migrate_twice_is_a_no_op(empty_db: str) -> None:
     first = run_migrate(empty_db).communicate(timeout=60)[0].decode()
     second = run_migrate(empty_db).communicate(timeout=60)[0].decode()
-    count = len(list(migrations_dir().glob("0*.sql")))
-    assert first.startswith(f"applied {count} migration(s)")
+    assert first.startswith("applied 1 migration(s)")
     assert second.strip() == "applied 0 migration(s)"
 
 
@@ -79,45 +79,48 @@ def test_the_schema_version_stops_before_a_migration_that_waits_for_a_rollout(
     assert state.describe() == "0003; applied by a newer release: 0004"
 
 
-def test_schema_has_the_contract_columns_and_partial_index(database: str) -> None:
+def test_the_outbox_has_twelve_columns_and_three_indexes(database: str) -> None:
+    """The 1.0 outbox: the app's columns, then the bookkeeping of a row still to send;
+    the primary key, the key hash walk of rows the drain may take, and the rows waiting."""
     with psycopg.connect(database) as conn:
         columns = conn.execute(
             "SELECT column_name, data_type, is_nullable FROM information_schema.columns"
             " WHERE table_name = 'outbox' ORDER BY ordinal_position"
         ).fetchall()
-        legacy = conn.execute(
-            "SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_unsent_idx'"
-        ).fetchone()
-    assert columns[:7] == [
+        indexes: dict[str, str] = dict(
+            conn.execute(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
+            ).fetchall()
+        )
+    stamp = "timestamp with time zone"
+    assert columns == [
         ("id", "bigint", "NO"),
         ("message_id", "uuid", "NO"),
         ("topic", "text", "NO"),
         ("key", "text", "YES"),
         ("payload", "bytea", "YES"),
         ("headers", "jsonb", "YES"),
-        ("created_at", "timestamp with time zone", "NO"),
+        ("created_at", stamp, "NO"),
+        ("attempts", "integer", "NO"),
+        ("next_attempt_at", stamp, "YES"),
+        ("last_error", "text", "YES"),
+        ("available_at", stamp, "YES"),
+        ("promoted_at", stamp, "YES"),
     ]
-    assert legacy is None  # the previous release's, retired by 0010 (tests/test_upgrade.py)
-    # The drain's own: the walk over keys holds rows unsent, live, and due (0015); the
-    # walk in id order is the primary key's since 0022.
-    with psycopg.connect(database) as conn:
-        due = conn.execute(
-            "SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_due_key_hash_idx'"
-        ).fetchone()
-    assert (
-        due is not None
-        and (
-            "WHERE ((sent_at IS NULL) AND (dead_lettered_at IS NULL)"
-            " AND ((available_at IS NULL) OR (promoted_at IS NOT NULL)))"
-        )
-        in due[0]
+    assert set(indexes) == {"outbox_pkey", "outbox_key_hash_idx", "outbox_waiting_idx"}
+    assert indexes["outbox_key_hash_idx"].endswith(
+        "(outbox_key_hash(key), id) WHERE ((available_at IS NULL) OR (promoted_at IS NOT NULL))"
+    )
+    assert indexes["outbox_waiting_idx"].endswith(
+        "(key, id) WHERE ((next_attempt_at IS NOT NULL)"
+        " OR ((available_at IS NOT NULL) AND (promoted_at IS NULL)))"
     )
 
 
 def test_relay_role_has_exactly_the_granted_rights(relay_dsn: str) -> None:
     """The least-privilege role can drain, and cannot write outbox rows or DDL."""
     with psycopg.connect(relay_dsn, autocommit=True) as conn:
-        conn.execute("SELECT id FROM outbox WHERE sent_at IS NULL LIMIT 1")
+        conn.execute("SELECT id FROM outbox LIMIT 1")
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("INSERT INTO outbox (topic) VALUES ('t')")
         with pytest.raises(psycopg.errors.InsufficientPrivilege):

@@ -30,6 +30,7 @@ from relay.observe.server import (
     MetricsServer,
 )
 from relay.sql import QUERIES
+from relay.store.connection import ORDERED_WALKS, apply_settings
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.kafka import TansuBroker
@@ -199,17 +200,18 @@ def test_lag_sample_counts_blocked_and_dead_rows_and_stops_at_the_cap(database: 
             "SELECT outbox_dead_letter(ARRAY[(SELECT max(id) FROM outbox WHERE key = 'k1')],"
             " ARRAY[1], ARRAY['test'])"
         )
-        # One more, as an earlier release left it: marked in place.
         conn.execute(
-            "INSERT INTO outbox (topic, key, payload, dead_lettered_at, dead_letter_reason)"
-            " VALUES ('t', 'k9', 'x', now(), 'test')"
+            "INSERT INTO outbox_dead (id, message_id, topic, key, payload, created_at,"
+            " attempts, dead_lettered_at, dead_letter_reason)"
+            " VALUES (nextval(pg_get_serial_sequence('outbox', 'id')), gen_random_uuid(),"
+            " 't', 'k9', 'x', now(), 1, now(), 'test')"
         )
     with psycopg.connect(database, autocommit=True, row_factory=psycopg.rows.dict_row) as conn:
         sample = measure(conn, cap=1_000)
         assert (sample.unsent, sample.blocked, sample.dead_lettered) == (5, 3, 2)
         assert 42.0 <= sample.oldest_unsent_age_seconds < 60.0
         capped = measure(conn, cap=2)
-        assert (capped.unsent, capped.blocked, capped.dead_lettered) == (2, 1, 2)
+        assert (capped.unsent, capped.blocked, capped.dead_lettered) == (2, 2, 2)
         conn.execute("DELETE FROM outbox")
         empty = measure(conn, cap=1_000)
         assert (empty.unsent, empty.oldest_unsent_age_seconds, empty.blocked) == (0, 0.0, 0)
@@ -217,10 +219,8 @@ def test_lag_sample_counts_blocked_and_dead_rows_and_stops_at_the_cap(database: 
 
 def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> None:
     """The cost claim in the README holds only while the planner walks the indexes:
-    with a backlog of 50,000 rows and 20,000 scheduled for later (moved out, migration
-    0020), no step may scan either table. (Rows an earlier release marked sent in
-    place would sit in the walk by primary key: migration 0022 waits until none is
-    left, tests/test_upgrade.py.)"""
+    with a backlog of 50,000 rows and 20,000 scheduled for later (moved out into
+    outbox_scheduled), no step may scan either table."""
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO outbox (topic, key, payload)"
@@ -240,9 +240,12 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
         conn.execute("SELECT outbox_park_scheduled(20000)")
         conn.execute("ANALYZE outbox")
         conn.execute("ANALYZE outbox_scheduled")
-        row = conn.execute(
-            "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample, {"cap": 100_000, "age_window": 1000}
-        ).fetchone()
+        with conn.transaction():  # planned as the lag sampler plans it (relay/observe/lag.py)
+            apply_settings(conn, ORDERED_WALKS, local=True)
+            row = conn.execute(
+                "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample,
+                {"cap": 100_000, "age_window": 1000},
+            ).fetchone()
     assert row is not None
     plan = json.dumps(row[0])
     # outbox_dead holds dead letters only, outbox_scheduled rows scheduled for later
@@ -254,8 +257,8 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
     }, plan
     for index in (
         "outbox_pkey",
-        "outbox_failing_rows_idx",
-        "outbox_dead_letter_idx",
+        "outbox_waiting_idx",
+        "outbox_key_hash_idx",
         "outbox_scheduled_due_idx",
     ):
         assert index in plan
@@ -281,10 +284,12 @@ def test_lag_sample_cost_follows_the_cap_not_the_number_of_failing_rows(database
         conn.execute("VACUUM ANALYZE outbox")
 
     def pages() -> int:
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + QUERIES.lag_sample,
-            {"cap": 100, "age_window": 1000},
-        ).fetchone()
+        with conn.transaction():  # planned as the lag sampler plans it
+            apply_settings(conn, ORDERED_WALKS, local=True)
+            row = conn.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + QUERIES.lag_sample,
+                {"cap": 100, "age_window": 1000},
+            ).fetchone()
         assert row is not None
         top = row[0][0]["Plan"]
         return int(top["Shared Hit Blocks"] + top["Shared Read Blocks"])

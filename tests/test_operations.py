@@ -25,6 +25,7 @@ from tests.support import (
     scalar,
     wait_until,
 )
+from tests.test_own_table import COLUMNS, DEBEZIUM_TABLE, TABLE, migrate_own_table
 
 get = http_get
 
@@ -258,10 +259,9 @@ def test_a_dead_letter_keeps_the_columns_the_app_added_and_a_requeue_restores_th
         assert back.fetchall() == [(row_id,)]
     with psycopg.connect(database, autocommit=True) as conn:
         row = conn.execute(
-            'SELECT tenant, "Weight", attempts, dead_lettered_at FROM outbox WHERE id = %s',
-            (row_id,),
+            'SELECT tenant, "Weight", attempts FROM outbox WHERE id = %s', (row_id,)
         ).fetchone()
-    assert row is not None and row[0] == "acme" and float(row[1]) == 2.5 and row[2:] == (0, None)
+    assert row is not None and row[0] == "acme" and float(row[1]) == 2.5 and row[2] == 0
 
 
 def test_a_requeue_restores_what_the_outbox_would_have_and_loses_nothing_it_refuses(
@@ -312,22 +312,46 @@ def test_a_requeue_restores_what_the_outbox_would_have_and_loses_nothing_it_refu
         assert left == [(ids[1],)]
 
 
-def test_purge_deletes_only_sent_rows_past_the_cutoff(database: str, relay_dsn: str) -> None:
-    ids = insert_rows(database, "t", keyed_rows(keys=1, per_key=7))
+def test_purge_deletes_only_an_own_tables_sent_rows_past_the_cutoff(database: str) -> None:
+    """An own table keeps its sent rows, marked (retention): `relay purge` deletes those
+    sent before the cutoff, and no fresh sent row, dead letter or unsent row."""
     with psycopg.connect(database, autocommit=True) as conn:
-        # Everything is two days old; only sent_at decides what purge may delete.
-        conn.execute("UPDATE outbox SET created_at = now() - interval '2 days'")
+        conn.execute(DEBEZIUM_TABLE)
+    migrated = migrate_own_table(database)
+    assert migrated.returncode == 0, migrated.stderr
+    ids = []
+    with psycopg.connect(database, autocommit=True) as conn:
+        for n in range(7):
+            row = conn.execute(
+                "INSERT INTO inventory.outboxevent (id, aggregatetype, aggregateid, type)"
+                " VALUES (gen_random_uuid(), 't', %s, 'Created') RETURNING relay_id",
+                (f"k{n}",),
+            ).fetchone()
+            assert row is not None
+            ids.append(int(row[0]))
+        # Everything is two days old; only the sent time decides what purge may delete.
         conn.execute(
-            "UPDATE outbox SET sent_at = now() - interval '2 days' WHERE id = ANY(%s)", (ids[:3],)
+            "UPDATE inventory.outboxevent SET relay_created_at = now() - interval '2 days'"
         )
-        conn.execute("UPDATE outbox SET sent_at = now() WHERE id = %s", (ids[3],))
         conn.execute(
-            "UPDATE outbox SET dead_lettered_at = now() - interval '2 days',"
-            " dead_letter_reason = 'test' WHERE id = %s",
+            "UPDATE inventory.outboxevent SET relay_sent_at = now() - interval '2 days'"
+            " WHERE relay_id = ANY(%s)",
+            (ids[:3],),
+        )
+        conn.execute(
+            "UPDATE inventory.outboxevent SET relay_sent_at = now() WHERE relay_id = %s", (ids[3],)
+        )
+        conn.execute(
+            "UPDATE inventory.outboxevent SET relay_dead_lettered_at = now() - interval '2 days',"
+            " relay_dead_letter_reason = 'test' WHERE relay_id = %s",
             (ids[4],),
         )
-    done = run_cli(relay_env(relay_dsn), "purge", "--older-than", "1d", "--batch-size", "2")
+    env = relay_env(database, RELAY_OUTBOX_TABLE=TABLE, RELAY_OUTBOX_COLUMNS=json.dumps(COLUMNS))
+    done = run_cli(env, "purge", "--older-than", "1d", "--batch-size", "2")
     assert done.stdout.decode().strip() == "purged 3 sent row(s) older than 86400s"
     with psycopg.connect(database) as conn:
-        left = [r[0] for r in conn.execute("SELECT id FROM outbox ORDER BY id")]
-    assert left == ids[3:]  # the fresh sent row, the dead letter, the two unsent rows
+        left = [
+            r[0]
+            for r in conn.execute("SELECT relay_id FROM inventory.outboxevent ORDER BY relay_id")
+        ]
+    assert left == ids[3:]  # the fresh sent row, the dead letter, the three unsent rows

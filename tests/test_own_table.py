@@ -69,7 +69,10 @@ def migrate_own_table(
 def grant_view(database: str, schema: str = VIEW_SCHEMA) -> None:
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(f"GRANT USAGE ON SCHEMA {schema} TO {RELAY_ROLE}")
-        conn.execute(f"GRANT SELECT, UPDATE, DELETE ON {schema}.outbox TO {RELAY_ROLE}")
+        conn.execute(
+            f"GRANT SELECT, UPDATE, DELETE ON {schema}.outbox, {schema}.outbox_marked"
+            f" TO {RELAY_ROLE}"
+        )
         conn.execute(
             f"GRANT SELECT ON {schema}.outbox_dead_letters, {schema}.outbox_dead,"
             f" {schema}.outbox_scheduled TO {RELAY_ROLE}"

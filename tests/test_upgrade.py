@@ -1,6 +1,6 @@
 """Upgrades: the schema a fresh install applies (one file), and a database the previous
-release migrated (0001-0022), with a relay of that release running beside this one during
-a rolling upgrade, nothing lost."""
+release migrated (0001-0022), brought to it by 0023 and, once the rollout is done, 0024,
+with a relay of that release running beside this one, nothing lost."""
 
 from __future__ import annotations
 
@@ -35,24 +35,20 @@ from tests.support import (
 )
 from tests.test_operations import run_cli
 
-# The release before 1.0's schema file: its migrations are 0001-0022, which
-# migrations/0100_schema.sql replaces on a fresh database.
+# The release before 1.0: its migrations are 0001-0022; 0023 and 0024 bring a database
+# it migrated to the schema migrations/0100_schema.sql builds on a fresh one.
 PREVIOUS = "ee987a1"
 SCHEMA_FILE = "0100_schema.sql"
+STEPS = ("0023_one_outbox.sql", "0024_one_outbox_retire.sql")
 
 # What a fresh outbox carries, and which of them an app's INSERT writes (a partial
 # index whose predicate a new row fails costs the insert nothing).
 INDEXES = {
     "outbox_pkey": "the id, and the fetch's walk in id order",
-    "outbox_due_key_hash_idx": "the fair fetch's walk over keys (written by every insert)",
-    "outbox_backoff_idx": "rows waiting out a backoff, blocking their keys",
-    "outbox_failing_rows_idx": "rows that failed, for the lag and the CLI",
-    "outbox_dead_letter_idx": "dead letters, for listing and requeueing",
-    "outbox_sent_idx": "sent rows, for the retention purge",
-    "outbox_scheduled_idx": "scheduled rows by due time, for their promotion",
-    "outbox_scheduled_key_idx": "scheduled rows by key, blocking their keys",
+    "outbox_key_hash_idx": "the fair fetch's walk over keys (written by every insert)",
+    "outbox_waiting_idx": "rows in a backoff or scheduled, holding their keys back",
 }
-WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_due_key_hash_idx"}
+WRITTEN_BY_EVERY_INSERT = {"outbox_pkey", "outbox_key_hash_idx"}
 
 
 def test_a_fresh_outbox_carries_only_the_indexes_this_release_reads(database: str) -> None:
@@ -156,15 +152,24 @@ def holder(dsn: str) -> str | None:
 
 
 def dead_letters(dsn: str) -> dict[str, int]:
-    """How many dead letters each place holds: moved out, and marked in place."""
+    """How many dead letters each place holds: moved out, and marked in place (while
+    the outbox has the column for it, until 0024)."""
     with psycopg.connect(dsn) as conn:
-        in_place = conn.execute("SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL")
-        exists = conn.execute("SELECT to_regclass('outbox_dead') IS NOT NULL").fetchone()
-        moved = conn.execute("SELECT count(*) FROM outbox_dead") if exists == (True,) else None
-        return {
-            "moved": 0 if moved is None else int(scalar_of(moved)),
-            "in place": int(scalar_of(in_place)),
-        }
+        marks = conn.execute(
+            "SELECT count(*) FROM information_schema.columns"
+            " WHERE table_name = 'outbox' AND column_name = 'dead_lettered_at'"
+        )
+        in_place = (
+            int(
+                scalar_of(
+                    conn.execute("SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL")
+                )
+            )
+            if scalar_of(marks)
+            else 0
+        )
+        moved = int(scalar_of(conn.execute("SELECT count(*) FROM outbox_dead")))
+        return {"moved": moved, "in place": in_place}
 
 
 def scalar_of(cursor: psycopg.Cursor[tuple[Any, ...]]) -> Any:
@@ -253,28 +258,48 @@ def seeded_state(dsn: str) -> list[tuple[Any, ...]]:
         ]
 
 
-def test_a_fresh_install_applies_one_file_and_builds_the_previous_releases_schema(
+def upgrade(dsn: str) -> None:
+    """`relay migrate` as a rolling upgrade runs it: once before the rollout (0023; 0024
+    waits), once after it (0024)."""
+    settings = CommonSettings(database_url=dsn)
+    first = migrate(settings)
+    assert first.applied == [STEPS[0]]
+    assert first.waiting is not None and STEPS[1] in first.waiting
+    assert migrate(settings).applied == [STEPS[1]]
+
+
+def test_a_fresh_install_applies_one_file_and_an_upgraded_database_has_its_schema(
     empty_db: str, previous_db: str
 ) -> None:
-    """The schema file is the 22 migrations' end state, object for object: the same
-    tables, columns, indexes, functions, views, types and comments as pg_dump prints them,
-    and the same rows in the tables the schema fills."""
+    """The schema file is what 0023 and 0024 make of the previous release's schema,
+    object for object: the same tables, columns, indexes, functions, views, types and
+    comments as pg_dump prints them, and the same rows in the tables the schema fills."""
     migrated = migrate(CommonSettings(database_url=empty_db))
     assert migrated.applied == [SCHEMA_FILE] and migrated.waiting is None
+    upgrade(previous_db)
     dumped = schema_dump(empty_db)
     assert "CREATE TABLE public.outbox (" in dumped and len(dumped) > 500
     assert dumped == schema_dump(previous_db)
     assert seeded_state(empty_db) == seeded_state(previous_db)
 
 
-def test_a_database_the_previous_release_migrated_has_this_schema_already(
+def test_a_database_the_previous_release_migrated_takes_the_two_steps(
     previous_db: str,
 ) -> None:
     settings = CommonSettings(database_url=previous_db)
+    with db.connect(settings, purpose="test") as conn:
+        before = schema_state(conn)
+    assert (before.version, before.not_applied) == ("0022", list(STEPS))
+    first = migrate(settings)
+    assert first.applied == [STEPS[0]]
+    with db.connect(settings, purpose="test") as conn:
+        during = schema_state(conn)
+    assert (during.version, during.not_applied) == ("0023", [STEPS[1]])
+    assert migrate(settings).applied == [STEPS[1]]
     assert migrate(settings).applied == []
     with db.connect(settings, purpose="test") as conn:
-        state = schema_state(conn)
-    assert (state.version, state.not_applied, state.newer) == ("0100", [], [])
+        after = schema_state(conn)
+    assert (after.version, after.not_applied, after.newer) == ("0100", [], [])
 
 
 def test_a_database_left_part_way_through_the_previous_migrations_is_refused(
@@ -297,10 +322,13 @@ def test_a_rolling_upgrade_from_the_previous_release_delivers_everything_in_orde
     previous_db: str, previous_code: Path, kafka: TansuBroker, topic: str
 ) -> None:
     """The previous release drains, dead-letters one topic's rows (mapped to a name no
-    broker takes) and parks a row scheduled for later in outbox_scheduled; this release's
-    `relay migrate` runs, and a relay of this release joins and takes over. The scheduled
-    row is let in when due, and every dead letter is still listed, then requeued (the
-    mapping fixed) and delivered: every row arrives, each key in order."""
+    broker takes) and a row over 16 MiB (marked in place, as it does), and parks a row
+    scheduled for later in outbox_scheduled; this release's `relay migrate` applies 0023
+    (the marked row moved out), a relay of this release joins and takes over, and once
+    the old one is gone a second `relay migrate` applies 0024. The scheduled row is let
+    in when due, and every dead letter is still listed, then requeued (the mapping
+    fixed) and delivered: every row arrives, each key in order; the large row, still
+    too large, is dead-lettered again, moved out whole."""
     dsn = previous_db
     refused = f"{topic}-refused"
     kafka.create_topic(refused, partitions=3)
@@ -315,17 +343,22 @@ def test_a_rolling_upgrade_from_the_previous_release_delivers_everything_in_orde
         wait_until(lambda: holder(dsn) == "old", timeout=20, message="old relay leads")
         insert_rows(dsn, topic, now[:100])
         insert_rows(dsn, refused, bad[:30])
-        schedule(dsn, topic, *later, seconds=6)
+        insert_rows(dsn, f"{topic}-huge", [("h", b"x" * (17 << 20))])
+        schedule(dsn, topic, *later, seconds=8)
         insert_rows(dsn, topic, [("k0", b"k0:behind")])
         wait_until(lambda: parked(dsn) == 1, timeout=20, message="the old relay parks it")
-        wait_until(lambda: dead_letters(dsn)["moved"] == 30, timeout=30)
-        assert relay_migrate(dsn).strip() == "applied 0 migration(s)"
+        wait_until(lambda: dead_letters(dsn) == {"moved": 30, "in place": 1}, timeout=30)
+        migrated = relay_migrate(dsn)
+        assert migrated.startswith(f"applied 1 migration(s): {STEPS[0]}"), migrated
+        assert f"{STEPS[1]} waits" in migrated, migrated
+        assert dead_letters(dsn) == {"moved": 31, "in place": 0}
         new = start(REPO, dsn, kafka, "new", **bad_map)
         stop_cleanly(old)
         wait_until(lambda: holder(dsn) == "new", timeout=20, message="new takes over")
+        assert relay_migrate(dsn).startswith(f"applied 1 migration(s): {STEPS[1]}")
         insert_rows(dsn, topic, now[100:200])
         insert_rows(dsn, refused, bad[30:])
-        wait_until(lambda: dead_letters(dsn) == {"moved": 60, "in place": 0}, timeout=30)
+        wait_until(lambda: dead_letters(dsn) == {"moved": 61, "in place": 0}, timeout=30)
         wait_until(
             lambda: parked(dsn) == 0 and unsent_count(dsn) == 0,
             timeout=30,
@@ -333,14 +366,19 @@ def test_a_rolling_upgrade_from_the_previous_release_delivers_everything_in_orde
         )
         env = relay_env(dsn)
         listed = json.loads(run_cli(env, "dead-letter", "list", "--json").stdout)
-        assert len(listed) == 60 and [r["id"] for r in listed] == sorted(r["id"] for r in listed)
+        assert len(listed) == 61 and [r["id"] for r in listed] == sorted(r["id"] for r in listed)
         stop_cleanly(new)
         new = start(REPO, dsn, kafka, "fixed")
         insert_rows(dsn, topic, now[200:])
         done = run_cli(env, "dead-letter", "requeue", "--all")
-        assert done.stdout.startswith(b"requeued 60 row(s)"), done.stdout
+        assert done.stdout.startswith(b"requeued 61 row(s)"), done.stdout
         wait_until(lambda: unsent_count(dsn) == 0, timeout=60, message="all sent")
-        assert dead_letters(dsn) == {"moved": 0, "in place": 0}
+        assert dead_letters(dsn) == {"moved": 1, "in place": 0}
+        with psycopg.connect(dsn) as conn:
+            (size,) = conn.execute("SELECT octet_length(payload) FROM outbox_dead").fetchone() or (
+                0,
+            )
+        assert size == 17 << 20
     finally:
         stop(old)
         if new is not None:

@@ -515,16 +515,15 @@ def cmd_purge(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     total = 0
     with db.connect(settings, purpose="purge") as conn:
-        emptied = (
-            repository.empty_sent_generations(conn, args.older_than)
-            if settings.outbox_table is None
-            else []
-        )
-        while True:
-            count = repository.purge_sent(conn, args.older_than, args.batch_size)
-            total += count
-            if count < args.batch_size:
-                break
+        emptied = []
+        if settings.outbox_table is None:
+            emptied = repository.empty_sent_generations(conn, args.older_than)
+        else:  # an own table keeps its sent rows, marked
+            while True:
+                count = repository.purge_sent(conn, args.older_than, args.batch_size)
+                total += count
+                if count < args.batch_size:
+                    break
     print(f"purged {total} sent row(s) older than {args.older_than:g}s")
     if emptied:
         print(

@@ -63,6 +63,29 @@ class Migration:
         return self.version in applied or (bool(self.replaces) and self.replaces <= set(applied))
 
 
+def _standing(migrations: list[Migration], applied: set[str]) -> dict[str, str]:
+    """What each migration is to a database with `applied`: "held" (applied, or its
+    schema there by other files), "due" (to apply), or "stepped" (a schema file whose
+    upgrade steps, the files among those it replaces, bring the database to it).
+
+    A schema file replaces the migrations of an earlier release and the steps that
+    upgrade a database that release migrated. A fresh database takes the schema file
+    alone and holds its steps; one the earlier release migrated takes the steps and
+    then holds the schema file."""
+    standing = {m.version: "held" if m.held_by(applied) else "due" for m in migrations}
+    for schema in migrations:
+        if not schema.replaces:
+            continue
+        if schema.version in applied or not schema.replaces & applied:
+            # Applied, or due on a fresh database: its steps are not for this one.
+            for step in migrations:
+                if step.version in schema.replaces:
+                    standing[step.version] = "held"
+        elif standing[schema.version] == "due":
+            standing[schema.version] = "stepped"
+    return standing
+
+
 @dataclass(frozen=True, slots=True)
 class Migrated:
     """What a `relay migrate` run did."""
@@ -120,11 +143,12 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
                 r["version"]: r["checksum"] for r in conn.execute(QUERIES.migrations_applied)
             }
             _check_replaced_whole(migrations, applied)
+            standing = _standing(migrations, set(applied))
             for migration in migrations:
                 if migration.version in applied:
                     _check_unchanged(migration, applied[migration.version])
                     continue
-                if migration.held_by(applied):
+                if standing[migration.version] != "due":
                     continue
                 waits = _waits_for_rollout(migration, applied)
                 if waits is not None:
@@ -162,9 +186,9 @@ def missing(conn: db.Conn, directory: Path | None = None) -> list[str]:
     """The migrations this release's relay needs and the database lacks: every one but
     those that only retire what an earlier release read, which wait for a rollout."""
     applied = {r["version"] for r in conn.execute(QUERIES.migrations_applied)}
-    return [
-        m.name for m in load(directory) if m.after_rollout_of is None and not m.held_by(applied)
-    ]
+    known = load(directory)
+    standing = _standing(known, applied)
+    return [m.name for m in known if m.after_rollout_of is None and standing[m.version] == "due"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +218,12 @@ def schema_state(conn: db.Conn, directory: Path | None = None) -> SchemaState:
     version: str | None = None
     not_applied: list[str] = []
     known = load(directory)  # in version order
+    standing = _standing(known, applied)
     for migration in known:
-        if not migration.held_by(applied):
+        if standing[migration.version] == "stepped":
+            # On its way there by its steps: as far as the earlier release's files went.
+            version = version or max(migration.replaces & applied)
+        elif standing[migration.version] == "due":
             not_applied.append(migration.name)
         elif not not_applied:
             version = migration.version
@@ -204,16 +232,19 @@ def schema_state(conn: db.Conn, directory: Path | None = None) -> SchemaState:
 
 
 def _check_replaced_whole(migrations: list[Migration], applied: dict[str, str]) -> None:
-    """A database that ran only some of the migrations a schema file replaces was left
-    by a build from before that file: neither the file nor the rest of them can apply."""
+    """A database that ran only some of the migrations a schema file replaces, and lacks
+    one this release has no file of, was left by a build from before that file: neither
+    the file nor the rest of them can apply."""
+    files = {m.version for m in migrations}
     for migration in migrations:
         ran = migration.replaces & set(applied)
-        if ran and ran != migration.replaces and migration.version not in applied:
-            missing_ones = sorted(migration.replaces - ran)
+        lost = migration.replaces - ran - files
+        if ran and lost and migration.version not in applied:
+            missing_ones = sorted(lost)
             raise MigrationError(
                 f"this database ran migrations {min(ran)}-{max(ran)} of the schema before"
                 f" {migration.name} but not {', '.join(missing_ones)}: bring it to"
-                f" {max(migration.replaces)} with a build of the relay from before"
+                f" {max(lost)} with a build of the relay from before"
                 f" {migration.name} (its migrations/ folder), then run `relay migrate` again"
             )
 

@@ -23,7 +23,7 @@ log = get_logger("relay.migrate")
 # The fair fetch's walk over keys (migration 0015), and the one index besides the primary
 # key that every row the app inserts enters: RELAY_FAIRNESS=off reads neither it nor a
 # shard count's own (`relay migrate --without-key-index`).
-KEY_INDEX = "outbox_due_key_hash_idx"
+KEY_INDEX = "outbox_key_hash_idx"
 
 
 def shard_index_names(shards: int) -> tuple[str, str]:

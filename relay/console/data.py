@@ -123,7 +123,7 @@ def dead_letter_page(
     """A keyset page by id: `after` (next) or `before` (previous), else the first.
 
     Each page, and each look for a row beyond it (whether to offer Next or Previous), is
-    one walk of outbox_dead_letter_idx from a cursor. A previous page that would run
+    one walk of outbox_dead_letters by id from a cursor. A previous page that would run
     past the first matching row is the first page instead, full."""
     params = search.params()
 

@@ -25,7 +25,8 @@ class Rate:
 @dataclass
 class RateSampler:
     """Samples the outbox's settle counters on an interval (a thread of the console):
-    deletions from PostgreSQL's statistics, or rows kept with sent_at in the window."""
+    deletions from PostgreSQL's statistics, or an own table's rows kept with sent_at in the
+    window."""
 
     settings: CommonSettings
     window: float
@@ -58,9 +59,12 @@ class RateSampler:
             conn.close()
 
     def sample(self, conn: db.Conn) -> None:
-        found = conn.execute(
-            QUERIES.console_settled_counters, {"window": self.window, "cap": self.cap}
-        ).fetchone()
+        counters = (
+            QUERIES.console_settled_counters_marked
+            if self.settings.set_aside == "mark"
+            else QUERIES.console_settled_counters
+        )
+        found = conn.execute(counters, {"window": self.window, "cap": self.cap}).fetchone()
         if found is None:
             return
         deleted = None if found["deleted"] is None else int(found["deleted"])

@@ -150,7 +150,7 @@ class Settings(
         default="keys",
         description="`keys`: each batch gives every waiting key its share, so a key's "
         "backlog holds back no other key. It reads the outbox's key index "
-        "(outbox_due_key_hash_idx), which every row the app inserts also enters. `off`: "
+        "(outbox_key_hash_idx), which every row the app inserts also enters. `off`: "
         "first in, first out (a key that waits, in backoff or behind a scheduled row, is "
         "passed for at most sixteen batches' worth of rows), and nothing reads that index: "
         "drop it with `relay migrate --without-key-index` once every relay runs with `off`, "

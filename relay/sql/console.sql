@@ -1,7 +1,7 @@
 -- What the operators' console (`relay console`, relay/console/) reads and writes, beside
 -- the statements it shares with the CLI (operations.sql: lease_status, replica_status,
 -- lag_sample, dead_letter_requeue, dead_letters_left_behind). Dead letters are read
--- through outbox_dead_letters (migration 0018; an own table's view schema has its own).
+-- through outbox_dead_letters (an own table's view schema has its own).
 -- The console is a process of its own under its own role (migrations/console_grants.sql);
 -- nothing here runs in the drain. Parameters are named, %(name)s; nothing is built by
 -- string concatenation.
@@ -27,48 +27,23 @@ octet_length(payload) AS payload_bytes
 
 -- name: console_dead_letter_page_after
 -- One page of dead letters after a keyset cursor (id), oldest first: a walk of
--- outbox_dead's key from the cursor, and one of outbox_dead_letter_idx for the rows an
--- earlier release marked in place (until migration 0019), each stopping at the page
--- size, merged; so a deep page costs what the first does, however many dead letters
--- there are. Not through outbox_dead_letters: the planner plans a UNION ALL branch with
--- a WHERE of its own whole, so it would read every row marked in place and sort them.
--- (An own table's outbox_dead is an empty stand-in: its dead letters are all marked.)
-SELECT page.*
-FROM ((SELECT {{dead_letter_line}}
-       FROM outbox_dead
-       WHERE id > %(after)s::bigint
-         AND {{dead_letter_filter}}
-       ORDER BY id
-       LIMIT %(limit)s)
-      UNION ALL
-      (SELECT {{dead_letter_line}}
-       FROM outbox
-       WHERE dead_lettered_at IS NOT NULL
-         AND id > %(after)s::bigint
-         AND {{dead_letter_filter}}
-       ORDER BY id
-       LIMIT %(limit)s)) AS page
-ORDER BY page.id
+-- outbox_dead's primary key (an own table's: of its index on its dead letters) from the
+-- cursor, stopping at the page size; so a deep page costs what the first does, however
+-- many dead letters there are.
+SELECT {{dead_letter_line}}
+FROM outbox_dead_letters
+WHERE id > %(after)s::bigint
+  AND {{dead_letter_filter}}
+ORDER BY id
 LIMIT %(limit)s;
 
 -- name: console_dead_letter_page_before
--- The page before a cursor (the same walks, backwards); the caller reverses it.
-SELECT page.*
-FROM ((SELECT {{dead_letter_line}}
-       FROM outbox_dead
-       WHERE id < %(before)s::bigint
-         AND {{dead_letter_filter}}
-       ORDER BY id DESC
-       LIMIT %(limit)s)
-      UNION ALL
-      (SELECT {{dead_letter_line}}
-       FROM outbox
-       WHERE dead_lettered_at IS NOT NULL
-         AND id < %(before)s::bigint
-         AND {{dead_letter_filter}}
-       ORDER BY id DESC
-       LIMIT %(limit)s)) AS page
-ORDER BY page.id DESC
+-- The page before a cursor (the same walk, backwards); the caller reverses it.
+SELECT {{dead_letter_line}}
+FROM outbox_dead_letters
+WHERE id < %(before)s::bigint
+  AND {{dead_letter_filter}}
+ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: console_dead_letter_count
@@ -95,34 +70,21 @@ FROM outbox_dead_letters
 WHERE id = ANY(%(ids)s::bigint[])
 ORDER BY id;
 
--- fragment: discard_in_place
--- A discard of dead letters marked in place (an own table's, or an earlier release's).
-DELETE FROM outbox
-WHERE dead_lettered_at IS NOT NULL
-  AND id = ANY(%(ids)s::bigint[])
-RETURNING id
-
 -- name: console_discard
--- A discard: delete dead letters, never any other row (a row requeued or sent since
--- the confirmation stays): those moved into outbox_dead (migration 0018) and those
--- marked in place. The rows are gone for good; the audit keeps every id deleted
--- (console_audit.row_ids, migration 0014), beside the ids chosen or the search.
-WITH moved AS (
-    DELETE FROM outbox_dead
-    WHERE id = ANY(%(ids)s::bigint[])
-    RETURNING id
-),
-in_place AS (
-    {{discard_in_place}}
-)
-SELECT id FROM moved
-UNION ALL
-SELECT id FROM in_place;
+-- A discard: delete dead letters, never any other row (a row requeued since the
+-- confirmation stays). The rows are gone for good; the audit keeps every id deleted
+-- (console_audit.row_ids), beside the ids chosen or the search.
+DELETE FROM outbox_dead
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id;
 
 -- name: console_discard_in_place
--- console_discard for an own table (RELAY_OUTBOX_TABLE): its dead letters are all in
--- place.
-{{discard_in_place}};
+-- console_discard for an own table (RELAY_OUTBOX_TABLE), whose dead letters stay in it,
+-- marked: through the view of all its rows, outbox_marked.
+DELETE FROM outbox_marked
+WHERE dead_lettered_at IS NOT NULL
+  AND id = ANY(%(ids)s::bigint[])
+RETURNING id;
 
 ------------------------------------------------------------------------------------
 -- Rows and keys
@@ -131,20 +93,19 @@ SELECT id FROM in_place;
 -- name: console_row
 -- One outbox row for its page, with at most %(preview)s bytes of its payload (and the
 -- payload's whole size), so a huge payload is never read whole into the console: a row
--- still in the outbox, a dead letter moved out of it (migration 0018), or a row
--- scheduled for later, moved out until due (0020).
+-- still in the outbox, a dead letter, or a row scheduled for later, moved out until due.
 SELECT id, message_id, topic, key, headers,
        substring(payload FROM 1 FOR %(preview)s) AS payload,
        octet_length(payload) AS payload_bytes,
-       created_at, available_at, promoted_at, sent_at, attempts, next_attempt_at,
-       last_error, dead_lettered_at, dead_letter_reason
+       created_at, available_at, promoted_at, attempts, next_attempt_at,
+       last_error, NULL::timestamptz AS dead_lettered_at, NULL::text AS dead_letter_reason
 FROM outbox
 WHERE id = %(id)s::bigint
 UNION ALL
 SELECT id, message_id, topic, key, headers,
        substring(payload FROM 1 FOR %(preview)s),
        octet_length(payload),
-       created_at, available_at, promoted_at, NULL, attempts, NULL,
+       created_at, available_at, promoted_at, attempts, NULL,
        last_error, dead_lettered_at, dead_letter_reason
 FROM outbox_dead_letters
 WHERE id = %(id)s::bigint
@@ -153,21 +114,20 @@ UNION ALL
 SELECT id, message_id, topic, key, headers,
        substring(payload FROM 1 FOR %(preview)s),
        octet_length(payload),
-       created_at, available_at, NULL, NULL, attempts, NULL,
+       created_at, available_at, NULL, attempts, NULL,
        last_error, NULL, NULL
 FROM outbox_scheduled
 WHERE id = %(id)s::bigint;
 
 -- name: console_blocked_keys
 -- Keys in backoff: each failing row (the head of its key, waiting out next_attempt_at,
--- found through outbox_failing_rows_idx), with how many later rows of its key wait
--- behind it (counted through outbox_due_key_hash_idx, up to a cap).
+-- found through outbox_waiting_idx), with how many later rows of its key wait
+-- behind it (counted through outbox_key_hash_idx, up to a cap).
 SELECT {{blocked_key}},
        (SELECT count(*)
           FROM (SELECT 1 FROM outbox AS w
                  WHERE outbox_key_hash(w.key) = outbox_key_hash(f.key)
                    AND w.key = f.key AND w.id > f.id
-                   AND w.sent_at IS NULL AND w.dead_lettered_at IS NULL
                    AND (w.available_at IS NULL OR w.promoted_at IS NOT NULL)
                  LIMIT %(cap)s) AS behind)
         AS waiting_behind
@@ -188,7 +148,7 @@ SELECT c.relkind = 'v'
                   FROM pg_index AS i
                   JOIN pg_class AS x ON x.oid = i.indexrelid
                   WHERE i.indrelid = c.oid
-                    AND x.relname = 'outbox_due_key_hash_idx'
+                    AND x.relname = 'outbox_key_hash_idx'
                     AND i.indisvalid) AS counted
 FROM pg_class AS c
 WHERE c.oid = 'outbox'::regclass;
@@ -201,8 +161,7 @@ extract(epoch FROM f.next_attempt_at - now())::float8 AS next_attempt_in_seconds
 -- fragment: blocked_keys_from
 -- The failing rows, in id order, up to %(limit)s.
 FROM outbox AS f
-WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
-  AND f.attempts > 0 AND f.next_attempt_at IS NOT NULL
+WHERE f.attempts > 0 AND f.next_attempt_at IS NOT NULL
 ORDER BY f.id
 LIMIT %(limit)s
 
@@ -211,20 +170,27 @@ LIMIT %(limit)s
 ------------------------------------------------------------------------------------
 
 -- name: console_settled_counters
--- What the console samples to show a settled rate. Rows deleted once sent (retention
--- 0) leave only PostgreSQL's count of the outbox's deletions (pg_stat_user_tables,
--- which counts purges and discards too; NULL for an own table's view), less the rows
--- moved out of it: into outbox_dead (dead letters) and outbox_scheduled (rows scheduled
--- for later), each of which counts one insertion there; rows kept
--- (RELAY_RETENTION_SECONDS > 0) are counted by sent_at in the window, through
--- outbox_sent_idx, up to a cap.
+-- What the console samples to show a settled rate: PostgreSQL's count of the outbox's
+-- deletions (pg_stat_user_tables, which counts purges and requeues' moves too; rows
+-- moved into outbox_sent count, since retention moves them), less the rows moved out of
+-- it into outbox_dead (dead letters) and outbox_scheduled (rows scheduled for later),
+-- each of which counts one insertion there.
 SELECT (SELECT o.n_tup_del - coalesce(d.n_tup_ins, 0) - coalesce(s.n_tup_ins, 0)
           FROM pg_stat_user_tables AS o
           LEFT JOIN pg_stat_user_tables AS d ON d.relid = to_regclass('outbox_dead')
           LEFT JOIN pg_stat_user_tables AS s ON s.relid = to_regclass('outbox_scheduled')
          WHERE o.relid = to_regclass('outbox')) AS deleted,
+       0::bigint AS sent_in_window,
+       extract(epoch FROM now())::float8 AS at;
+
+-- name: console_settled_counters_marked
+-- console_settled_counters for an own table (RELAY_OUTBOX_TABLE): no statistics for its
+-- view, and rows kept (RELAY_RETENTION_SECONDS > 0) stay in it, marked: counted by
+-- sent_at in the window, through the view of all its rows (outbox_marked) and its index
+-- on relay_sent_at, up to a cap.
+SELECT NULL::bigint AS deleted,
        (SELECT count(*)
-          FROM (SELECT 1 FROM outbox
+          FROM (SELECT 1 FROM outbox_marked
                  WHERE sent_at IS NOT NULL
                    AND sent_at > now() - make_interval(secs => %(window)s)
                  LIMIT %(cap)s) AS sent) AS sent_in_window,
@@ -235,8 +201,7 @@ SELECT (SELECT o.n_tup_del - coalesce(d.n_tup_ins, 0) - coalesce(s.n_tup_ins, 0)
 ------------------------------------------------------------------------------------
 
 -- name: console_audit_record
--- One requeue or discard, in the transaction that made it (migration 0011), with every
--- id it changed (migration 0014).
+-- One requeue or discard, in the transaction that made it, with every id it changed.
 INSERT INTO console_audit (actor, action, target, row_count, first_id, last_id, row_ids,
                            note)
 VALUES (%(actor)s, %(action)s, %(target)s::jsonb, %(row_count)s, %(first_id)s,
@@ -253,7 +218,7 @@ LIMIT %(limit)s;
 
 -- name: console_audit_entry
 -- One entry, with how many row ids it recorded and the first %(shown)s of them (NULL
--- both for an entry from before migration 0014).
+-- both for an entry recorded without them).
 SELECT id, at, actor, action, target, row_count, first_id, last_id, note,
        cardinality(row_ids) AS row_ids_count,
        row_ids[1:%(shown)s::integer] AS row_ids_shown
@@ -265,10 +230,9 @@ WHERE id = %(id)s::bigint;
 ------------------------------------------------------------------------------------
 
 -- name: console_blocked_key_count
--- Keys in backoff (their failing head rows, through outbox_failing_rows_idx), up to a cap.
+-- Keys in backoff (their failing head rows, through outbox_waiting_idx), up to a cap.
 SELECT count(DISTINCT key) AS blocked_keys
 FROM (SELECT key
         FROM outbox
-       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-         AND attempts > 0 AND next_attempt_at IS NOT NULL
+       WHERE attempts > 0 AND next_attempt_at IS NOT NULL
        LIMIT %(cap)s) AS failing;

@@ -15,7 +15,7 @@
 ------------------------------------------------------------------------------------
 
 -- fragment: this_shard
--- With %(shards)s > 1 (RELAY_SHARDS, migration 0007), shard %(shard)s's rows only, read
+-- With %(shards)s > 1 (RELAY_SHARDS), shard %(shard)s's rows only, read
 -- through the per-count indexes `relay migrate --shards N` creates
 -- (outbox_shards_N_due_idx, outbox_shards_N_due_key_hash_idx): under a custom plan the count
 -- is a constant, so the expression matches theirs. With one shard the test folds away.
@@ -65,59 +65,37 @@ coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 -- Whether a row may be sent now: it is not waiting out a retry backoff, its key is not
 -- in %(held)s (the relay holds a key back while an earlier row of it is in flight, say
 -- in a sick partition), and no earlier row of its key is waiting: neither in a backoff
--- (one probe of the tiny outbox_backoff_idx) nor scheduled and not yet let in, whether
--- still in the outbox (one probe of the tiny outbox_scheduled_key_idx) or moved out
--- into outbox_scheduled (migration 0020: one probe of its key). Each per-row probe is
--- asked only if the statement's one look there (an InitPlan, run once) found any row at
--- all: with nothing failing and nothing scheduled, as usual, a batch costs no probe per
--- row. (An own table's outbox_scheduled is an empty stand-in.)
+-- nor scheduled and not yet let in, whether still in the outbox (one probe of the tiny
+-- outbox_waiting_idx) or moved out into outbox_scheduled (one probe of its key). Each
+-- per-row probe is asked only if the statement's one look there (an InitPlan, run once)
+-- found any row at all: with nothing failing and nothing scheduled, as usual, a batch
+-- costs no probe per row. (An own table's outbox_scheduled is an empty stand-in.)
 (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
 AND (o.key IS NULL OR o.key <> ALL(%(held)s::text[]))
 -- (Each look is the last entry of its index, ORDER BY ... DESC LIMIT 1: one descent
 -- whatever the statistics say, where an EXISTS planned while thousands of rows were in
 -- backoff, all sent since, read the whole outbox to find none; and the high end, past
 -- the dead entries a vacuum has not yet cleared from the low end. Not max(), which
--- plans the same walk but costs a second planning of the subquery per look: three
+-- plans the same walk but costs a second planning of the subquery per look: two
 -- looks in every fetch, each planned anew (custom plans). A row of no key blocks
--- nothing: the look skips it.)
-AND ((SELECT failing.key
-      FROM outbox AS failing
-      WHERE failing.sent_at IS NULL
-        AND failing.dead_lettered_at IS NULL
-        AND failing.next_attempt_at IS NOT NULL
-        AND failing.key IS NOT NULL
-      ORDER BY failing.key DESC
+-- nothing: the look skips it. The probe's first condition is the index's predicate,
+-- word for word, so the planner can tell that the index holds every row it wants.)
+AND ((SELECT waiting.key
+      FROM outbox AS waiting
+      WHERE (waiting.next_attempt_at IS NOT NULL
+             OR (waiting.available_at IS NOT NULL AND waiting.promoted_at IS NULL))
+        AND waiting.key IS NOT NULL
+      ORDER BY waiting.key DESC
       LIMIT 1) IS NULL
      OR NOT EXISTS (
          SELECT 1
          FROM outbox AS blocker
-         WHERE blocker.key = o.key
+         WHERE (blocker.next_attempt_at IS NOT NULL
+                OR (blocker.available_at IS NOT NULL AND blocker.promoted_at IS NULL))
+           AND blocker.key = o.key
            AND blocker.id < o.id
-           AND blocker.sent_at IS NULL
-           AND blocker.dead_lettered_at IS NULL
-           AND blocker.next_attempt_at IS NOT NULL
-           AND blocker.next_attempt_at > now()
-     ))
--- (This look, by outbox_scheduled_idx: statistics taken while thousands of rows
--- scheduled for later sat in the outbox, before the pass moved them out, made an
--- EXISTS here read the whole outbox to find none.)
-AND ((SELECT waiting.available_at
-      FROM outbox AS waiting
-      WHERE waiting.sent_at IS NULL
-        AND waiting.dead_lettered_at IS NULL
-        AND waiting.available_at IS NOT NULL
-        AND waiting.promoted_at IS NULL
-      ORDER BY waiting.available_at DESC
-      LIMIT 1) IS NULL
-     OR NOT EXISTS (
-         SELECT 1
-         FROM outbox AS scheduled
-         WHERE scheduled.key = o.key
-           AND scheduled.id < o.id
-           AND scheduled.sent_at IS NULL
-           AND scheduled.dead_lettered_at IS NULL
-           AND scheduled.available_at IS NOT NULL
-           AND scheduled.promoted_at IS NULL
+           AND (blocker.next_attempt_at > now()
+                OR (blocker.available_at IS NOT NULL AND blocker.promoted_at IS NULL))
      ))
 -- (Its look, by outbox_scheduled's index on available_at, is never a scan of the
 -- table: after a large let-in the table is dead rows until a vacuum, and so is the low
@@ -170,8 +148,7 @@ coalesce(date_part('epoch', greatest(m.created_at, m.available_at)),
 
 -- name: fetch_head
 -- The fetch's common case, one cheap statement: the first %(limit)s unsent rows in id
--- order through the primary key (outbox_due_idx where migration 0022 has not run yet:
--- it holds the same rows), whatever they are, each with its size and whether it
+-- order through the primary key, whatever they are, each with its size and whether it
 -- is `ready`. No "id > last seen" cursor: a row that commits late with a lower id is
 -- still found. `within`: the row fits %(max_bytes)s counting the ready rows before it
 -- (the first ready row always does); rows past it come without their payload, so a
@@ -179,7 +156,7 @@ coalesce(date_part('epoch', greatest(m.created_at, m.available_at)),
 -- (the relay decides: see fetch_batch, step 2), the ready ones are the batch; otherwise
 -- the relay runs fetch_batch. The projection is fetch_batch's (a test pins both to
 -- OutboxMessage), the message id as text and the fragments above. With %(shards)s > 1,
--- only rows of shard %(shard)s; fetch_batch likewise. Scheduled rows (migration 0008)
+-- only rows of shard %(shard)s; fetch_batch likewise. Scheduled rows
 -- are left out until promote_due lets them in, and hold back the later rows of their
 -- key meanwhile (`ready`).
 SELECT m.id,
@@ -213,10 +190,7 @@ FROM (SELECT head.*,
                          {{header_facts}} AS facts,
                          {{ready}} AS ready
                   FROM outbox AS o
-                  WHERE o.sent_at IS NULL
-                    AND o.dead_lettered_at IS NULL
-                    -- Not scheduled, or due and promoted (promote_due).
-                    AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                  WHERE {{drainable}}
                     -- The batches published and not yet settled.
                     AND {{not_in_flight}}
                     AND {{this_shard}}
@@ -320,13 +294,16 @@ ORDER BY id NULLS LAST;
 ------------------------------------------------------------------------------------
 
 -- fragment: drainable
--- A row the drain may take: unsent, not dead-lettered, and not scheduled unless
--- promote_due has let it in. Word for word the predicate of the partial index
--- outbox_due_key_hash_idx (migration 0015; and of outbox_due_idx, 0009, until 0022
--- retires it), so the planner can tell that it holds every row the fetch wants.
-o.sent_at IS NULL
-AND o.dead_lettered_at IS NULL
-AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+-- A row the drain may take: not scheduled for later, or let in by promote_due. Word
+-- for word the predicate of outbox_key_hash_idx (and of the indexes `relay migrate
+-- --shards` and `--fairness-group` build), so the planner can tell that it holds every
+-- row the fetch wants. (An own table's view holds no row marked sent or dead-lettered.)
+(o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+
+-- fragment: waiting
+-- A row that holds back the later rows of its key: in a retry backoff, or scheduled
+-- and not yet let in. Word for word the predicate of outbox_waiting_idx.
+(o.next_attempt_at IS NOT NULL OR (o.available_at IS NOT NULL AND o.promoted_at IS NULL))
 
 -- fragment: not_in_flight
 -- Not in a batch published and not yet settled: `in_flight`, the ids of those with
@@ -380,9 +357,9 @@ FROM head AS h
 
 -- fragment: next_key
 -- One step of the round over keys, from the key k it is at: the least key hash after
--- it with a row to drain, one descent of outbox_due_key_hash_idx however many rows
+-- it with a row to drain, one descent of outbox_key_hash_idx however many rows
 -- either key has (a DISTINCT over the keys would read every row of every key). The
--- round goes by the keys' hashes (migration 0015): the index then holds 8 bytes a
+-- round goes by the keys' hashes: the index then holds 8 bytes a
 -- row, not the key, and the round needs no order of the keys themselves.
 (SELECT min(outbox_key_hash(o.key))
  FROM outbox AS o
@@ -452,7 +429,7 @@ CROSS JOIN LATERAL (
     -- id), and not "hash = k" ordered by id. With equality the planner may walk
     -- the outbox in id order and filter on the key (it did, when the
     -- statistics saw one key), reading a hot key's whole backlog to find a rare
-    -- key's rows. This way only outbox_due_key_hash_idx yields the order without
+    -- key's rows. This way only outbox_key_hash_idx yields the order without
     -- reading every candidate row first; "id > last head id" is checked in the index.
     WHERE outbox_key_hash(o.key) >= k.key_hash
       AND outbox_key_hash(o.key) <= k.key_hash
@@ -478,12 +455,12 @@ UNION ALL
    AND {{drainable}}
    AND {{not_in_flight}}
    AND {{this_shard}}
- ORDER BY outbox_key_hash(o.key), o.id  -- outbox_due_key_hash_idx's order: see above
+ ORDER BY outbox_key_hash(o.key), o.id  -- outbox_key_hash_idx's order: see above
  LIMIT %(limit)s)
 
 -- fragment: fairness_group
 -- A row's fairness group (RELAY_FAIRNESS_GROUP): %(group_kind)s 'key-prefix' or
--- 'header', %(group_arg)s the delimiter or the header's name (migration 0012). Under a
+-- 'header', %(group_arg)s the delimiter or the header's name. Under a
 -- custom plan both are constants, so this is the expression of the index
 -- `relay migrate --fairness-group` builds (outbox_fair_*). Without grouping, ''.
 outbox_fairness_group(o.key, o.headers, %(group_kind)s::text, %(group_arg)s::text)
@@ -570,8 +547,6 @@ CROSS JOIN LATERAL (
              AND earlier.key = share.key
              AND earlier.id > (SELECT last_id FROM crowded)
              AND earlier.id < share.id
-             AND earlier.sent_at IS NULL
-             AND earlier.dead_lettered_at IS NULL
              AND (earlier.available_at IS NULL OR earlier.promoted_at IS NOT NULL)
              AND earlier.id <> ALL(%(in_flight)s::bigint[])
              AND NOT (earlier.id::bigint <@ %(in_flight_ranges)s::int8multirange)
@@ -684,21 +659,21 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        END
 
 -- name: schedule_moves
--- Scheduled delivery's moves (migration 0020), before promote_due, for the relay's own
+-- Scheduled delivery's moves, before promote_due, for the relay's own
 -- outbox: up to %(limit)s due rows of outbox_scheduled let back into the outbox, of this
--- shard, then up to %(limit)s rows scheduled for later moved out into it (none before
--- migration 0021, which waits for the rollout). Each a function that runs as the tables'
+-- shard, then up to %(limit)s rows scheduled for later moved out into it (none once
+-- outbox_unpark_all switched parking off). Each a function that runs as the tables'
 -- owner; neither needs a fence: a row let in or set aside is right whoever moves it.
 -- `more`: the let-in stopped at its bounds with due rows left.
 SELECT back.let_in, back.more, outbox_park_scheduled(%(limit)s) AS parked
 FROM outbox_let_in(%(limit)s, %(shards)s, %(shard)s) AS back;
 
 -- name: promote_due
--- Scheduled delivery (migration 0008): let up to %(limit)s scheduled rows still in the
+-- Scheduled delivery: let up to %(limit)s scheduled rows still in the
 -- outbox whose available_at has passed (database clock) into the drain, soonest due
 -- first, by setting promoted_at: from then on they are ordinary unsent rows, in their
 -- id's place (schedule_moves lets in those moved out).
--- One descent of outbox_scheduled_idx finds them, or that there are none. Rows another
+-- A walk of the tiny outbox_waiting_idx finds them, or that there are none. Rows another
 -- session has locked wait for the next pass. Needs no fence: letting a due row in is
 -- right whoever does it, and a deposed leader's promotion only saves the next one the
 -- work. With shards, this shard's rows only. Also returns in how many seconds the next
@@ -710,8 +685,7 @@ FROM outbox_let_in(%(limit)s, %(shards)s, %(shard)s) AS back;
 WITH due AS (
     SELECT o.id
     FROM outbox AS o
-    WHERE o.sent_at IS NULL
-      AND o.dead_lettered_at IS NULL
+    WHERE {{waiting}}
       AND o.available_at IS NOT NULL
       AND o.promoted_at IS NULL
       AND o.available_at <= now()
@@ -730,8 +704,7 @@ promoted AS (
 SELECT (SELECT count(*) FROM promoted) AS promoted,
        least((SELECT (extract(epoch FROM o.available_at) - extract(epoch FROM now()))::float8
                 FROM outbox AS o
-               WHERE o.sent_at IS NULL
-                 AND o.dead_lettered_at IS NULL
+               WHERE {{waiting}}
                  AND o.available_at IS NOT NULL
                  AND o.promoted_at IS NULL
                  AND o.available_at > now()
@@ -779,7 +752,8 @@ settled AS (
 SELECT epoch, at FROM fence;
 
 -- name: settle_mark_sent
--- settle_delete_sent for retention mode: lease_renew then mark_sent, as one statement.
+-- settle_delete_sent for an own table's retention mode: lease_renew then mark_sent, as
+-- one statement.
 WITH fence AS (
     {{fence}}
 ),
@@ -794,7 +768,7 @@ settled AS (
 SELECT epoch, at FROM fence;
 
 -- name: settle_move_sent
--- settle_delete_sent for retention mode (migration 0013): lease_renew, then the rows
+-- settle_delete_sent for retention mode: lease_renew, then the rows
 -- moved into the current generation of outbox_sent, as one statement. The outbox keeps
 -- no sent row, so its indexes and the fetch never meet one; keeping a row costs one
 -- insert into a table without indexes, and the purge empties generations whole.
@@ -833,7 +807,7 @@ SELECT (SELECT g.generation FROM outbox_sent_generations AS g
 FROM gone
 
 -- name: mark_sent
--- Acknowledged rows, kept for RELAY_RETENTION_SECONDS (retention mode).
+-- Acknowledged rows of an own table, kept for RELAY_RETENTION_SECONDS (retention mode).
 UPDATE outbox
 SET sent_at = now(),
     next_attempt_at = NULL
@@ -860,14 +834,33 @@ WHERE o.id = f.id;
 -- name: dead_letter_move
 -- Permanent failures and rows out of attempts: out of the drain, moved into outbox_dead
 -- with the reason, under their ids, in the settle's transaction (the function
--- outbox_dead_letter, migration 0018, which runs as its owner: the runtime role inserts
--- no row anywhere but through it). A row over 16 MiB it leaves where it is; the settle
--- then marks it there (dead_letter).
-SELECT outbox_dead_letter(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]);
+-- outbox_dead_letter, which runs as its owner: the runtime role inserts no row anywhere
+-- but through it). Only the rows of up to 16 MiB of payload and headers: copying
+-- hundreds of MB could outlast the settle's statement timeout, and the settle would fail
+-- again and again; dead_letter_move_rest moves the others after it. How many it moved.
+SELECT outbox_dead_letter(coalesce(array_agg(f.id), '{}'),
+                          coalesce(array_agg(f.attempted), '{}'),
+                          coalesce(array_agg(f.reason), '{}')) AS moved
+FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[])
+     AS f (id, attempted, reason)
+JOIN outbox AS o ON o.id = f.id
+WHERE coalesce(octet_length(o.payload), 0) + coalesce(pg_column_size(o.headers), 0)
+      <= 16777216;
+
+-- name: dead_letter_move_rest
+-- After a settle whose dead_letter_move left rows (over 16 MiB), in a transaction of
+-- their own that took the fence again (lease_renew) and lifted the statement timeout
+-- (no_statement_timeout): those rows into outbox_dead. Until then they are in flight,
+-- so no fetch takes them; after a crash in between, they are sent again.
+SELECT outbox_dead_letter(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[])
+    AS moved;
+
+-- name: no_statement_timeout
+SET LOCAL statement_timeout = 0;
 
 -- name: dead_letter
 -- Dead letters marked where they are, with the reason, out of the drain: an own table's
--- (RELAY_OUTBOX_TABLE), and, after dead_letter_move, the rows it left in the outbox.
+-- (RELAY_OUTBOX_TABLE), whose view then holds them no more.
 UPDATE outbox AS o
 SET attempts           = o.attempts + f.attempted,
     dead_lettered_at   = now(),

@@ -45,15 +45,13 @@ INSERT INTO schema_migrations (version, checksum) VALUES (%(version)s, %(checksu
 -- CONCURRENTLY: the app's inserts go on while it builds.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox (outbox_shard(key, id, {shards}), id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+    WHERE (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: shard_index_keys
 -- ... and walks its keys (the fair fetch, by their hash: migration 0015) from this one.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox (outbox_shard(key, id, {shards}), outbox_key_hash(key), id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+    WHERE (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: fairness_index
 -- `relay migrate --fairness-group SPEC [--shards N]`: the round over fairness groups
@@ -63,8 +61,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
 -- column is left out: the fetch's expression then folds to the group alone.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox ({shard_column} outbox_fairness_group(key, headers, {kind}, {arg}), id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+    WHERE (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: fairness_index_comment
 COMMENT ON INDEX {index} IS {comment};
@@ -79,13 +76,12 @@ WHERE c.relname = ANY(%(names)s::text[])
   AND i.indrelid = 'outbox'::regclass;
 
 -- name: key_index
--- `relay migrate --with-key-index`: the fair fetch's key index as migration 0015 builds
+-- `relay migrate --with-key-index`: the fair fetch's key index as 0100_schema.sql builds
 -- it, again (`--without-key-index` drops it, with shard_index_drop). CONCURRENTLY: the
 -- app's inserts go on while it builds.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox (outbox_key_hash(key), id)
-    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-      AND (available_at IS NULL OR promoted_at IS NOT NULL);
+    WHERE (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: shard_key_indexes
 -- Every shard count's key index, for `relay migrate --without-key-index` to drop.

@@ -9,39 +9,52 @@
 
 -- name: lag_sample
 -- Backlog and lag for the gauges and `relay status`, bounded so it stays cheap on a huge
--- outbox (docs/howto/tuning.md, "Lag sampling"): counts stop at the cap, each walking its index in
--- order; the oldest unsent row is found among the first age_window rows of the primary
--- key (the outbox holds only rows to send, migrations 0018-0022); "blocked" counts, among at most
--- cap unsent rows from the first failing one (one probe of outbox_failing_rows_idx), the
--- rows that have failed (next_attempt_at set) and the later rows of their key, which
--- wait behind them: at most cap probes of outbox_backoff_idx, however many rows fail.
--- Scheduled rows (migration 0008) are not lag until due: "unsent" and the oldest age
--- count the rows due, let in or not yet (an age counts from available_at, if later than
--- created_at); rows not due yet are counted apart, with when the next one is due. The
--- scheduled rows are read through outbox_scheduled_idx: counts stop at the cap, the
--- oldest and next due are one probe each. Once promoted, a scheduled row sits in its
--- id's place, so the lowest id is no longer always the longest wait: the oldest age is
--- the longest wait among the first %(age_window)s rows (a few heap reads, not a walk of
--- the backlog); a longer wait hidden behind more promoted rows than that is missed.
+-- outbox (docs/howto/tuning.md, "Lag sampling"): counts stop at the cap, each walking its
+-- index in order; the oldest unsent row is found among the first age_window rows of the
+-- primary key (the outbox holds only rows to send); "blocked" counts, up to the cap,
+-- the rows that have failed (next_attempt_at set: at most cap of them, walked in
+-- outbox_waiting_idx's order) and the later rows of their keys, which wait behind them
+-- (a walk of outbox_key_hash_idx per key): however many rows fail, at most cap rows of
+-- each kind are read.
+-- Scheduled rows are not lag until due: "unsent" and the oldest age count the rows due,
+-- let in or not yet (an age counts from available_at, if later than created_at); rows
+-- not due yet are counted apart, with when the next one is due. The scheduled rows
+-- still in the outbox (few, and only until the drain's next pass) are those among the
+-- first cap entries of outbox_waiting_idx, those moved out into outbox_scheduled are
+-- read through its index on available_at (an own table's outbox_scheduled is an empty
+-- stand-in): counts stop at the cap. Once let in, a scheduled row sits in
+-- its id's place, so the lowest id is no longer always the longest wait: the oldest age
+-- is the longest wait among the first %(age_window)s rows (a few heap reads, not a walk
+-- of the backlog); a longer wait hidden behind more rows let in than that is missed.
 -- Ages are differences of epochs, not of timestamps: a row the app stamped 'infinity'
--- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample. Rows
--- moved out into outbox_scheduled (migration 0020) count alike, through its index on
--- available_at (an own table's outbox_scheduled is an empty stand-in).
+-- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample.
+WITH waiting AS MATERIALIZED (
+    -- Up to %(cap)s rows that hold their key back, in outbox_waiting_idx's order (its
+    -- predicate word for word): failing, or scheduled and not let in yet.
+    SELECT w.key, w.id, w.next_attempt_at, w.available_at, w.promoted_at
+      FROM outbox AS w
+     WHERE w.next_attempt_at IS NOT NULL
+        OR (w.available_at IS NOT NULL AND w.promoted_at IS NULL)
+     ORDER BY w.key, w.id
+     LIMIT %(cap)s
+),
+failing AS (
+    SELECT f.key, f.id FROM waiting AS f WHERE f.next_attempt_at IS NOT NULL
+),
+scheduled_here AS (
+    -- Scheduled rows still in the outbox (until the drain's next pass moves them out).
+    SELECT s.available_at FROM waiting AS s
+     WHERE s.available_at IS NOT NULL AND s.promoted_at IS NULL
+)
 SELECT
     least(%(cap)s,
           (SELECT count(*)
              FROM (SELECT 1 FROM outbox
-                    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                      AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                    WHERE (available_at IS NULL OR promoted_at IS NOT NULL)
                     ORDER BY id  -- a walk of the primary key that stops at the cap
                     LIMIT %(cap)s) AS unsent_rows)
           + (SELECT count(*)  -- due, not let in yet (no leader, or between its passes)
-               FROM (SELECT 1 FROM outbox
-                      WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                        AND available_at IS NOT NULL AND promoted_at IS NULL
-                        AND available_at <= now()
-                      ORDER BY available_at  -- outbox_scheduled_idx, whatever the statistics
-                      LIMIT %(cap)s) AS overdue_rows)
+               FROM scheduled_here WHERE available_at <= now())
           + (SELECT count(*)  -- due, still moved out
                FROM (SELECT 1 FROM outbox_scheduled
                       WHERE available_at <= now()
@@ -52,49 +65,41 @@ SELECT
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(greatest(head.created_at, head.available_at)))
                 FROM (SELECT created_at, available_at
                         FROM outbox
-                       WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                         AND (available_at IS NULL OR promoted_at IS NOT NULL)
+                       WHERE (available_at IS NULL OR promoted_at IS NOT NULL)
                        ORDER BY id
                        LIMIT %(age_window)s) AS head),
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
-                FROM outbox
-               WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                 AND available_at IS NOT NULL AND promoted_at IS NULL),
+                FROM scheduled_here),
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
                 FROM outbox_scheduled))::float8
         AS oldest_unsent_age_seconds,
     (SELECT count(*)
-       FROM (SELECT o.id, o.key, o.next_attempt_at
-               FROM outbox AS o
-              WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-                AND o.id >= (SELECT f.id FROM outbox AS f
-                              WHERE f.sent_at IS NULL AND f.dead_lettered_at IS NULL
-                                AND f.attempts > 0  -- outbox_failing_rows_idx
-                                AND f.next_attempt_at IS NOT NULL
-                              ORDER BY f.id
-                              LIMIT 1)
-              ORDER BY o.id
-              LIMIT %(cap)s) AS w
-      WHERE w.next_attempt_at IS NOT NULL
-         OR EXISTS (SELECT 1 FROM outbox AS f
-                     WHERE f.key = w.key
-                       AND f.id < w.id
-                       AND f.sent_at IS NULL AND f.dead_lettered_at IS NULL
-                       AND f.next_attempt_at IS NOT NULL))
+       FROM ((SELECT 1  -- the failing rows
+                FROM failing)
+             UNION ALL
+             (SELECT 1  -- the rows waiting behind the first failing row of their key
+                FROM (SELECT DISTINCT ON (h.key) h.key, h.id FROM failing AS h
+                       WHERE h.key IS NOT NULL
+                       ORDER BY h.key, h.id) AS head
+                CROSS JOIN LATERAL (
+                    SELECT 1
+                      FROM outbox AS w
+                     WHERE outbox_key_hash(w.key) >= outbox_key_hash(head.key)
+                       AND outbox_key_hash(w.key) <= outbox_key_hash(head.key)
+                       AND w.key = head.key
+                       AND w.id > head.id
+                       AND (w.available_at IS NULL OR w.promoted_at IS NOT NULL)
+                       AND w.next_attempt_at IS NULL
+                     ORDER BY outbox_key_hash(w.key), w.id
+                     LIMIT %(cap)s) AS behind)
+             LIMIT %(cap)s) AS blocked_rows)
         AS blocked,
     (SELECT count(*)
-       FROM (SELECT 1 FROM outbox_dead_letters  -- moved out, and marked in place
+       FROM (SELECT 1 FROM outbox_dead_letters
               LIMIT %(cap)s) AS dead_rows)
         AS dead_lettered,
     least(%(cap)s,
-          (SELECT count(*)
-             FROM (SELECT 1 FROM outbox
-                    WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-                      AND available_at IS NOT NULL AND promoted_at IS NULL
-                      AND available_at > now()
-                    ORDER BY available_at  -- outbox_scheduled_idx, whatever the statistics
-                    LIMIT %(cap)s) AS scheduled_rows)
+          (SELECT count(*) FROM scheduled_here WHERE available_at > now())
           + (SELECT count(*)
                FROM (SELECT 1 FROM outbox_scheduled
                       WHERE available_at > now()
@@ -102,10 +107,8 @@ SELECT
                       LIMIT %(cap)s) AS parked_rows))
         AS scheduled,
     least((SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
-             FROM outbox
-            WHERE sent_at IS NULL AND dead_lettered_at IS NULL
-              AND available_at IS NOT NULL AND promoted_at IS NULL
-              AND available_at > now()),
+             FROM scheduled_here
+            WHERE available_at > now()),
           (SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
              FROM outbox_scheduled
             WHERE available_at > now()))
@@ -120,15 +123,13 @@ SELECT s.shard,
     least(%(cap)s,
           (SELECT count(*)
              FROM (SELECT 1 FROM outbox AS o
-                    WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                      AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                    WHERE (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                       AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
                     ORDER BY o.id  -- the shard index's order under its shard
                     LIMIT %(cap)s) AS unsent_rows)
           + (SELECT count(*)  -- due, not let in yet (as in lag_sample)
                FROM (SELECT 1 FROM outbox AS o
-                      WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                        AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
+                      WHERE o.available_at IS NOT NULL AND o.promoted_at IS NULL
                         AND o.available_at <= now()
                         AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
                       ORDER BY o.available_at
@@ -144,15 +145,13 @@ SELECT s.shard,
         greatest(0,
                  (SELECT extract(epoch FROM now()) - extract(epoch FROM greatest(o.created_at, o.available_at))
                     FROM outbox AS o
-                   WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                     AND (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                   WHERE (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
                      AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
                    ORDER BY o.id
                    LIMIT 1),
                  (SELECT extract(epoch FROM now()) - extract(epoch FROM o.available_at)
                     FROM outbox AS o
-                   WHERE o.sent_at IS NULL AND o.dead_lettered_at IS NULL
-                     AND o.available_at IS NOT NULL AND o.promoted_at IS NULL
+                   WHERE o.available_at IS NOT NULL AND o.promoted_at IS NULL
                      AND o.available_at <= now()
                      AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
                    ORDER BY o.available_at
@@ -197,10 +196,9 @@ SELECT name, shards FROM lease_groups ORDER BY name;
 
 -- name: dead_letter_access
 -- The runtime role's grants to move rows out of the outbox and back (grants.sql): the
--- rows a settle gives up on into outbox_dead (migration 0018), without which every
--- settle with a dead letter in it fails and the drain publishes that batch again and
--- again; rows scheduled for later into outbox_scheduled and back when due (0020),
--- without which every pass of the schedule fails. NULL: a function is missing.
+-- rows a settle gives up on into outbox_dead, without which every settle with a dead
+-- letter in it fails and the drain publishes that batch again and again; rows
+-- scheduled for later into outbox_scheduled and back when due, without which every pass of the schedule fails. NULL: a function is missing.
 SELECT has_function_privilege(
            to_regprocedure('outbox_dead_letter(bigint[], integer[], text[])'), 'EXECUTE')
        AND has_function_privilege(
@@ -211,9 +209,9 @@ SELECT has_function_privilege(
        AS can_move;
 
 -- name: dead_letter_list
--- Dead-lettered rows, oldest first, optionally for one topic or key: those moved out of
--- the outbox (migration 0018) and those marked in place (an own table's, or an earlier
--- release's), as outbox_dead_letters reads them.
+-- Dead-lettered rows, oldest first, optionally for one topic or key, as
+-- outbox_dead_letters holds them: moved out of the outbox, or an own table's marked in
+-- place.
 SELECT id, message_id, topic, key, attempts, dead_lettered_at, dead_letter_reason
 FROM outbox_dead_letters
 WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
@@ -221,38 +219,25 @@ WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
 ORDER BY id
 LIMIT %(limit)s;
 
--- fragment: requeue_in_place
--- A requeue of dead letters marked in place (an own table's, or an earlier release's):
--- back in the drain with fresh attempts, under the same id.
-UPDATE outbox
+-- name: dead_letter_requeue_in_place
+-- Put an own table's dead letters (RELAY_OUTBOX_TABLE), all marked in place, back in the
+-- drain with fresh attempts, under the same id: through the view of all its rows,
+-- outbox_marked (`relay migrate --own-table`).
+UPDATE outbox_marked
 SET dead_lettered_at   = NULL,
     dead_letter_reason = NULL,
     attempts           = 0,
     next_attempt_at    = NULL
 WHERE dead_lettered_at IS NOT NULL
   AND (%(all)s OR id = ANY(%(ids)s::bigint[]) OR key = %(key)s::text)
-RETURNING id
+RETURNING id;
 
 -- name: dead_letter_requeue
--- Put dead letters back in the drain with fresh attempts: those moved into outbox_dead
--- (migration 0018) through outbox_requeue, which moves them back under their ids, and
--- those marked in place. They keep their id, so they are sent in their original order
--- relative to each other.
-WITH moved AS (
-    SELECT requeued AS id
-    FROM outbox_requeue(%(ids)s::bigint[], %(key)s::text, %(all)s) AS requeued
-),
-in_place AS (
-    {{requeue_in_place}}
-)
-SELECT id FROM moved
-UNION ALL
-SELECT id FROM in_place;
-
--- name: dead_letter_requeue_in_place
--- dead_letter_requeue for an own table (RELAY_OUTBOX_TABLE): its dead letters are all
--- in place.
-{{requeue_in_place}};
+-- Put dead letters back in the drain with fresh attempts: moved from outbox_dead back
+-- into the outbox under their ids, by outbox_requeue. They keep their id, so they are
+-- sent in their original order relative to each other.
+SELECT requeued AS id
+FROM outbox_requeue(%(ids)s::bigint[], %(key)s::text, %(all)s) AS requeued;
 
 -- name: dead_letters_left_behind
 -- Keys of just-requeued rows that still have an earlier dead letter: the requeued rows
@@ -274,7 +259,7 @@ ORDER BY r.key;
 ------------------------------------------------------------------------------------
 
 -- name: sent_history_access
--- Retention mode needs outbox_sent (migration 0013) and the runtime role's grants on
+-- Retention mode needs outbox_sent and the runtime role's grants on
 -- it (grants.sql): without them every settle fails, and the drain would publish the
 -- same batch again and again. NULL: the table is missing.
 SELECT has_table_privilege(to_regclass('outbox_sent'), 'INSERT') AS can_keep,
@@ -340,15 +325,16 @@ SET started_at = clock_timestamp()
 WHERE generation = %(generation)s;
 
 -- name: purge_sent
--- Retention: delete one small batch of rows sent before the cutoff, oldest sent first,
--- through outbox_sent_idx: finding them (or that there are none) is one index descent,
--- however many sent rows are kept. Small batches keep locks and WAL bursts short; call
--- repeatedly until it deletes fewer than the limit. Rows another session has locked
--- are skipped, not waited for.
-DELETE FROM outbox
+-- Retention for an own table, whose sent rows stay in it, marked: delete one small batch
+-- of rows sent before the cutoff, oldest sent first, through the view of all its rows
+-- (outbox_marked) and its index on relay_sent_at: finding them (or that there are none)
+-- is one index descent, however many sent rows are kept. Small batches keep locks and
+-- WAL bursts short; call repeatedly until it deletes fewer than the limit. Rows another
+-- session has locked are skipped, not waited for.
+DELETE FROM outbox_marked
 WHERE id IN (
     SELECT id
-    FROM outbox
+    FROM outbox_marked
     WHERE sent_at IS NOT NULL
       AND sent_at < now() - make_interval(secs => %(older_than)s)
     ORDER BY sent_at

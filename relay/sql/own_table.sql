@@ -2,12 +2,14 @@
 --
 -- The relay reads an existing table (RELAY_OUTBOX_TABLE) through a view named outbox in
 -- a schema of its own, relay_<schema>_<table>, that renames its columns to the relay's
--- (RELAY_OUTBOX_COLUMNS); the relay's sessions put that schema first on their
--- search_path (session.sql), so every statement of the other files runs unchanged
--- against it. The view is simple, so PostgreSQL plans through it to the table's own
--- partial indexes, and the relay's UPDATEs and DELETEs reach the table's rows. The app's
--- columns are never changed: the relay's bookkeeping lives in columns of its own,
--- relay_*. {placeholders} are composed by psycopg.sql (identifiers and the column
+-- (RELAY_OUTBOX_COLUMNS) and holds the rows still to send, as the relay's own outbox
+-- does; the relay's sessions put that schema first on their search_path (session.sql),
+-- so every statement of the other files runs unchanged against it. The table keeps its
+-- sent rows (retention) and dead letters, marked: outbox_marked, a view of all its rows,
+-- is what the statements that read those marks go through. The views are simple, so
+-- PostgreSQL plans through them to the table's own partial indexes, and the relay's
+-- UPDATEs and DELETEs reach the table's rows. The app's columns are never changed: the
+-- relay's bookkeeping lives in columns of its own, relay_*. {placeholders} are composed by psycopg.sql (identifiers and the column
 -- expressions the mapping names).
 -- Parameters are named, %(name)s; nothing here is built by string concatenation.
 
@@ -34,7 +36,7 @@ WHERE i.indrelid = to_regclass(%(table)s)
 
 -- name: own_table_key_index_check
 -- At start-up: whether `--own-table` built a key index on the table (%(prefix)s: its
--- names' start), and whether one of them is on the key's hash (migration 0015), which
+-- names' start), and whether one of them is on the key's hash, which
 -- the fair fetch walks.
 SELECT count(*) > 0 AS keyed,
        count(*) FILTER (WHERE i.indisvalid
@@ -98,10 +100,11 @@ COMMENT ON VIEW {view} IS {layout}
 -- name: own_table_index_drop
 DROP INDEX IF EXISTS {index}
 
--- name: own_table_view
--- The table in the relay's layout. Columns the mapping does not name are NULL. OR
--- REPLACE keeps the grants on it; its columns keep their types whatever the mapping (the
--- message id as text), except an integer id changed for one of another width.
+-- name: own_table_marked_view
+-- The table in the relay's layout, every row, with the relay's marks. Columns the
+-- mapping does not name are NULL. OR REPLACE keeps the grants on it; its columns keep
+-- their types whatever the mapping (the message id as text), except an integer id
+-- changed for one of another width.
 CREATE OR REPLACE VIEW {view} AS
 SELECT {id} AS id,
        {message_id} AS message_id,
@@ -120,14 +123,38 @@ SELECT {id} AS id,
        t.relay_promoted_at AS promoted_at
 FROM {table} AS t
 
+-- name: own_table_view
+-- The rows still to send, as the drain reads them: neither sent (retention keeps them
+-- marked) nor dead-lettered. Written on the table, not on outbox_marked, so the
+-- planner meets the table's partial indexes' predicates, on relay_sent_at and
+-- relay_dead_lettered_at, word for word.
+CREATE OR REPLACE VIEW {view} AS
+SELECT {id} AS id,
+       {message_id} AS message_id,
+       {topic} AS topic,
+       {key} AS key,
+       {payload} AS payload,
+       {headers} AS headers,
+       {created_at} AS created_at,
+       {available_at} AS available_at,
+       t.relay_sent_at AS sent_at,
+       t.relay_attempts AS attempts,
+       t.relay_next_attempt_at AS next_attempt_at,
+       t.relay_last_error AS last_error,
+       t.relay_dead_lettered_at AS dead_lettered_at,
+       t.relay_dead_letter_reason AS dead_letter_reason,
+       t.relay_promoted_at AS promoted_at
+FROM {table} AS t
+WHERE t.relay_sent_at IS NULL AND t.relay_dead_lettered_at IS NULL
+
 -- name: own_table_dead_letters_view
 -- The table's dead letters, all marked in place, as the console, `relay dead-letter` and
 -- the lag gauges read them: the view schema's counterpart of the relay's own
--- outbox_dead_letters (migration 0018), which the session's search_path finds first.
+-- outbox_dead_letters, which the session's search_path finds first.
 CREATE OR REPLACE VIEW {dead_view} AS
 SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
        promoted_at, attempts, last_error, dead_lettered_at, dead_letter_reason
-FROM {view}
+FROM {marked}
 WHERE dead_lettered_at IS NOT NULL
 
 -- name: own_table_dead_stand_in
@@ -165,6 +192,7 @@ BEGIN
         WHERE c.oid = to_regclass({view_name}) AND a.privilege_type = 'SELECT'
     LOOP
         EXECUTE 'GRANT SELECT ON ' || to_regclass({dead_view_name})::text || ', '
+                || to_regclass({marked_name})::text || ', '
                 || to_regclass({stand_in_name})::text || ', '
                 || to_regclass({scheduled_name})::text || ' TO '
                 || CASE WHEN reader = 0 THEN 'PUBLIC' ELSE reader::regrole::text END;
@@ -173,7 +201,7 @@ END
 $readers$
 
 ------------------------------------------------------------------------------------
--- Indexes: the drain indexes of migrations 0001-0008, on the table's own columns
+-- Indexes: the drain's, on the table's own columns
 ------------------------------------------------------------------------------------
 
 -- name: own_table_index_id
@@ -182,27 +210,21 @@ $readers$
 CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
 
 -- name: own_table_index_unsent
--- The drain indexes of migrations 0001-0008, on the table's own columns: unsent rows
--- that are due, in id order ({due} is `true` without an available_at column).
+-- Unsent rows that are due, in id order ({due} is `true` without an available_at column).
 CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
     WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
 
 -- name: own_table_index_key
--- The fair fetch's round over keys, by their hash (migration 0015's outbox_key_hash).
+-- The fair fetch's round over keys, by their hash (outbox_key_hash).
 CREATE INDEX IF NOT EXISTS {index} ON {table} (outbox_key_hash({key}), {id})
     WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
 
--- name: own_table_index_key_retired
--- own_table_index_key as the previous release built it, on the whole key: never built
--- now, but kept where an earlier run built it, since a relay of that release may still
--- run during a rolling upgrade and walks keys through it. The next release drops it.
+-- name: own_table_index_waiting
+-- Rows that hold back the later rows of their key (the fetch's probe, drain.sql's
+-- fragment `waiting`): {waiting} is `relay_next_attempt_at IS NOT NULL`, or with an
+-- available_at column also the rows scheduled and not let in.
 CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
-    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {due}
-
--- name: own_table_index_backoff
-CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
-    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
-      AND relay_next_attempt_at IS NOT NULL
+    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL AND {waiting}
 
 -- name: own_table_index_failing
 CREATE INDEX IF NOT EXISTS {index} ON {table} ({id})
@@ -218,10 +240,5 @@ CREATE INDEX IF NOT EXISTS {index} ON {table} (relay_sent_at)
 
 -- name: own_table_index_scheduled
 CREATE INDEX IF NOT EXISTS {index} ON {table} ({available_at})
-    WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
-      AND {available_at} IS NOT NULL AND relay_promoted_at IS NULL
-
--- name: own_table_index_scheduled_key
-CREATE INDEX IF NOT EXISTS {index} ON {table} ({key}, {id})
     WHERE relay_sent_at IS NULL AND relay_dead_lettered_at IS NULL
       AND {available_at} IS NOT NULL AND relay_promoted_at IS NULL

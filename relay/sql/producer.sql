@@ -41,7 +41,7 @@ FROM added;
 
 -- name: cancel
 -- relay.cancel: take back a row scheduled for later that the drain has not let in yet,
--- wherever it waits: moved out into outbox_scheduled (migration 0021), or still in the
+-- wherever it waits: moved out into outbox_scheduled, or still in the
 -- outbox (available_at set, promoted_at NULL: no fetch reads it). Such a row is never
 -- published once this commits. A row let in, or never scheduled, may be on its way to
 -- the sink already: it is left alone. The ids taken back.
@@ -57,8 +57,6 @@ waiting AS (
     WHERE o.id = ANY(%(ids)s::bigint[])
       AND o.available_at IS NOT NULL
       AND o.promoted_at IS NULL
-      AND o.sent_at IS NULL
-      AND o.dead_lettered_at IS NULL
     RETURNING o.id
 )
 SELECT parked.id FROM parked

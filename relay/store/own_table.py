@@ -50,7 +50,12 @@ def statements(
         due = sql.SQL("({} IS NULL OR relay_promoted_at IS NOT NULL)").format(
             layout.index_columns["available_at"]
         )
-    args = {"table": table, "due": due, **layout.index_columns}
+    waiting: sql.Composable = sql.SQL("relay_next_attempt_at IS NOT NULL")
+    if "available_at" in layout.index_columns:
+        waiting = sql.SQL(
+            "(relay_next_attempt_at IS NOT NULL OR ({} IS NOT NULL AND relay_promoted_at IS NULL))"
+        ).format(layout.index_columns["available_at"])
+    args = {"table": table, "due": due, "waiting": waiting, **layout.index_columns}
 
     def name_of(query: LiteralString, what: str) -> str:
         """An index is named for its definition: a changed mapping makes new ones (and
@@ -71,12 +76,18 @@ def statements(
     out.append(sql.SQL(QUERIES.own_table_schema).format(schema=sql.Identifier(schema)))
     function = sql.Identifier(schema, JSONB_OR_REASON)
     out.append(sql.SQL(QUERIES.own_table_jsonb).format(function=function))
+    marked = sql.Identifier(schema, "outbox_marked")
+    out.append(
+        sql.SQL(QUERIES.own_table_marked_view).format(view=marked, table=table, **layout.fields)
+    )
     out.append(sql.SQL(QUERIES.own_table_view).format(view=view, table=table, **layout.fields))
     layout_name = sql.Literal(OWN_TABLE_LAYOUT)
     out.append(sql.SQL(QUERIES.own_table_view_comment).format(view=view, layout=layout_name))
     dead_view = sql.Identifier(schema, "outbox_dead_letters")
     stand_in = sql.Identifier(schema, "outbox_dead")
-    out.append(sql.SQL(QUERIES.own_table_dead_letters_view).format(dead_view=dead_view, view=view))
+    out.append(
+        sql.SQL(QUERIES.own_table_dead_letters_view).format(dead_view=dead_view, marked=marked)
+    )
     out.append(sql.SQL(QUERIES.own_table_dead_stand_in).format(stand_in=stand_in, view=view))
     scheduled = sql.Identifier(schema, "outbox_scheduled")
     out.append(sql.SQL(QUERIES.own_table_scheduled_stand_in).format(stand_in=scheduled, view=view))
@@ -84,6 +95,7 @@ def statements(
         sql.SQL(QUERIES.own_table_dead_letters_readers).format(
             view_name=sql.Literal(view.as_string(None)),
             dead_view_name=sql.Literal(dead_view.as_string(None)),
+            marked_name=sql.Literal(marked.as_string(None)),
             stand_in_name=sql.Literal(stand_in.as_string(None)),
             scheduled_name=sql.Literal(scheduled.as_string(None)),
         )
@@ -97,13 +109,9 @@ def statements(
     keyed = "key" in layout.index_columns
     if keyed:
         out.append(index(QUERIES.own_table_index_key, "key"))
-        out.append(index(QUERIES.own_table_index_backoff, "backoff"))
-        # Not built, but not dropped where an earlier release built it.
-        made.append(name_of(QUERIES.own_table_index_key_retired, "key"))
+        out.append(index(QUERIES.own_table_index_waiting, "waiting"))
     if "available_at" in layout.index_columns:
         out.append(index(QUERIES.own_table_index_scheduled, "scheduled"))
-        if keyed:
-            out.append(index(QUERIES.own_table_index_scheduled_key, "scheduled_key"))
     for stale in sorted(set(existing) - set(made)):
         name = sql.Identifier(table_schema, stale) if table_schema else sql.Identifier(stale)
         out.append(sql.SQL(QUERIES.own_table_index_drop).format(index=name))

@@ -30,7 +30,7 @@ _TEXT = {"text", "character varying", "character", "name"}
 JSONB_OR_REASON = "jsonb_or_reason"
 # What the view's comment says it is: a view of another layout (an earlier release's)
 # is refused at start-up until `relay migrate --own-table` runs again.
-OWN_TABLE_LAYOUT = "relay own-table view, layout 2"
+OWN_TABLE_LAYOUT = "relay own-table view, layout 3"
 # A header:NAME column's value at most (a header; and jsonb holds no string past 256 MB).
 HEADER_VALUE_MAX_BYTES = 65536
 _JSON = {"jsonb", "json"}

@@ -49,8 +49,9 @@ def settle(
     sent_rows: SentRows,
     set_aside: SetAside,
 ) -> datetime | None:
-    """Write a batch's outcomes in ONE fenced transaction; None if we were fenced out,
-    else the database time at which the fence held (for the `batch.settled` event).
+    """Write a batch's outcomes in ONE fenced transaction (and move its dead letters too
+    large for it in a second); None if we were fenced out, else the database time at
+    which the fence held (for the `batch.settled` event).
 
     The lease check comes first and renews the lease; if it matches no row a newer
     holder exists, and the whole transaction rolls back: a zombie marks nothing. A batch
@@ -69,11 +70,15 @@ def settle(
             },
         ).fetchone()
         return None if fenced is None else fenced["at"]
+    dead = {
+        "ids": settlement.dead_ids,
+        "attempted": settlement.dead_attempted,
+        "reasons": settlement.dead_reasons,
+    }
+    fence = {"name": token.name, "holder": token.holder, "epoch": token.epoch, "ttl": ttl}
+    moved = 0
     with conn.transaction():
-        fenced = conn.execute(
-            QUERIES.lease_renew,
-            {"name": token.name, "holder": token.holder, "epoch": token.epoch, "ttl": ttl},
-        ).fetchone()
+        fenced = conn.execute(QUERIES.lease_renew, fence).fetchone()
         if fenced is None:
             raise psycopg.Rollback  # nothing of this batch may land
         if settlement.sent:
@@ -89,17 +94,29 @@ def settle(
                 },
             )
         if settlement.dead_ids:
-            dead = {
-                "ids": settlement.dead_ids,
-                "attempted": settlement.dead_attempted,
-                "reasons": settlement.dead_reasons,
-            }
-            for statement in DEAD_LETTER[set_aside]:
-                conn.execute(statement, dead)
+            done = conn.execute(DEAD_LETTER[set_aside], dead)
+            moved = len(settlement.dead_ids)
+            if set_aside == "move":
+                row = done.fetchone()
+                moved = 0 if row is None else int(row["moved"])
         failpoints.hit("in_settle")
-        fenced_at: datetime = fenced["at"]
-        return fenced_at
-    return None
+    if fenced is None:
+        return None
+    if moved < len(settlement.dead_ids):
+        _move_large_dead_letters(conn, fence, dead)
+    fenced_at: datetime = fenced["at"]
+    return fenced_at
+
+
+def _move_large_dead_letters(conn: Conn, fence: dict[str, object], dead: dict[str, object]) -> None:
+    """The dead letters the settle left in the outbox for their size, moved out in a
+    fenced transaction of their own without a statement timeout. Fenced out meanwhile:
+    left for the new holder, which sends them again and gives up on them again."""
+    with conn.transaction():
+        if conn.execute(QUERIES.lease_renew, fence).fetchone() is None:
+            raise psycopg.Rollback
+        conn.execute(QUERIES.no_statement_timeout)
+        conn.execute(QUERIES.dead_letter_move_rest, dead)
 
 
 # A wholly acknowledged batch's one fenced statement, and the acknowledged rows' part of
@@ -117,12 +134,9 @@ SETTLE_ACKNOWLEDGED = {
     "mark": QUERIES.settle_mark_sent,
 }
 SETTLE_SENT = {"delete": QUERIES.delete_sent, "move": QUERIES.move_sent, "mark": QUERIES.mark_sent}
-# The rows a settle gives up on, by where dead letters are kept: moved out, then those
-# too large to copy marked where they are; or all marked (an own table).
-DEAD_LETTER = {
-    "move": (QUERIES.dead_letter_move, QUERIES.dead_letter),
-    "mark": (QUERIES.dead_letter,),
-}
+# The rows a settle gives up on, by where dead letters are kept: moved out (those too
+# large to copy in the settle after it), or marked where they are (an own table).
+DEAD_LETTER = {"move": QUERIES.dead_letter_move, "mark": QUERIES.dead_letter}
 
 
 # outbox_sent's generations (migration 0013: its LIST partitions outbox_sent_0..3).

@@ -296,9 +296,7 @@ class Cluster:
     def unsent(self) -> int | None:
         try:
             with psycopg.connect(self.admin_dsn, autocommit=True, connect_timeout=2) as conn:
-                row = conn.execute(
-                    "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND dead_lettered_at IS NULL"
-                ).fetchone()
+                row = conn.execute("SELECT count(*) FROM outbox").fetchone()
         except psycopg.Error:
             return None
         return None if row is None else int(row[0])
