@@ -15,13 +15,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from datetime import datetime
 from typing import Any
 
 import psycopg
 
 from relay import __version__
-from relay.admin import dead_letters
+from relay.admin import dead_letters, status
 from relay.admin.migrate import SchemaState, schema_state
 from relay.drain import fairness
 from relay.errors import MigrationError
@@ -57,13 +56,7 @@ def _positive_int(text: str) -> int:
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, default=_json_default, indent=2))
-
-
-def _json_default(value: Any) -> str:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
+    print(json.dumps(value, default=status.json_default, indent=2))
 
 
 # --- commands ---
@@ -234,54 +227,25 @@ def _due_in(seconds: float | None) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
     with db.connect(settings, purpose="status") as conn:
-        leases = repository.lease_status(conn)
-        replicas = repository.replica_status(conn)
-        sample = lag.measure(conn, args.count_cap)
-        shard_lag = _shard_lag(conn, args.count_cap)
-        schema = schema_state(conn)
+        found = status.read_status(conn, args.count_cap)
     if args.json:
-        _print_json(_status_json(schema, leases, replicas, sample, shard_lag))
+        _print_json(found.as_json())
         return EXIT_OK
-    if leases:
-        print(_lease_table(leases, shard_lag))
+    if found.leases:
+        print(_lease_table(found.leases, found.shard_lag))
     else:
         print("no lease rows yet (no relay has run)")
-    if replicas:
+    if found.replicas:
         print()
-        print(_replica_table(replicas))
+        print(_replica_table(found.replicas))
     print()
-    print(_outbox_table(sample, schema))
+    print(_outbox_table(found.sample, found.schema))
     return EXIT_OK
 
 
-ShardLags = dict[tuple[str, int], lag.ShardLag]  # by (lease group, shard)
-
-
-def _status_json(
-    schema: SchemaState,
-    leases: Sequence[LeaseRow],
-    replicas: Sequence[ReplicaRow],
-    sample: lag.LagSample,
-    shard_lag: ShardLags,
-) -> dict[str, Any]:
-    outbox: dict[str, Any] = sample.as_dict()
-    if shard_lag:
-        outbox["shards"] = [
-            {"lease_group": group, **s.as_dict()} for (group, _), s in shard_lag.items()
-        ]
-    return {
-        "schema_version": schema.version,
-        "migrations_not_applied": schema.not_applied,
-        "migrations_of_a_newer_release": schema.newer,
-        "leases": [asdict(lease) for lease in leases],
-        "replicas": [asdict(replica) for replica in replicas],
-        "outbox": outbox,
-    }
-
-
-def _lease_table(leases: Sequence[LeaseRow], shard_lag: ShardLags) -> str:
+def _lease_table(leases: Sequence[LeaseRow], shard_lag: status.ShardLags) -> str:
     """A SHARD column only once some lease group is sharded, and backlog columns only
-    once some shard's backlog could be measured (see `_shard_lag`)."""
+    once some shard's backlog could be measured (see `status.shard_lag`)."""
     sharded = any(lease.shards > 1 for lease in leases)
     rows = []
     for lease in leases:
@@ -304,7 +268,7 @@ def _lease_table(leases: Sequence[LeaseRow], shard_lag: ShardLags) -> str:
     return _table((*headers, "EXPIRES AT", "EXPIRES IN", *lag_headers), rows)
 
 
-def _shard_backlog(lease: LeaseRow, shard_lag: ShardLags) -> tuple[str, str]:
+def _shard_backlog(lease: LeaseRow, shard_lag: status.ShardLags) -> tuple[str, str]:
     """Blank where nothing was measured, or measured for another shard count than the
     lease's (a lease of an old count: its shard is not the same slice of the outbox)."""
     s = shard_lag.get((lease.lease_group, lease.shard))
@@ -343,20 +307,6 @@ def _outbox_table(sample: lag.LagSample, schema: SchemaState) -> str:
             ("schema version", schema.describe()),
         ],
     )
-
-
-def _shard_lag(conn: db.Conn, cap: int) -> ShardLags:
-    """Each shard's backlog, for every lease group whose shard count in force has its
-    indexes (without them the per-shard count would read the whole outbox)."""
-    from relay.admin.schema_options import shard_index_state
-
-    found: ShardLags = {}
-    for group, shards in repository.lease_group_shards(conn).items():
-        if shards > 1 and all(shard_index_state(conn, shards).values()):
-            connection.keep_settings(conn, connection.CUSTOM_PLANS)
-            for s in lag.measure_shards(conn, shards, cap):
-                found[group, s.shard] = s
-    return found
 
 
 def cmd_check(_args: argparse.Namespace) -> int:

@@ -17,14 +17,13 @@ from typing import Any, Literal
 
 from psycopg.types.json import Jsonb
 
-from relay.admin import dead_letters
-from relay.admin.migrate import SchemaState, schema_state
-from relay.admin.schema_options import shard_index_state
+from relay.admin import dead_letters, status
+from relay.admin.migrate import SchemaState
 from relay.drain.batch import SetAside
 from relay.observe import lag
 from relay.observe.logging import get_logger
 from relay.sql import QUERIES
-from relay.store import connection, db, repository
+from relay.store import db
 from relay.store.rows import LeaseRow, ReplicaRow
 
 log = get_logger("relay.console")
@@ -82,20 +81,16 @@ class Overview:
 
 
 def overview(conn: db.Conn, cap: int) -> Overview:
-    shard_lag: dict[tuple[str, int], lag.ShardLag] = {}
-    for group, shards in repository.lease_group_shards(conn).items():
-        if shards > 1 and all(shard_index_state(conn, shards).values()):
-            connection.keep_settings(conn, connection.CUSTOM_PLANS)
-            for s in lag.measure_shards(conn, shards, cap):
-                shard_lag[group, s.shard] = s
+    """What `relay status` reads (relay/admin/status.py), and the blocked keys' count."""
+    found = status.read_status(conn, cap)
     row = conn.execute(QUERIES.console_blocked_key_count, {"cap": cap}).fetchone()
     return Overview(
-        leases=repository.lease_status(conn),
-        replicas=repository.replica_status(conn),
-        sample=lag.measure(conn, cap),
+        leases=found.leases,
+        replicas=found.replicas,
+        sample=found.sample,
         blocked_keys=int(row["blocked_keys"]) if row else 0,
-        shard_lag=shard_lag,
-        schema=schema_state(conn),
+        shard_lag=found.shard_lag,
+        schema=found.schema,
     )
 
 
