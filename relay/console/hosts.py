@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from relay.console.replies import refusal
 from relay.observe.logging import get_logger
 from relay.setting_checks import is_loopback
 
@@ -144,9 +144,10 @@ class HostCheck:
             await self.app(scope, receive, send)
             return
         log.warning("console.host_refused", host=host[:100])
-        refused = PlainTextResponse(
+        refused = refusal(
+            scope["path"],
+            400,
             "refused: this Host is not one the console answers to (RELAY_CONSOLE_ALLOWED_HOSTS)",
-            status_code=400,
         )
         await refused(scope, receive, send)
 

@@ -4,9 +4,9 @@ Starlette reads a urlencoded form whole, with no limit on its size or its fields
 multipart one spools its files to disk): without a bound, anyone who can reach /login
 could fill the console's memory. The console's forms are a few ids and a search, so a
 body is read here, up to `MAX_BODY` bytes, before any route sees it; more is refused
-(413). Wrong tokens typed at /login are counted per client address, and past a few a
-minute that address is refused (429) until the minute is over, right token or not, so
-the secret cannot be guessed at speed.
+(413). Wrong tokens typed at /login, or sent to the API as bearer tokens, are counted
+per client address, and past a few a minute that address is refused (429) until the
+minute is over, right token or not, so the secret cannot be guessed at speed.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import threading
 import time
 from collections import deque
 
-from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from relay.console.replies import refusal
 
 MAX_BODY = 256 * 1024  # a page of 500 ids is ~10 KiB
 LOGIN_FAILURES = 10  # wrong tokens per address per window before it is refused
@@ -66,7 +67,7 @@ class BodyLimit:
 
 
 async def _too_large(scope: Scope, receive: Receive, send: Send) -> None:
-    response = PlainTextResponse(f"request body over {MAX_BODY} bytes", status_code=413)
+    response = refusal(scope["path"], 413, f"request body over {MAX_BODY} bytes")
     await response(scope, receive, send)
 
 
