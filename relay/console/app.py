@@ -1,6 +1,7 @@
 """The console's routes: pages rendered on the server, forms for every change.
 
-Every page but /login, /healthz and /static needs a login (relay/console/auth.py). A
+Every page but /login, /healthz and /static needs a login (relay/console/auth.py); the
+JSON API for scripts is mounted at /api/v1 (relay/console/api.py). A
 change is two POSTs: a confirmation that states how many rows it will touch, then the
 change itself, which touches exactly those rows or nothing (data.change) and is
 recorded in the audit.
@@ -27,7 +28,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from relay.console import data, forms, render
+from relay.console import api, data, forms, render
 from relay.console.auth import COOKIE, Auth, Identity
 from relay.console.headers import SecurityHeaders
 from relay.console.hosts import HostCheck, foreign_origin
@@ -55,7 +56,8 @@ class Console:
         self.rate = RateSampler(
             capped(common, settings.statement_timeout_seconds), settings.rate_window_seconds
         )
-        self.throttle = LoginThrottle()
+        self.throttle = LoginThrottle()  # wrong tokens at /login and at the API alike
+        self.api = api.Api(self.auth, self.throttle, self.db, settings, common.set_aside)
 
     # --- plumbing ---
 
@@ -382,6 +384,7 @@ class Console:
             Route("/blocked", g(self.blocked)),
             Route("/audit", g(self.audit)),
             Route("/audit/{entry_id:int}", g(self.audit_entry)),
+            Mount(api.PREFIX, app=self.api.application()),
             Route("/healthz", self.healthz),
             Route("/readyz", self.readyz),
             Mount("/static", StaticFiles(packages=[("relay.console", "static")]), name="static"),

@@ -10,6 +10,9 @@ names in a header, believed only from the proxy's addresses.
 
 Every POST must come from this console's own origin (relay/console/hosts.py) and, once
 logged in, carry the session's CSRF token in its form.
+
+The API (/api/v1/, relay/console/api.py) takes the same secrets as a bearer token
+instead, and only that: the two never stand in for each other.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ Via = Literal["token", "viewer", "proxy"]
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    user: str  # what the audit records: "token", or the proxy's user
+    user: str  # what the audit records: "token", the proxy's user, or "api:token"
     via: Via
     may_change: bool  # requeue and discard; false for viewers and read-only consoles
-    csrf: str
+    csrf: str  # empty for the API's callers: they post no forms
 
 
 class Auth:
@@ -59,8 +62,8 @@ class Auth:
 
     # --- logging in ---
 
-    def login(self, typed: str) -> str | None:
-        """A session cookie's value for a right secret, else None."""
+    def _secret_of(self, typed: str) -> Via | None:
+        """Which secret `typed` is: the console's token, the viewer's, or neither."""
         via: Via | None = None
         for secret, kind in (
             (self._settings.token, "token"),
@@ -72,6 +75,11 @@ class Auth:
                 hashlib.sha256(secret.get_secret_value().encode()).digest(),
             ):
                 via = "token" if kind == "token" else "viewer"
+        return via
+
+    def login(self, typed: str) -> str | None:
+        """A session cookie's value for a right secret, else None."""
+        via = self._secret_of(typed)
         if via is None:
             return None
         body = {
@@ -103,6 +111,21 @@ class Auth:
         csrf = self._sign(b"csrf\0" + str(body.get("n", "")).encode()).hex()[:40]
         may_change = via == "token" and not self._settings.read_only
         return Identity(via, via, may_change, csrf)
+
+    def bearer(self, request: Request) -> Identity | None:
+        """The API's caller (relay/console/api.py): `Authorization: Bearer <secret>`,
+        and nothing else: neither the session cookie nor the proxy's header. Those a
+        browser sends by itself, to any page that makes it ask; a header of a script's
+        own making it never adds, so an API request needs no CSRF token. The audit
+        records "api:token" (or "api:viewer", who may not change)."""
+        scheme, _, typed = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not typed.strip():
+            return None
+        via = self._secret_of(typed.strip())
+        if via is None:
+            return None
+        may_change = via == "token" and not self._settings.read_only
+        return Identity(f"api:{via}", via, may_change, csrf="")
 
     def log_out(self, request: Request) -> None:
         """The request's session cookie is refused from now on, even if replayed."""
@@ -151,7 +174,11 @@ class Auth:
 
     @staticmethod
     def csrf_mismatch(identity: Identity, sent: object) -> bool:
-        return not (isinstance(sent, str) and hmac.compare_digest(sent, identity.csrf))
+        """Also for an identity with no CSRF token (the API's): a form it posts never
+        matches, whatever it carries."""
+        return not (
+            identity.csrf and isinstance(sent, str) and hmac.compare_digest(sent, identity.csrf)
+        )
 
 
 def _b64(data: bytes) -> str:
