@@ -110,3 +110,130 @@ END
 $$;
 
 DELETE FROM outbox WHERE sent_at IS NOT NULL;
+
+-- The audit records replays too (`relay replay`, the console), and pauses and resumes.
+ALTER TABLE console_audit
+    DROP CONSTRAINT console_audit_action_check,
+    ADD CONSTRAINT console_audit_action_check
+        CHECK (action IN ('requeue', 'discard', 'replay', 'pause', 'resume'));
+
+COMMENT ON TABLE console_audit IS
+    'Requeues and discards made from the operators'' console, and every replay: who, when, what, how many rows.';
+
+-- outbox_replay: the rows of outbox_sent of topic `by_topic` (and key `by_key`; NULL:
+-- any) sent from `sent_from` up to `sent_before` (never past now()) back into the
+-- outbox as new rows, in their original id order (`relay replay`, the console's
+-- replay). It runs as the tables' owner, as outbox_requeue does: the roles that replay
+-- need no INSERT on the outbox nor on console_audit, and can put back only rows that
+-- were sent. One statement: one snapshot of the history, and the copy and its audit
+-- entry commit together or not at all.
+--
+-- A new row takes the outbox's next id, so it goes after every row of its key already
+-- waiting, and its created_at is now(): the created-at header, the lag and the latency
+-- count from the replay, not from the first write (the first write's time stays in
+-- outbox_sent). It keeps message_id, topic, key, payload and headers, plus the header
+-- `relay-replay`, whose value is the replay's id: its console_audit entry's id (any
+-- header of that name the row had, in any case, is replaced). available_at, attempts
+-- and the rest start afresh; the columns an app added to the outbox (outbox_sent keeps
+-- none) get their defaults.
+--
+-- It copies only if all of these hold, else nothing (and writes no audit entry):
+-- outbox_sent keeps rows at all; `sent_from` is not before the oldest row kept (rows
+-- sent before it may be gone, and the replay would miss them); between 1 and `max_rows`
+-- rows match (0: count only, a dry run); and, when `expected` is given, exactly that
+-- many (what a confirmation showed). It returns the history's span, the end of the
+-- range as used, how many rows match, and for a replay made its id, how many rows the
+-- outbox took (fewer only if a BEFORE INSERT trigger of the app's dropped some), and
+-- the first and last new outbox id. outbox_sent has no index: each call reads the whole history once
+-- to count, and once more to copy.
+CREATE FUNCTION outbox_replay(by_topic text, by_key text, sent_from timestamptz,
+                              sent_before timestamptz, max_rows bigint, expected bigint,
+                              replayed_by text, via text,
+                              OUT kept_since timestamptz, OUT kept_until timestamptz,
+                              OUT sent_until timestamptz, OUT matching bigint,
+                              OUT replay_id bigint, OUT replayed bigint, OUT first_id bigint,
+                              OUT last_id bigint)
+LANGUAGE sql
+SECURITY DEFINER
+AS $$
+    WITH history AS (
+        SELECT min(s.sent_at) AS since,
+               max(s.sent_at) AS until,
+               count(*) FILTER (WHERE s.topic = by_topic
+                                  AND (by_key IS NULL OR s.key = by_key)
+                                  AND s.sent_at >= sent_from
+                                  AND s.sent_at < least(sent_before, now())) AS matching
+        FROM outbox_sent AS s
+    ),
+    verdict AS (
+        SELECT h.since, h.until, h.matching, least(sent_before, now()) AS sent_until,
+               coalesce(sent_from >= h.since, false)
+               AND h.matching BETWEEN 1 AND max_rows
+               AND h.matching = coalesce(expected, h.matching) AS go
+        FROM history AS h
+    ),
+    entry AS (
+        SELECT nextval(pg_get_serial_sequence('console_audit', 'id')) AS id
+        FROM verdict AS v
+        WHERE v.go
+    ),
+    copied AS (
+        INSERT INTO outbox (message_id, topic, key, payload, headers)
+        SELECT s.message_id, s.topic, s.key, s.payload,
+               coalesce((SELECT jsonb_object_agg(h.key, h.value)
+                         FROM jsonb_each(CASE WHEN jsonb_typeof(s.headers) = 'object'
+                                              THEN s.headers END) AS h
+                         WHERE lower(h.key) <> 'relay-replay'),
+                        '{}'::jsonb)
+               || jsonb_build_object('relay-replay', (SELECT e.id::text FROM entry AS e))
+        FROM outbox_sent AS s
+        WHERE EXISTS (SELECT 1 FROM entry)
+          AND s.topic = by_topic
+          AND (by_key IS NULL OR s.key = by_key)
+          AND s.sent_at >= sent_from
+          AND s.sent_at < least(sent_before, now())
+        ORDER BY s.id
+        RETURNING outbox.id
+    ),
+    audit AS (
+        INSERT INTO console_audit (id, actor, action, target, row_count, first_id, last_id,
+                                   row_ids)
+        OVERRIDING SYSTEM VALUE
+        SELECT e.id, replayed_by, 'replay',
+               jsonb_build_object('filter',
+                                  jsonb_strip_nulls(jsonb_build_object('topic', by_topic,
+                                                                       'key', by_key,
+                                                                       'since', sent_from,
+                                                                       'until', v.sent_until)),
+                                  'via', via),
+               count(c.id), min(c.id), max(c.id),
+               coalesce(array_agg(c.id ORDER BY c.id) FILTER (WHERE c.id IS NOT NULL), '{}')
+        FROM entry AS e
+        CROSS JOIN verdict AS v
+        LEFT JOIN copied AS c ON true
+        GROUP BY e.id, v.sent_until
+        RETURNING console_audit.id, console_audit.row_count, console_audit.first_id,
+                  console_audit.last_id
+    )
+    SELECT v.since, v.until, v.sent_until, v.matching, a.id, a.row_count::bigint, a.first_id,
+           a.last_id
+    FROM verdict AS v
+    LEFT JOIN audit AS a ON true
+$$;
+
+-- As its owner, it resolves names in this schema only (then pg_temp, last), whatever
+-- the caller's search_path; and only the roles granted it may run it (grants.sql,
+-- console_grants.sql).
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION outbox_replay(text, text, timestamptz, timestamptz,'
+                   ' bigint, bigint, text, text) SET search_path = %I, pg_temp',
+                   current_schema());
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint,
+                                         bigint, text, text) FROM PUBLIC;
+
+COMMENT ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint, bigint,
+                                  text, text) IS
+    'Copy sent rows of a topic (and key) sent in a range from outbox_sent back into the outbox as new rows, in id order, recorded in console_audit.';

@@ -10,7 +10,8 @@
 -- relay_console: the console that may requeue and discard. It reads the outbox, the
 -- leases, the replicas' heartbeats and its audit; it deletes dead letters (a discard)
 -- and requeues them through outbox_requeue, and appends to its audit. It never inserts
--- outbox rows, never changes what the app wrote, never touches a lease. (For an own
+-- outbox rows of its own (a replay's come from outbox_replay, which copies only rows
+-- that were sent), never changes what the app wrote, never touches a lease. (For an own
 -- table, RELAY_OUTBOX_TABLE, the grants on its views are yours: docs/howto/own-tables.md.)
 GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations TO relay_console;
 GRANT SELECT, INSERT ON console_audit TO relay_console;
@@ -21,6 +22,11 @@ GRANT SELECT ON outbox_dead_letters TO relay_console;
 GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay_console;
 -- Rows scheduled for later, moved out until due: counted, and shown.
 GRANT SELECT ON outbox_scheduled TO relay_console;
+-- Replay: rows kept as sent copied back into the outbox as new rows,
+-- and the audit entry written, through outbox_replay, which copies only rows that were
+-- sent (the console still inserts no outbox row of its own).
+GRANT EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint, bigint,
+                                        text, text) TO relay_console;
 
 -- relay_console_viewer: a console run with RELAY_CONSOLE_READ_ONLY=true (people who
 -- may look but not requeue). It reads; it cannot change a row even if asked to.

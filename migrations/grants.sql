@@ -8,7 +8,8 @@
 -- The relay reads unsent rows, deletes them once sent, and writes its bookkeeping:
 -- attempts and the next attempt, the last error, scheduled rows let in (promoted_at).
 -- It inserts no outbox row of its own (a requeue puts back, through outbox_requeue, only
--- rows a settle moved out), and never changes what the app wrote (topic, key, payload,
+-- rows a settle moved out; a replay copies back, through outbox_replay, only rows kept
+-- as sent), and never changes what the app wrote (topic, key, payload,
 -- headers, ids, times): UPDATE reaches the bookkeeping columns only.
 -- The REVOKE takes back the table-wide UPDATE that earlier versions of this file gave
 -- (it must come first: revoking a table privilege revokes its column grants too). On a
@@ -34,6 +35,13 @@ GRANT SELECT, UPDATE ON outbox_sent_generations TO relay;
 GRANT SELECT ON outbox_dead, outbox_dead_letters TO relay;
 GRANT EXECUTE ON FUNCTION outbox_dead_letter(bigint[], integer[], text[]) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay;
+
+-- Replay: `relay replay` copies rows kept in outbox_sent back into the outbox as new
+-- rows, and records it in console_audit, through outbox_replay, which runs as the
+-- tables' owner and copies only rows that were sent: the role inserts no outbox row of
+-- its own, and writes console_audit only through it.
+GRANT EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint, bigint,
+                                        text, text) TO relay;
 
 -- Scheduled rows: rows scheduled for later wait in outbox_scheduled,
 -- moved out and let back in through functions that move rows only; the fetch and the

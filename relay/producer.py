@@ -21,7 +21,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
-from relay.message import RESERVED_HEADERS
+from relay.message import REPLAY_HEADER, RESERVED_HEADERS
 from relay.sql import QUERIES
 
 
@@ -131,7 +131,7 @@ def _params(
         bad = [k for k, v in headers.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise TypeError(f"header names and values must be str: {bad!r}")
-        reserved = [k for k in headers if k.lower() in RESERVED_HEADERS]
+        reserved = [k for k in headers if k.lower() in (*RESERVED_HEADERS, REPLAY_HEADER)]
         if reserved:
             raise ValueError(f"headers {reserved!r} are set by the relay itself")
     if trace_context:

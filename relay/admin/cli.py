@@ -1,5 +1,5 @@
-"""Command line: `relay run|migrate|status|check|healthcheck|dead-letter|console|purge` (also
-`python -m relay`).
+"""Command line: `relay run|migrate|status|check|healthcheck|dead-letter|console|purge|replay`
+(also `python -m relay`).
 
 Long: one small function per command plus the argument parser that names them all; a
 command's logic lives in the modules it calls (repository, lag, migrate, sinks).
@@ -15,12 +15,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 
 from relay import __version__
-from relay.admin import dead_letters, status
+from relay.admin import dead_letters, replay, status
 from relay.admin.migrate import SchemaState, schema_state
 from relay.drain import fairness
 from relay.errors import MigrationError
@@ -43,6 +44,23 @@ def parse_duration(text: str) -> float:
     if not match:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
     return float(match[1]) * _UNIT_SECONDS[match[2]]
+
+
+def parse_time(text: str) -> datetime | timedelta:
+    """A replay's `--since`/`--until`: ISO 8601 (`2026-05-01T10:00:00Z`; without an offset,
+    UTC), or how long ago (`2h`, `30m`, as `parse_duration` takes them)."""
+    try:
+        return timedelta(seconds=parse_duration(text))
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (ISO 8601, e.g. 2026-05-01T10:00:00Z, or how long ago,"
+            " e.g. 2h, 30m)"
+        ) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def _positive_int(text: str) -> int:
@@ -483,6 +501,46 @@ def cmd_purge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Rows kept as sent back into the outbox as new rows (relay/admin/replay.py); a
+    refusal (no history, a range before it, over the cap) changes nothing, exit 2."""
+    settings = load_settings(CommonSettings)
+    if settings.outbox_table is not None:
+        print(
+            "relay replay: an own table (RELAY_OUTBOX_TABLE) keeps its sent rows in place, and"
+            " replay reads the relay's outbox_sent: nothing to replay",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    request = replay.Request(topic=args.topic, since=args.since, until=args.until, key=args.key)
+    with db.connect(settings, purpose="replay") as conn:
+        if args.dry_run:
+            found = replay.count(conn, request)
+        else:
+            found = replay.replay(
+                conn, request, max_rows=args.max_rows, actor=replay.shell_user(), via="cli"
+            )
+    refused = replay.refusal(found, args.max_rows)
+    if refused is not None:
+        print(f"relay replay: {refused}; nothing replayed", file=sys.stderr)
+        return EXIT_CONFIG
+    what = replay.describe(request, found)
+    if found.matching == 0:
+        print(f"nothing to replay: no row of {what} is kept ({replay.kept(found)})")
+        return EXIT_OK
+    if args.dry_run:
+        print(f"would replay {found.matching} row(s) of {what}")
+        return EXIT_OK
+    if found.replay_id is None:  # refusal() found nothing: the function's own checks agree
+        print("relay replay: nothing replayed (the database refused it)", file=sys.stderr)
+        return EXIT_FAILURE
+    print(
+        f"replayed {found.replayed} row(s) of {what}: replay {found.replay_id}, new outbox ids"
+        f" {found.first_id}-{found.last_id}, header relay-replay: {found.replay_id}"
+    )
+    return EXIT_OK
+
+
 # --- parser ---
 
 
@@ -542,7 +600,46 @@ def build_parser() -> argparse.ArgumentParser:
         " a time, each batch its own short transaction; outbox_sent is emptied a generation"
         " at a time",
     )
+    _replay_arguments(
+        add(
+            "replay",
+            cmd_replay,
+            "put rows kept as sent (RELAY_RETENTION_SECONDS) back into the outbox as new rows",
+        )
+    )
     return parser
+
+
+def _replay_arguments(replay_cmd: argparse.ArgumentParser) -> None:
+    replay_cmd.add_argument("--topic", required=True, help="the rows of this topic (exact)")
+    replay_cmd.add_argument(
+        "--since",
+        type=parse_time,
+        required=True,
+        metavar="TIME",
+        help="rows sent from this time: ISO 8601 (UTC without an offset) or how long ago"
+        " (2h, 30m); not before the oldest row kept",
+    )
+    replay_cmd.add_argument(
+        "--until",
+        type=parse_time,
+        metavar="TIME",
+        help="... up to this time, not included (default: now), as --since takes it",
+    )
+    replay_cmd.add_argument("--key", help="only the rows of this key (exact)")
+    replay_cmd.add_argument(
+        "--max-rows",
+        type=_positive_int,
+        default=replay.MAX_ROWS,
+        metavar="N",
+        help=f"refuse (exit 2) a replay of more rows than this, rather than cut it short"
+        f" (default {replay.MAX_ROWS})",
+    )
+    replay_cmd.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="change nothing: print how many rows it would put back",
+    )
 
 
 def _migrate_arguments(migrate_cmd: argparse.ArgumentParser) -> None:
