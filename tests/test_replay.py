@@ -1,6 +1,7 @@
 """Replay (issue 50, `relay replay`, migration 0101): rows kept as sent put back into the
 outbox as new rows, on real PostgreSQL and Kafka, through the command as the runtime
-role (migrations/grants.sql)."""
+role (migrations/grants.sql) and through the console in a real browser as the console's
+role (console_grants.sql)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,46 @@ import getpass
 import json
 import re
 import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
 from psycopg.rows import dict_row
 
 from relay.admin import replay
 from relay.admin.cli import parse_time
+from relay.console import data
 from relay.settings import CommonSettings
 from relay.store import db
-from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.conftest import REPO, SettingsFactory, relay_command, relay_env
+from tests.harness import free_port
 from tests.harness.kafka import Record, TansuBroker, consume
+from tests.harness.postgres import PostgresServer
 from tests.support import (
+    http_get,
     insert_rows,
     keyed_rows,
     running_relay,
     scalar,
     unsent_count,
     wait_until,
+)
+from tests.test_console import (
+    ARTIFACTS,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    CONSOLE_ROLE,
+    ROLE_PASSWORD,
+    TOKEN,
+    VIEWER_ROLE,
+    VIEWER_TOKEN,
+    grant_console,
 )
 
 HOUR = 3600.0
@@ -306,6 +327,197 @@ def test_an_own_table_has_nothing_to_replay(database: str) -> None:
     )
     assert done.returncode == 2, done.stdout
     assert "an own table (RELAY_OUTBOX_TABLE) keeps its sent rows in place" in done.stderr
+
+
+# --- the roles -------------------------------------------------------------------------
+
+
+def test_the_console_role_replays_and_the_viewer_role_may_not(
+    pg: PostgresServer, database: str
+) -> None:
+    """Through outbox_replay alone: neither role may insert an outbox row itself."""
+    dbname = database.rsplit("/", 1)[1]
+    grant_console(pg, dbname)
+    history_from(database)
+    keep(database, "t", [("k", b"1")], "5 minutes")
+    asked = replay.Request("t", timedelta(hours=1))
+    console = CommonSettings(database_url=pg.dsn(dbname, user=CONSOLE_ROLE, password=ROLE_PASSWORD))
+    with db.connect(console, purpose="console") as conn:
+        found = data.replay_count(conn, asked, 100)
+        assert found.matching == 1
+        with pytest.raises(data.Changed):
+            data.replay_apply(conn, "token", asked, 2, 100)
+        with pytest.raises(data.Refused, match="1 rows match, more than the 0"):
+            data.replay_apply(conn, "token", asked, 1, 0)
+        done = data.replay_apply(conn, "token", asked, 1, 100)
+        assert done.replayed == 1
+    viewer = CommonSettings(database_url=pg.dsn(dbname, user=VIEWER_ROLE, password=ROLE_PASSWORD))
+    with (
+        db.connect(viewer, purpose="console") as conn,
+        pytest.raises(psycopg.errors.InsufficientPrivilege),
+    ):
+        data.replay_count(conn, asked, 100)
+    assert [(a["actor"], a["action"], a["row_count"]) for a in audit_rows(database)] == [
+        ("token", "replay", 1)
+    ]
+
+
+# --- the console -----------------------------------------------------------------------
+
+
+@dataclass
+class Console:
+    dsn: str  # superuser: plays the relay (rows kept) and checks the database
+    url: str
+
+
+@pytest.fixture(scope="module")
+def console(pg: PostgresServer) -> Iterator[Console]:
+    """`relay console` as its own process under its role, on a database of its own."""
+    name = f"replay_{uuid.uuid4().hex[:10]}"
+    dsn = pg.create_database(name, template="relay_template")
+    grant_console(pg, name)
+    history_from(dsn)
+    port = free_port()
+    env = relay_env(
+        pg.dsn(name, user=CONSOLE_ROLE, password=ROLE_PASSWORD),
+        RELAY_CONSOLE_TOKEN=TOKEN,
+        RELAY_CONSOLE_VIEWER_TOKEN=VIEWER_TOKEN,
+        RELAY_CONSOLE_PORT=str(port),
+        RELAY_CONSOLE_REFRESH_SECONDS="0",
+    )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log_path = ARTIFACTS / "replay-console.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            relay_command("console"), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until(
+                lambda: http_get(url + "/healthz")[0] == 200 or process.poll() is not None,
+                timeout=30,
+                message="the console listening",
+            )
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            yield Console(dsn, url)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            pg.drop_database(name)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium not installed")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def context(browser: Browser) -> Iterator[BrowserContext]:
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context.set_default_timeout(10_000)
+    yield context
+    context.close()
+
+
+def log_in(context: BrowserContext, console: Console, token: str = TOKEN) -> Page:
+    page = context.new_page()
+    page.goto(console.url + "/login")
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(console.url + "/")
+    return page
+
+
+def local_input(moment: datetime) -> str:
+    """A datetime-local field's value for `moment`, in UTC (the console's times)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def test_the_console_counts_confirms_and_replays_and_the_audit_shows_it(
+    console: Console, context: BrowserContext
+) -> None:
+    topic = f"c-{uuid.uuid4().hex[:6]}"
+    keep(console.dsn, topic, [("k", b"1"), ("j", b"2"), ("k", b"3")], "5 minutes")
+    page = log_in(context, console)
+    page.click("nav >> text=Replay")
+    page.wait_for_url(console.url + "/replay")
+    page.fill("#replay input[name=topic]", topic)
+    page.fill("#replay input[name=key]", "k")
+    page.fill("#replay input[name=since]", local_input(datetime.now(UTC) - timedelta(hours=1)))
+    page.click("#replay button[type=submit]")
+    page.wait_for_url(console.url + "/replay/confirm")
+    assert page.locator("h1").inner_text() == "Replay 2 rows?"
+    assert f"Topic “{topic}”, key “k”" in page.locator("#range").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "replay-confirm.png"), full_page=True)
+    assert outbox_rows(console.dsn) == []  # counting changes nothing
+    page.click("#confirm")
+    page.wait_for_url(re.compile(r".*/audit/\d+$"))
+    entry_id = int(page.url.rsplit("/", 1)[1])
+    assert page.locator("#done").inner_text() == "Replayed 2 rows."
+    assert f"relay-replay: {entry_id}" in page.locator("#replay-header").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "replay-audit-entry.png"), full_page=True)
+    rows = [r for r in outbox_rows(console.dsn) if r["topic"] == topic]
+    assert [bytes(r["payload"]) for r in rows] == [b"1", b"3"]
+    assert {r["headers"]["relay-replay"] for r in rows} == {str(entry_id)}
+    assert f"{rows[0]['id']}, {rows[1]['id']}" in page.locator("#row-ids").inner_text()
+    entry = next(a for a in audit_rows(console.dsn) if a["id"] == entry_id)
+    assert (entry["actor"], entry["action"], entry["row_count"]) == ("token", "replay", 2)
+    assert entry["target"]["via"] == "console" and entry["target"]["filter"]["key"] == "k"
+    page.click("text=Audit")
+    assert "replay" in page.locator("#audit-table").inner_text()
+
+
+def test_the_console_refuses_a_replay_whose_rows_changed_or_that_is_over_the_history(
+    console: Console, context: BrowserContext
+) -> None:
+    """A row sent into the range between the count and the confirmation: nothing is
+    replayed (409), as a requeue whose rows changed. A range before the history kept is
+    refused at the count, saying where the history starts."""
+    topic = f"c-{uuid.uuid4().hex[:6]}"
+    keep(console.dsn, topic, [("k", b"1")], "10 minutes")
+    page = log_in(context, console)
+    page.goto(console.url + "/replay")
+    page.fill("#replay input[name=topic]", topic)
+    page.fill("#replay input[name=since]", local_input(datetime.now(UTC) - timedelta(minutes=20)))
+    page.click("#replay button[type=submit]")
+    page.wait_for_url(console.url + "/replay/confirm")
+    assert page.locator("h1").inner_text() == "Replay 1 row?"
+    keep(console.dsn, topic, [("k", b"2")], "2 minutes")
+    page.click("#confirm")
+    page.wait_for_url(console.url + "/replay/apply")
+    assert "1 row(s) were confirmed, 2 match now" in page.locator(".error").inner_text()
+    assert [r for r in outbox_rows(console.dsn) if r["topic"] == topic] == []
+    page.goto(console.url + "/replay")
+    page.fill("#replay input[name=topic]", topic)
+    page.fill("#replay input[name=since]", "2000-01-01T00:00:00")
+    page.click("#replay button[type=submit]")
+    page.wait_for_url(console.url + "/replay/confirm")
+    assert "before the oldest row kept" in page.locator(".error").inner_text()
+
+
+def test_a_viewer_sees_the_replay_page_but_cannot_replay(
+    console: Console, context: BrowserContext
+) -> None:
+    page = log_in(context, console, VIEWER_TOKEN)
+    page.goto(console.url + "/replay")
+    assert page.locator("#replay").count() == 0
+    assert "may look, not change" in page.locator("main").inner_text()
+    csrf = page.get_attribute("input[name=csrf]", "value")
+    posted = page.request.post(
+        console.url + "/replay/confirm",
+        form={"csrf": csrf or "", "topic": "t", "since": "2000-01-01T00:00:00"},
+        headers={"Origin": console.url},
+    )
+    assert posted.status == 403
 
 
 # --- pure parts ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
+from relay.admin import replay
 from relay.console import api, data, forms, render
 from relay.console.auth import COOKIE, Auth, Identity
 from relay.console.headers import SecurityHeaders
@@ -346,6 +347,70 @@ class Console:
             )
         return RedirectResponse(f"/audit/{done.audit_id}", status_code=303)
 
+    # --- replay ---
+
+    async def replay_form(self, request: Request, identity: Identity) -> Response:
+        return self.page(
+            request,
+            "replay.html",
+            identity,
+            cap=self.settings.bulk_cap,
+            own_table=self.common.outbox_table is not None,
+        )
+
+    async def replay_confirm(self, request: Request, identity: Identity) -> Response:
+        form = await request.form()
+        try:
+            asked = forms.replay_request(form)
+        except ValueError as exc:
+            return PlainTextResponse(f"bad request: {exc}", status_code=400)
+        if self.common.outbox_table is not None:
+            return self._refused(request, identity, "an own table keeps its sent rows in place")
+        cap = self.settings.bulk_cap
+        try:
+            found: replay.Replay = await self.db(lambda conn: data.replay_count(conn, asked, cap))
+        except data.Refused as exc:
+            return self._refused(request, identity, str(exc))
+        return self.page(
+            request,
+            "replay_confirm.html",
+            identity,
+            asked=asked,
+            found=found,
+            since=replay.stamp(found.sent_from),
+            until=replay.stamp(found.sent_until),
+        )
+
+    async def replay_apply(self, request: Request, identity: Identity) -> Response:
+        form = await request.form()
+        try:
+            asked = forms.replay_request(form)
+            confirmed = forms.int_param(str(form.get("confirmed", "")))
+        except ValueError as exc:
+            return PlainTextResponse(f"bad request: {exc}", status_code=400)
+        if confirmed is None or asked.until is None:
+            return PlainTextResponse("bad request: not from a confirmation", status_code=400)
+        if self.common.outbox_table is not None:
+            return self._refused(request, identity, "an own table keeps its sent rows in place")
+        cap = self.settings.bulk_cap
+        try:
+            done: replay.Replay = await self.db(
+                lambda conn: data.replay_apply(conn, identity.user, asked, confirmed, cap)
+            )
+        except (data.Refused, data.Changed) as exc:
+            return self._refused(request, identity, f"{exc}; look again and confirm anew")
+        return RedirectResponse(f"/audit/{done.replay_id}", status_code=303)
+
+    def _refused(self, request: Request, identity: Identity, why: str) -> Response:
+        return self.page(
+            request,
+            "missing.html",
+            identity,
+            status=409,
+            what=f"nothing replayed: {why}",
+            back="/replay",
+        )
+
     # --- probes ---
 
     async def healthz(self, _request: Request) -> Response:
@@ -382,6 +447,9 @@ class Console:
             Route("/dead-letters/apply", g(self.apply, change=True), methods=["POST"]),
             Route("/rows/{row_id:int}", g(self.row)),
             Route("/blocked", g(self.blocked)),
+            Route("/replay", g(self.replay_form)),
+            Route("/replay/confirm", g(self.replay_confirm, change=True), methods=["POST"]),
+            Route("/replay/apply", g(self.replay_apply, change=True), methods=["POST"]),
             Route("/audit", g(self.audit)),
             Route("/audit/{entry_id:int}", g(self.audit_entry)),
             Mount(api.PREFIX, app=self.api.application()),

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from psycopg.types.json import Jsonb
 
-from relay.admin import dead_letters, status
+from relay.admin import dead_letters, replay, status
 from relay.admin.migrate import SchemaState
 from relay.drain.batch import SetAside
 from relay.observe import lag
@@ -289,6 +289,41 @@ def change(
         assert entry is not None  # INSERT ... RETURNING: one row
     log.info("console.changed", actor=actor, action=action, rows=len(done), audit_id=entry["id"])
     return Done(int(entry["id"]), done, note)
+
+
+# --- replay ----------------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """A replay the history or the cap does not allow (relay/admin/replay.py, `refusal`):
+    nothing was changed."""
+
+
+def replay_count(conn: db.Conn, request: replay.Request, cap: int) -> replay.Replay:
+    """What a replay would put back, for its confirmation; refused as `relay replay`
+    refuses (no history, a range before it, more than `cap` rows)."""
+    found = replay.count(conn, request)
+    refused = replay.refusal(found, cap)
+    if refused is not None:
+        raise Refused(refused)
+    return found
+
+
+def replay_apply(
+    conn: db.Conn, actor: str, request: replay.Request, confirmed: int, cap: int
+) -> replay.Replay:
+    """Replay exactly the `confirmed` count of rows, with its audit entry (one statement:
+    outbox_replay), or nothing."""
+    found = replay.replay(
+        conn, request, max_rows=cap, actor=actor, via="console", expected=confirmed
+    )
+    refused = replay.refusal(found, cap)
+    if refused is not None:
+        raise Refused(refused)
+    if found.replay_id is None:
+        raise Changed(confirmed, found.matching)
+    log.info("console.replayed", actor=actor, rows=found.replayed, audit_id=found.replay_id)
+    return found
 
 
 # --- audit -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 
 from starlette.datastructures import FormData
 
+from relay.admin import replay
 from relay.console import data
 
 BIGINT_MAX = (1 << 63) - 1
@@ -95,6 +96,26 @@ def target_of(form: FormData) -> data.Target:
     if not ids:
         raise ValueError("no rows chosen")
     return data.Target(ids=ids)
+
+
+def replay_request(form: Mapping[str, Any]) -> replay.Request:
+    """A replay's filter: a topic and a start (required), an end and a key (optional);
+    times as `time_param` reads them (UTC without an offset)."""
+
+    def text(name: str) -> str | None:
+        value = form.get(name)
+        if not isinstance(value, str) or not value.strip():
+            return None
+        if "\0" in value:
+            raise ValueError(f"{name} holds a NUL character")
+        return value.strip()
+
+    topic, since = text("topic"), time_param(text("since"))
+    if topic is None or since is None:
+        raise ValueError("a replay needs a topic and a start time")
+    return replay.Request(
+        topic=topic, since=since, until=time_param(text("until")), key=text("key")
+    )
 
 
 def ids_of(values: Sequence[str]) -> tuple[int, ...]:
