@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 RESERVED_HEADERS = ("message-id", "created-at")
-# The header a replayed row carries (`relay replay`, migration 0101), its value the
+# The header a replayed row carries (`relay replay`), its value the
 # replay's id. Unlike the two above it is a row header, sent on as the row's others
 # are; the replay sets it, so an app may not.
 REPLAY_HEADER = "relay-replay"

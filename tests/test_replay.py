@@ -1,4 +1,4 @@
-"""Replay (issue 50, `relay replay`, migration 0101): rows kept as sent put back into the
+"""Replay (issue 50, `relay replay`): rows kept as sent put back into the
 outbox as new rows, on real PostgreSQL and Kafka, through the command as the runtime
 role (migrations/grants.sql) and through the console in a real browser as the console's
 role (console_grants.sql)."""

@@ -1,7 +1,7 @@
 """Replay (`relay replay`, the console's replay): the rows of a topic (and key) kept as
 sent in a time range, put back into the outbox as new rows, in their original order.
 
-The statement (relay/sql/replay.sql) and its function (`outbox_replay`, migration 0101)
+The statement (relay/sql/replay.sql) and its function (`outbox_replay`, migrations/0100_schema.sql)
 decide what is copied and copy it with its audit entry, in one statement; this module
 names the request, reads the answer, and says why a replay was, or would be, refused.
 """

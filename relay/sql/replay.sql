@@ -1,7 +1,7 @@
 -- Replay (`relay replay`, relay/admin/replay.py, and the console's replay): rows kept as
 -- sent in outbox_sent (RELAY_RETENTION_SECONDS) put back into the outbox as new rows.
 -- The copy and its audit entry are one statement of the function outbox_replay
--- (migration 0101), which runs as the tables' owner; what it copies and when it refuses
+-- (migrations/0100_schema.sql), which runs as the tables' owner; what it copies and when it refuses
 -- is written there. Parameters are named, %(name)s; nothing here is built by string
 -- concatenation.
 
