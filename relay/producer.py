@@ -73,7 +73,7 @@ def _statement(
 ) -> tuple[str, dict[str, Any]]:
     """The statement to run and its parameters: `enqueue`, `enqueue_notify`, or
     `enqueue_scheduled`. An unscheduled row is written without naming `available_at`,
-    so an app can take a newer relay package before the database has migration 0008."""
+    so an app can take a newer relay package before the database can schedule rows."""
     params = _params(topic, payload, key, headers, trace_context)
     if notify is not None and (not isinstance(notify, str) or not notify):
         raise ValueError("notify must be the channel name (RELAY_NOTIFY_CHANNEL)")

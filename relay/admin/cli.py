@@ -354,7 +354,7 @@ def cmd_check(_args: argparse.Namespace) -> int:
                 )
                 return EXIT_FAILURE
             repository.lease_status(conn)
-            # Heartbeats (migration 0006 and its grants): without them the relay runs,
+            # Heartbeats (the replicas table and its grants): without them the relay runs,
             # but a leader cut off from the sink never gives way.
             conn.execute(QUERIES.replica_status).fetchall()
             sample = lag.measure(conn, 1_000)

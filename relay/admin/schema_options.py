@@ -20,7 +20,7 @@ from relay.store import db
 
 log = get_logger("relay.migrate")
 
-# The fair fetch's walk over keys (migration 0015), and the one index besides the primary
+# The fair fetch's walk over keys, and the one index besides the primary
 # key that every row the app inserts enters: RELAY_FAIRNESS=off reads neither it nor a
 # shard count's own (`relay migrate --without-key-index`).
 KEY_INDEX = "outbox_key_hash_idx"
@@ -28,8 +28,7 @@ KEY_INDEX = "outbox_key_hash_idx"
 
 def shard_index_names(shards: int) -> tuple[str, str]:
     """The two indexes a count of `shards` needs: unsent rows that are due by id, and
-    by key hash (migration 0015; `outbox_shards_N_due_key_idx` on whole keys, which
-    the previous release reads, goes with migration 0017)."""
+    by key hash."""
     return f"outbox_shards_{shards}_due_idx", f"outbox_shards_{shards}_due_key_hash_idx"
 
 
@@ -96,7 +95,7 @@ def create_shard_indexes(settings: CommonSettings, shards: int) -> list[str]:
 
 def set_key_index(settings: CommonSettings, wanted: bool) -> list[str]:
     """`relay migrate --with-key-index` / `--without-key-index`: build (CONCURRENTLY, as
-    migration 0015 would) or drop (CONCURRENTLY) the fair fetch's key index; dropping
+    0100_schema.sql does) or drop (CONCURRENTLY) the fair fetch's key index; dropping
     it, every shard count's key index too (`relay migrate --shards N` builds a count's
     again only with the outbox's). Only once every relay runs with RELAY_FAIRNESS=off
     may they go: a fair fetch without them reads the whole backlog

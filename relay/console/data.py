@@ -335,7 +335,7 @@ def audit_page(conn: db.Conn, before: int | None, limit: int) -> list[dict[str, 
 
 def audit_entry(conn: db.Conn, entry_id: int) -> dict[str, Any] | None:
     """An entry with its row ids' count and the first AUDIT_IDS_SHOWN of them (NULL for
-    an entry recorded before migration 0014)."""
+    an entry recorded without them)."""
     return conn.execute(
         QUERIES.console_audit_entry, {"id": entry_id, "shown": AUDIT_IDS_SHOWN}
     ).fetchone()

@@ -13,13 +13,13 @@ from typing import Literal
 from relay.drain.fairness import FairnessGroup
 
 # What a settle does with the rows the sink acknowledged: delete them (the default),
-# move them into outbox_sent (retention mode, migration 0013), or mark them sent where
+# move them into outbox_sent (retention mode), or mark them sent where
 # they are (retention mode with an own table, RELAY_OUTBOX_TABLE).
 SentRows = Literal["delete", "move", "mark"]
 
 # Where the drain keeps the rows it sets aside, dead letters and rows scheduled for
 # later: moved into tables of the relay's own beside the outbox ("move": outbox_dead and
-# outbox_scheduled, migrations 0018 and 0020), or left in the outbox, marked ("mark": an
+# outbox_scheduled), or left in the outbox, marked ("mark": an
 # own table, RELAY_OUTBOX_TABLE).
 SetAside = Literal["move", "mark"]
 

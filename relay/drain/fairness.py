@@ -1,6 +1,6 @@
 """Fairness per tenant (RELAY_FAIRNESS_GROUP): what a group is, and the index its fetch
 walks. The fetch itself is relay/sql/drain.sql's `fetch_batch` (steps 4 and 5); the
-group of a row is migration 0012's `outbox_fairness_group`.
+group of a row is the schema's `outbox_fairness_group`.
 """
 
 from __future__ import annotations

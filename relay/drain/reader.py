@@ -54,8 +54,8 @@ def without(rows: list[OutboxMessage], held: frozenset[str]) -> list[OutboxMessa
 
 
 # The pass for scheduled rows runs at least this often, whatever the idle poll: it also
-# moves rows the app scheduled for later out of the outbox (migration 0021), and until
-# it does the fetch's walk in id order steps over them.
+# moves rows the app scheduled for later out of the outbox, and until it does the
+# fetch's walk in id order steps over them.
 SCHEDULE_PASS_SECONDS = 1.0
 
 

@@ -15,7 +15,7 @@ The protocol (docs/DESIGN.md, "The lease"):
    the lease up the same way, once a live replica reports it can reach the sink
    (relay/store/presence.py); the drain loop decides, the elector's thread writes it.
 
-Shards (migration 0007): with N > 1 shards each shard has a lease row of its own
+Shards: with N > 1 shards each shard has a lease row of its own
 (`shard_lease_name`), and every guarantee above holds per row. Every acquisition first
 passes through its group's row (`lease_group_claim`): acquisitions of one group are
 serialized, and the group's shard count changes only while no lease of the old count is

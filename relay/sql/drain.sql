@@ -23,8 +23,8 @@
 
 -- fragment: header_facts
 -- What the fetch needs of a candidate row's (`o`) headers, from one walk of them (a
--- walk per need cost three times as much), as one outbox_header_facts (migration
--- 0016); NULL for headers that are no object (jsonb_each would fail on them), without
+-- walk per need cost three times as much), as one outbox_header_facts (a type of the
+-- schema's); NULL for headers that are no object (jsonb_each would fail on them), without
 -- running the walk at all. bytes: their size in row_size, each header its name and its
 -- value as text, never the whole headers printed as JSON (a value of control
 -- characters prints six times its size, past what one text can hold: the fetch would

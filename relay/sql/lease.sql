@@ -9,7 +9,7 @@
 
 -- name: lease_ensure
 -- Create the lease row on first use, expired and unheld, epoch 0; and its group's row
--- (migration 0007), in force with this replica's shard count if it is the first.
+-- (lease_groups), in force with this replica's shard count if it is the first.
 WITH grp AS (
     INSERT INTO lease_groups (name, shards) VALUES (%(group)s, %(shards)s)
     ON CONFLICT (name) DO NOTHING

@@ -48,7 +48,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     WHERE (available_at IS NULL OR promoted_at IS NOT NULL);
 
 -- name: shard_index_keys
--- ... and walks its keys (the fair fetch, by their hash: migration 0015) from this one.
+-- ... and walks its keys (the fair fetch, by their hash) from this one.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
     ON outbox (outbox_shard(key, id, {shards}), outbox_key_hash(key), id)
     WHERE (available_at IS NULL OR promoted_at IS NOT NULL);
@@ -56,7 +56,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}
 -- name: fairness_index
 -- `relay migrate --fairness-group SPEC [--shards N]`: the round over fairness groups
 -- (RELAY_FAIRNESS_GROUP) walks the groups, and each group's rows in id order, from this
--- index. {kind} and {arg} are the grouping's (migration 0012), {shards} N (1: no shard
+-- index. {kind} and {arg} are the grouping's (outbox_fairness_group's), {shards} N (1: no shard
 -- column), {index} the name; all composed by psycopg.sql. With one shard the shard
 -- column is left out: the fetch's expression then folds to the group alone.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {index}

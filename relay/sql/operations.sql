@@ -187,7 +187,7 @@ FROM replicas
 ORDER BY lease_name, replica_id;
 
 -- name: lease_group_shards
--- The shard count in force for each lease group (migration 0007's table), for status.
+-- The shard count in force for each lease group (lease_groups), for status.
 SELECT name, shards FROM lease_groups ORDER BY name;
 
 ------------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ SELECT has_table_privilege(to_regclass('outbox_sent'), 'INSERT') AS can_keep,
            AS can_read_generations;
 
 -- name: sent_generation_due
--- Retention mode (migration 0013): the generation of outbox_sent to empty and make the
+-- Retention mode: the generation of outbox_sent to empty and make the
 -- current one, if it is time. It is the one after the current, once the current has
 -- taken rows for a (%(generations)s - 1)th of the retention, and only if every row in
 -- it is older than the retention: its rows were all sent before the generation after

@@ -171,7 +171,7 @@ WHERE false
 -- name: own_table_scheduled_stand_in
 -- An empty outbox_scheduled for the table, whose scheduled rows stay in it until due:
 -- the fetch's probe "an earlier row of my key is moved out" and the lag gauges read it
--- (migration 0020) and find nothing here, never the relay's own outbox's rows.
+-- and find nothing here, never the relay's own outbox's rows.
 CREATE OR REPLACE VIEW {stand_in} AS
 SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
        attempts, last_error

@@ -25,7 +25,7 @@ FROM added;
 
 -- name: enqueue_scheduled
 -- enqueue with a delivery time (relay.enqueue(available_at=... or delay=...)): the row
--- is not published before it, by the database clock (migration 0008). `delay` counts
+-- is not published before it, by the database clock. `delay` counts
 -- from the app's transaction's start, now(). With %(channel)s, a NOTIFY as in
 -- enqueue_notify (it wakes the relays at commit; the row still waits for its time).
 WITH added AS (

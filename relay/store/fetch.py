@@ -77,7 +77,7 @@ def fetch_batch(
     `share_busy_keys=False` skips the second reason where the cap may be filled past
     anyway (`limits.fill`): the caller's way to look for other keys less often while
     a key drains alone.
-    `shards`, `shard`: with more than one shard, only that shard's rows (migration 0007).
+    `shards`, `shard`: with more than one shard, only that shard's rows.
     With `limits.group` (RELAY_FAIRNESS_GROUP), a full head is shared out too: groups
     past it may wait. `after_group`: where the round over groups starts.
     """

@@ -163,7 +163,7 @@ class Presence(threading.Thread):
                 log.error(
                     "presence.unavailable",
                     error=db.describe_error(exc),
-                    hint="apply migration 0006 (relay migrate) and migrations/grants.sql;"
+                    hint="run relay migrate and apply migrations/grants.sql;"
                     " until then this replica never gives way nor defers",
                 )
             self._missing_schema = True

@@ -21,9 +21,9 @@ from relay.store.rows import LeaseRow, ReplicaRow
 def promote_due(
     conn: Conn, limit: int, *, shards: int = 1, shard: int = 0, set_aside: SetAside
 ) -> Promoted:
-    """Let scheduled rows that are due into the drain (migration 0008). With
+    """Let scheduled rows that are due into the drain. With
     `set_aside` "move" (the relay's own outbox), those moved out into
-    outbox_scheduled first, then the rows scheduled for later moved out (0020-0021)."""
+    outbox_scheduled first, then the rows scheduled for later moved out."""
     params = {"limit": limit, "shards": shards, "shard": shard}
     let_in = 0
     more_to_move = False
@@ -139,7 +139,7 @@ SETTLE_SENT = {"delete": QUERIES.delete_sent, "move": QUERIES.move_sent, "mark":
 DEAD_LETTER = {"move": QUERIES.dead_letter_move, "mark": QUERIES.dead_letter}
 
 
-# outbox_sent's generations (migration 0013: its LIST partitions outbox_sent_0..3).
+# outbox_sent's generations (its LIST partitions outbox_sent_0..3).
 SENT_GENERATIONS = 4
 
 
@@ -148,7 +148,7 @@ def sent_history_problem(conn: Conn) -> str | None:
     row = conn.execute(QUERIES.sent_history_access).fetchone()
     assert row is not None
     if row["can_keep"] is None or row["can_read_generations"] is None:
-        return "outbox_sent is missing: run `relay migrate` (migration 0013)"
+        return "outbox_sent is missing: run `relay migrate`"
     if not (row["can_keep"] and row["can_read_generations"]):
         return (
             "the role may not write outbox_sent: run migrations/grants.sql again"
@@ -200,7 +200,7 @@ def lease_status(conn: Conn) -> list[LeaseRow]:
 
 
 def lease_group_shards(conn: Conn) -> dict[str, int]:
-    """Each lease group's shard count in force; none before migration 0007."""
+    """Each lease group's shard count in force."""
     try:
         with conn.transaction():
             rows = conn.execute(QUERIES.lease_group_shards).fetchall()
@@ -210,7 +210,7 @@ def lease_group_shards(conn: Conn) -> dict[str, int]:
 
 
 def replica_status(conn: Conn) -> list[ReplicaRow]:
-    """Every replica's last heartbeat; none before migration 0006 (no table yet)."""
+    """Every replica's last heartbeat."""
     try:
         with conn.transaction(), conn.cursor(row_factory=class_row(ReplicaRow)) as cur:
             return cur.execute(QUERIES.replica_status).fetchall()

@@ -161,7 +161,7 @@ def sent_history(conn: db.Conn, _settings: Settings) -> None:
 
 def own_table_key_index(conn: db.Conn, settings: Settings) -> None:
     """RELAY_OUTBOX_TABLE with a key: the index the round over keys walks is on the
-    key's hash (migration 0015). An earlier release's `--own-table` built it on the
+    key's hash. An earlier release's `--own-table` built it on the
     whole key, and the fair fetch would then read the table once per key."""
     row = conn.execute(
         QUERIES.own_table_key_index_check,
