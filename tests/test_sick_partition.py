@@ -46,7 +46,7 @@ def unsent_of(dsn: str, keys: set[str]) -> int:
     return int(
         scalar(
             dsn,
-            "SELECT count(*) FROM outbox AND key = ANY(%s)",
+            "SELECT count(*) FROM outbox WHERE key = ANY(%s)",
             (sorted(keys),),
         )
     )

@@ -42,7 +42,7 @@ from tests.support import (
 IN_ORDER = BatchLimits(rows=100, bytes=8 << 20, per_key=20, fair=False)
 KEY_INDEX_PRESENT = (
     "SELECT count(*) FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
-    " WHERE c.relname = 'outbox_due_key_hash_idx' AND i.indisvalid"
+    " WHERE c.relname = 'outbox_key_hash_idx' AND i.indisvalid"
 )
 
 
@@ -102,15 +102,15 @@ def fetch_in_order(database: str, limits: BatchLimits = IN_ORDER) -> list[Outbox
 def test_migrate_drops_the_key_index_and_builds_it_again(database: str) -> None:
     dropped = relay_migrate_run(database, "--without-key-index")
     assert dropped.returncode == 0, dropped.stderr
-    assert "key index: dropped outbox_due_key_hash_idx" in dropped.stdout
+    assert "key index: dropped outbox_key_hash_idx" in dropped.stdout
     assert scalar(database, KEY_INDEX_PRESENT) == 0
     again = relay_migrate_run(database, "--without-key-index")
     assert again.returncode == 0 and "key index: already gone" in again.stdout
     built = relay_migrate_run(database, "--with-key-index")
-    assert built.returncode == 0 and "key index: built outbox_due_key_hash_idx" in built.stdout
+    assert built.returncode == 0 and "key index: built outbox_key_hash_idx" in built.stdout
     assert scalar(database, KEY_INDEX_PRESENT) == 1
     # The same index as migration 0015's: the fair fetch's plan tests read it by name.
-    definition = scalar(database, "SELECT pg_get_indexdef('outbox_due_key_hash_idx'::regclass)")
+    definition = scalar(database, "SELECT pg_get_indexdef('outbox_key_hash_idx'::regclass)")
     assert "outbox_key_hash(key), id" in definition and "promoted_at IS NOT NULL" in definition
     assert "already there" in relay_migrate_run(database, "--with-key-index").stdout
 
@@ -149,7 +149,7 @@ def test_with_shards_the_drop_takes_every_counts_key_index_and_none_comes_back(
     # ... until the key index is asked for: then a count's comes with it.
     relay_migrate(database, "--with-key-index", "--shards", "3")
     names = outbox_indexes(database)
-    assert {"outbox_due_key_hash_idx", "outbox_shards_3_due_key_hash_idx"} <= names
+    assert {"outbox_key_hash_idx", "outbox_shards_3_due_key_hash_idx"} <= names
 
 
 def test_fair_fetch_without_the_key_index_stops_start_up_naming_the_setting(
@@ -338,7 +338,7 @@ def test_the_console_shows_blocked_keys_without_counting_behind_them(database: s
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
         counted = data.blocked_keys(conn, 10, 100)
         assert [(r["key"], r["waiting_behind"]) for r in counted] == [("B", 4)]
-        conn.execute("DROP INDEX outbox_due_key_hash_idx")
+        conn.execute("DROP INDEX outbox_key_hash_idx")
         uncounted = data.blocked_keys(conn, 10, 100)
         assert [(r["key"], r["waiting_behind"]) for r in uncounted] == [("B", None)]
     assert count(None, 100) == "-"

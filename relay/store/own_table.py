@@ -88,9 +88,11 @@ def statements(
     out.append(
         sql.SQL(QUERIES.own_table_dead_letters_view).format(dead_view=dead_view, marked=marked)
     )
-    out.append(sql.SQL(QUERIES.own_table_dead_stand_in).format(stand_in=stand_in, view=view))
+    out.append(sql.SQL(QUERIES.own_table_dead_stand_in).format(stand_in=stand_in, view=marked))
     scheduled = sql.Identifier(schema, "outbox_scheduled")
-    out.append(sql.SQL(QUERIES.own_table_scheduled_stand_in).format(stand_in=scheduled, view=view))
+    out.append(
+        sql.SQL(QUERIES.own_table_scheduled_stand_in).format(stand_in=scheduled, view=marked)
+    )
     out.append(
         sql.SQL(QUERIES.own_table_dead_letters_readers).format(
             view_name=sql.Literal(view.as_string(None)),
