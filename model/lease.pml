@@ -57,7 +57,7 @@
 
 /* --- the database ------------------------------------------------------------------ */
 
-/* leases (migration 0007): holder (replica + 1, 0 = NULL), epoch, expires_at - now()
+/* leases: holder (replica + 1, 0 = NULL), epoch, expires_at - now()
  * (0: expired), released_at IS NOT NULL. */
 byte lh[3];
 byte le[3];

@@ -652,8 +652,8 @@ def test_a_discard_by_filter_states_its_count_and_is_audited(
 
 
 def test_an_audit_entry_lists_its_row_ids_compactly(world: World, context: BrowserContext) -> None:
-    """A few hundred ids, then "… and N more"; an entry from before migration 0014
-    (no ids recorded) says so."""
+    """A few hundred ids, then "… and N more"; an entry recorded without its ids says
+    so."""
     ids = list(range(10_000, 11_200))
     entries = execute(
         world.dsn,

@@ -9,7 +9,9 @@ checked, in every tracked text file:
 - an anchor: `page.md#anchor` and `](#anchor)`: the page has a heading with that anchor;
 - a file: `relay/...`, `tests/...`, `docs/...` and the other top folders: it exists;
   and a shorter path in backticks, `` `sinks/kafka/sink.py` ``: some file ends so;
-- a module: `relay.x.y` (and `relay.x.y.name`): it imports, and has the name.
+- a module: `relay.x.y` (and `relay.x.y.name`): it imports, and has the name;
+- a migration: `migration 0015`, `migrations 0018-0022`: migrations/ has that file (the
+  ones a schema file replaced are gone: say what the thing is instead).
 
 Left out: this file (its examples point nowhere on purpose), `migrations/*.sql`
 (applied by checksum: a changed comment would stop every database that applied it),
@@ -50,6 +52,7 @@ PARTIAL = re.compile(r"`(?P<path>[\w/]+\.(?:py|sql))`")
 MODULE = re.compile(r"(?<![\w./-])(?P<name>relay(?:\.[A-Za-z_]\w*)+)(?![\w(/-])")
 # What is named like a module and is none: log events (`relay.started`), a log file.
 LOG_EVENT = re.compile(r"\.(?:debug|info|warning|error|exception|critical)\(\s*\"([\w.]+)\"")
+MIGRATION = re.compile(r"\bmigrations? (?P<first>\d{4})(?:-(?P<last>\d{4}))?\b")
 FILE_SUFFIXES = (".log", ".py", ".sql", ".md", ".toml", ".json", ".txt", ".yaml", ".pid")
 
 
@@ -122,6 +125,11 @@ def section_exists(doc: str, section: str) -> bool:
 
 
 @cache
+def migration_versions() -> frozenset[str]:
+    return frozenset(p.name[:4] for p in (REPO / "migrations").glob("[0-9][0-9][0-9][0-9]_*.sql"))
+
+
+@cache
 def log_events() -> frozenset[str]:
     events: set[str] = set()
     for path in (REPO / "relay").rglob("*.py"):
@@ -179,6 +187,10 @@ def citations() -> Iterator[tuple[str, int, str, str]]:
                 path = m["path"].rstrip("/")
                 if not (REPO / path).exists() and not path.startswith(ELSEWHERE + ignored()):
                     yield name, number, "file", path
+            for m in MIGRATION.finditer(line):
+                for version in filter(None, (m["first"], m["last"])):
+                    if version not in migration_versions():
+                        yield name, number, "migration", version
             for m in PARTIAL.finditer(line):
                 if not any(f == m["path"] or f.endswith("/" + m["path"]) for f in files()):
                     yield name, number, "file", m["path"]
@@ -207,3 +219,5 @@ def test_the_checker_finds_a_broken_citation_of_each_kind(tmp_path: Path) -> Non
     assert not section_exists("README.md", "No such section")
     assert section_exists("README.md", "Write to the outbox")
     assert ANCHOR.search(line)
+    assert [m["first"] for m in MIGRATION.finditer("as migration 0015 did")] == ["0015"]
+    assert "0015" not in migration_versions() and "0100" in migration_versions()

@@ -273,7 +273,7 @@ def test_a_key_index_of_an_earlier_release_stops_start_up_until_own_table_runs_a
     make_settings: SettingsFactory, debezium_table: str
 ) -> None:
     """An earlier release's `--own-table` built the key index on the whole key; this
-    release's fair fetch walks the key's hash (migration 0015), and without that index
+    release's fair fetch walks the key's hash, and without that index
     would read the table once per key (found in review: 5.5 s a fetch at 100,000 rows)."""
     database = debezium_table
     assert migrate_own_table(database).returncode == 0

@@ -542,7 +542,7 @@ def test_rows_stamped_infinity_neither_stop_the_drain_nor_the_lag_gauges(
     with running_relay(make_settings()):
         records = consume(kafka.bootstrap_servers, topic, min_count=2)
     assert sorted(r.value or b"" for r in records) == [b"o", b"s"]
-    # Never due: waiting in the outbox, or moved out of it until due (migration 0020).
+    # Never due: waiting in the outbox, or moved out of it until due.
     assert (
         scalar(database, "SELECT key FROM outbox UNION ALL SELECT key FROM outbox_scheduled")
         == "never"

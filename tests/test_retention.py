@@ -1,4 +1,4 @@
-"""Retention mode (RELAY_RETENTION_SECONDS > 0, migration 0013) on real PostgreSQL and
+"""Retention mode (RELAY_RETENTION_SECONDS > 0) on real PostgreSQL and
 Kafka: a settle moves the acknowledged rows out of the outbox into outbox_sent's
 current generation, under the same fence; the purge empties the oldest generation
 whole, and only once every row in it is older than the retention; the runtime role
@@ -279,7 +279,7 @@ def test_a_settle_landing_in_the_old_generation_during_a_rotation_is_before_the_
 def test_a_relay_that_cannot_move_sent_rows_does_not_publish_them_again_and_again(
     make_settings: SettingsFactory, database: str, missing: str
 ) -> None:
-    """Retention mode needs migration 0013 and grants.sql's new lines (INSERT on
+    """Retention mode needs outbox_sent and grants.sql's new lines (INSERT on
     outbox_sent). An upgrade that runs the new relay before either (grants.sql not
     re-run, or the image rolled out before `relay migrate`) must be refused at start-up
     with a clear reason, as a missing shard or fairness index is: the settle fails

@@ -1,4 +1,4 @@
-"""Scheduled delivery (available_at, migration 0008) on real PostgreSQL and Kafka: a row
+"""Scheduled delivery (available_at) on real PostgreSQL and Kafka: a row
 is not published before its time by the database clock, holds back the later rows of
 its key meanwhile, is not lag until due, and a large schedule costs the fetch nothing."""
 
@@ -92,7 +92,7 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
 
 def test_a_large_schedule_costs_the_fetch_nothing(database: str) -> None:
     """30,000 rows scheduled for later, in front, each its own key: once the drain's
-    pass moved them out of the outbox (migration 0020), the fetch finds the rows due
+    pass moved them out of the outbox, the fetch finds the rows due
     behind them without stepping over them."""
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
@@ -561,7 +561,7 @@ def test_a_let_in_that_stops_at_its_bytes_says_to_look_again_at_once(database: s
 def test_unpark_all_puts_every_parked_row_back_as_an_earlier_release_wrote_it(
     database: str,
 ) -> None:
-    """The rollback past migration 0020 (docs/howto/scheduled-delivery.md): parking off,
+    """The rollback past scheduled rows moved out (docs/howto/scheduled-delivery.md): parking off,
     every parked row back in the outbox under its id, not let in, its added columns
     restored; a later pass parks nothing."""
     with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:

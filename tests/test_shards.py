@@ -1,4 +1,4 @@
-"""Shards, the database half (migration 0007): each shard's fetch reads its own rows
+"""Shards, the database half: each shard's fetch reads its own rows
 through its own index, every key lives in one shard, and the lease group lets only one
 shard count drain at a time, fencing the old count when it changes."""
 

@@ -109,7 +109,7 @@ def test_migrate_drops_the_key_index_and_builds_it_again(database: str) -> None:
     built = relay_migrate_run(database, "--with-key-index")
     assert built.returncode == 0 and "key index: built outbox_key_hash_idx" in built.stdout
     assert scalar(database, KEY_INDEX_PRESENT) == 1
-    # The same index as migration 0015's: the fair fetch's plan tests read it by name.
+    # The same index as 0100_schema.sql's: the fair fetch's plan tests read it by name.
     definition = scalar(database, "SELECT pg_get_indexdef('outbox_key_hash_idx'::regclass)")
     assert "outbox_key_hash(key), id" in definition and "promoted_at IS NOT NULL" in definition
     assert "already there" in relay_migrate_run(database, "--with-key-index").stdout
