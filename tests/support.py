@@ -135,6 +135,35 @@ def assert_per_key_order(records: Sequence[Record]) -> None:
         assert steps == sorted(steps), f"key {key} out of order: {steps}"
 
 
+class SteadyWriter(threading.Thread):
+    """Commits one row per key every 20 ms: at least `steps` steps, and on until
+    `until()` holds, so a fault armed mid-drain always has rows to fire on."""
+
+    def __init__(
+        self,
+        dsn: str,
+        topic: str,
+        steps: int,
+        keys: int = 10,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__()
+        self.dsn, self.topic, self.steps, self.keys = dsn, topic, steps, keys
+        self.until = until or (lambda: True)
+        self.written = 0
+        self.start()
+
+    def run(self) -> None:
+        step = 0
+        deadline = time.monotonic() + 60
+        while step < self.steps or (not self.until() and time.monotonic() < deadline):
+            rows = [(f"k{k}", f"k{k}:{step}".encode()) for k in range(self.keys)]
+            insert_rows(self.dsn, self.topic, rows)
+            self.written += len(rows)
+            step += 1
+            time.sleep(0.02)
+
+
 @contextmanager
 def running_relay(settings: Settings) -> Iterator[RelayApp]:
     """An in-process relay on a thread; stopped the way SIGTERM stops it."""

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from relay.sinks.nats.sink import headers_for
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.nats import NatsServer, Stored
-from tests.support import insert_rows, metric, running_relay, scalar, unsent_count, wait_until
+from tests.support import SteadyWriter, metric, running_relay, scalar, unsent_count, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,35 +32,6 @@ def assert_each_once_in_key_order(stored: list[Stored], total: int) -> None:
         steps.setdefault(key, []).append(int(step))
     for key, seen in steps.items():
         assert seen == sorted(seen), f"key {key} out of order: {seen}"
-
-
-class SteadyWriter(threading.Thread):
-    """Commits one row per key every 20 ms: at least `steps` steps, and on until
-    `until()` holds, so a fault armed mid-drain always has rows to fire on."""
-
-    def __init__(
-        self,
-        dsn: str,
-        topic: str,
-        steps: int,
-        keys: int = 10,
-        until: Callable[[], bool] | None = None,
-    ) -> None:
-        super().__init__()
-        self.dsn, self.topic, self.steps, self.keys = dsn, topic, steps, keys
-        self.until = until or (lambda: True)
-        self.written = 0
-        self.start()
-
-    def run(self) -> None:
-        step = 0
-        deadline = time.monotonic() + 60
-        while step < self.steps or (not self.until() and time.monotonic() < deadline):
-            rows = [(f"k{k}", f"k{k}:{step}".encode()) for k in range(self.keys)]
-            insert_rows(self.dsn, self.topic, rows)
-            self.written += len(rows)
-            step += 1
-            time.sleep(0.02)
 
 
 @pytest.fixture
