@@ -9,13 +9,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import psycopg
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay.daemon.app import RelayApp
 from relay.settings import Settings
+from relay.sinks.kafka.sink import KafkaSink
 from tests.harness.kafka import Record, consume
 
 T = TypeVar("T")
@@ -109,6 +111,21 @@ def outbox_indexes(dsn: str) -> dict[str, str]:
 
 def unsent_count(dsn: str) -> int:
     return int(scalar(dsn, "SELECT count(*) FROM outbox"))
+
+
+def sample(name: str, **labels: str) -> float:
+    """One series of this process's metrics (an in-process relay's), 0 while absent."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def failed_deliveries(sink: str, topic: str) -> float:
+    """Messages of `topic` an in-process relay handed to `sink` that came back without
+    an acknowledgement: the sink unreachable or past its deadline (`unavailable`), or a
+    failure of the message's own while others were acknowledged (`retry`)."""
+    return sum(
+        sample("relay_messages_total", sink=sink, topic=topic, outcome=outcome)
+        for outcome in ("unavailable", "retry")
+    )
 
 
 def dedup_by_message_id(records: Sequence[Record]) -> list[Record]:
@@ -226,12 +243,26 @@ def assert_no_key_overtakes_itself(
     """Had librdkafka timed the first messages out itself, it would have bumped the
     idempotent producer's epoch and sent the later ones once the broker answered again:
     K:20.. before the retried K:0. Per key, the consumed sequence never goes back."""
-    with running_relay(settings):
+    with running_relay(settings) as app:
+        sink = cast(KafkaSink, app.sink)
         insert_rows(dsn, topic, [("warm", b"warm:0")])
         wait_until(lambda: unsent_count(dsn) == 0, timeout=30, message="producer warm")
+        failed = failed_deliveries("kafka", topic)
+
+        def given_up() -> bool:
+            """A message of K given up on past its delivery timeout, by whoever keeps
+            it: the relay (its batch came back unanswered) or, were the timeout left to
+            librdkafka, the producer (a timed-out message condemns it)."""
+            return failed_deliveries("kafka", topic) > failed or sink._needs_new_producer
+
+        assert not given_up(), "the producer was condemned before the fault"
         with silence():
             insert_rows(dsn, topic, [("K", f"K:{i}".encode()) for i in range(300)])
-            time.sleep(2.2)  # the fault: silent just past the delivery timeout
+            # The fault: silent just past the delivery timeout (not a guessed sleep:
+            # until the timeout has fired), then answering again at once, every row
+            # of K still unsent behind the unanswered K:0.
+            wait_until(given_up, timeout=30, message="K given up on at its delivery timeout")
+            assert unsent_count(dsn) == 300, "a row of K was marked sent during the silence"
         wait_until(lambda: unsent_count(dsn) == 0, timeout=90, message="all delivered")
     assert settings.kafka_bootstrap_servers
     records = consume(settings.kafka_bootstrap_servers, topic, min_count=301, timeout=60)
