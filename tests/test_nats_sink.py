@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import subprocess
-import time
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +16,15 @@ from relay.sinks.nats.sink import headers_for
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
 from tests.harness.nats import NatsServer, Stored
-from tests.support import SteadyWriter, metric, running_relay, scalar, unsent_count, wait_until
+from tests.support import (
+    SteadyWriter,
+    failed_deliveries,
+    metric,
+    running_relay,
+    scalar,
+    unsent_count,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -102,16 +110,29 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         server.create_stream(name, [subject])
         settings = make_settings(sink="nats", nats_url=server.url, sink_timeout_seconds=1.0)
         with running_relay(settings):
-            writer = SteadyWriter(database, subject, steps=30)
-            wait_until(lambda: len(server.read_stream(name)) >= 50, timeout=30, interval=0.1)
-            server.kill()
-            time.sleep(0.5)  # an outage, not a blip: the relay must notice and back off
-            server.start()
+            # The writer goes on until the server is back, so the outage always meets
+            # rows to deliver however fast the first ones drained.
+            back = threading.Event()
+            writer = SteadyWriter(database, subject, steps=30, until=back.is_set)
+            try:
+                wait_until(lambda: len(server.read_stream(name)) >= 50, timeout=30, interval=0.1)
+                failed = failed_deliveries("nats", subject)
+                server.kill()
+                # An outage, not a blip: the relay saw publishes fail against it.
+                wait_until(
+                    lambda: failed_deliveries("nats", subject) > failed,
+                    timeout=30,
+                    message="a publish to the dead server failed",
+                )
+                assert unsent_count(database) > 0, "nothing was left to deliver at the outage"
+                server.start()
+            finally:
+                back.set()
             writer.join(timeout=70)
             assert not writer.is_alive()
             wait_until(lambda: unsent_count(database) == 0, timeout=60, interval=0.1)
         assert scalar(database, "SELECT count(*) FROM outbox_dead_letters") == 0
-        assert_each_once_in_key_order(server.read_stream(name), total=300)
+        assert_each_once_in_key_order(server.read_stream(name), total=writer.written)
 
 
 @pytest.mark.unit
