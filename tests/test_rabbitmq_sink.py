@@ -4,7 +4,6 @@ the AMQP message carries what the README says."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import aio_pika
@@ -16,7 +15,15 @@ from relay.sinks.base import Outcome, Result
 from relay.sinks.rabbitmq.sink import message_for
 from tests.conftest import SettingsFactory
 from tests.harness.rabbitmq import Queued, RabbitmqServer
-from tests.support import insert_rows, running_relay, scalar, unsent_count, wait_until
+from tests.support import (
+    SteadyWriter,
+    failed_deliveries,
+    insert_rows,
+    running_relay,
+    scalar,
+    unsent_count,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,21 +54,32 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
     settings = make_settings(
         sink="rabbitmq", rabbitmq_url=rabbitmq_server.url, sink_timeout_seconds=2.0
     )
-
-    def write() -> None:
-        for step in range(30):
-            insert_rows(database, queue, [(f"k{k}", f"k{k}:{step}".encode()) for k in range(10)])
-            time.sleep(0.02)
-
     with running_relay(settings):
-        writer = threading.Thread(target=write)
-        writer.start()
-        wait_until(lambda: len(rabbitmq_server.read_queue(queue)) >= 50, timeout=30, interval=0.2)
-        rabbitmq_server.restart()  # SIGKILL, then the same node, port and data again
-        writer.join(timeout=60)
+        # The writer goes on until the node is back, so the kill always meets rows to
+        # deliver however fast the first ones drained.
+        back = threading.Event()
+        writer = SteadyWriter(database, queue, steps=30, until=back.is_set)
+        try:
+            wait_until(
+                lambda: len(rabbitmq_server.read_queue(queue)) >= 50, timeout=30, interval=0.2
+            )
+            failed = failed_deliveries("rabbitmq", queue)
+            rabbitmq_server.kill()
+            # The kill landed mid-drain: the relay saw publishes fail against the dead node.
+            wait_until(
+                lambda: failed_deliveries("rabbitmq", queue) > failed,
+                timeout=30,
+                message="a publish to the killed node failed",
+            )
+            assert unsent_count(database) > 0, "nothing was left to deliver at the kill"
+            rabbitmq_server.start()  # the same node, port and data again
+        finally:
+            back.set()
+        writer.join(timeout=70)
+        assert not writer.is_alive()
         wait_until(lambda: unsent_count(database) == 0, timeout=90, interval=0.2)
     assert scalar(database, "SELECT count(*) FROM outbox_dead_letters") == 0
-    assert_all_in_key_order(rabbitmq_server.read_queue(queue), total=300)
+    assert_all_in_key_order(rabbitmq_server.read_queue(queue), total=writer.written)
 
 
 def test_a_routing_key_no_queue_could_have_is_dead_lettered_and_its_key_goes_on(
