@@ -422,7 +422,7 @@ def test_rows_out_of_backoff_since_the_statistics_cost_the_head_nothing(database
     """Statistics taken during an outage, 20,000 rows in backoff; they are all sent
     since, and a backlog of 100,000 arrives. fetch_head's one look for rows in backoff,
     an EXISTS planned for many matches, read the whole outbox to find none; it is one
-    descent of outbox_backoff_idx."""
+    descent of outbox_waiting_idx."""
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")  # stay stale
         conn.execute(
@@ -489,7 +489,7 @@ def test_rare_keys_behind_a_hot_one_are_found_whatever_the_statistics(database: 
 def test_many_rows_in_backoff_with_stale_statistics_keep_the_fetch_cheap(database: str) -> None:
     """Statistics taken while almost nothing failed, then an outage puts 30,000 rows of
     their own keys in backoff, in front: the per-row backoff probe must stay on
-    outbox_backoff_idx (key, id). It used to take outbox_failing_idx (id) and read every
+    outbox_waiting_idx (key, id). It once took an index on the failing ids and read every
     failing row with a lower id, for every row it checked (found in review: 3 s a
     fetch with 30,000 failing rows). The 2,000 healthy keys come first in the round
     over keys (their hashes are the lowest), so one fetch reaches 500 of them."""

@@ -197,7 +197,7 @@ OUTBOX_BLOCKED = Gauge(
 )
 OUTBOX_DEAD = Gauge(
     "relay_outbox_dead_letter_rows",
-    "Dead letters, in outbox_dead or marked in place (counted up to the cap).",
+    "Dead letters, in outbox_dead (or an own table's, marked in place), up to the cap.",
 )
 OUTBOX_SCHEDULED = Gauge(
     "relay_outbox_scheduled_rows",
