@@ -110,10 +110,10 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         server.create_stream(name, [subject])
         settings = make_settings(sink="nats", nats_url=server.url, sink_timeout_seconds=1.0)
         with running_relay(settings):
-            # The writer goes on until the server is back, so the outage always meets
-            # rows to deliver however fast the first ones drained.
-            back = threading.Event()
-            writer = SteadyWriter(database, subject, steps=30, until=back.is_set)
+            # The writer goes on until the relay saw the outage, so the outage always
+            # meets rows to deliver however fast the first ones drained.
+            seen = threading.Event()
+            writer = SteadyWriter(database, subject, steps=30, until=seen.is_set)
             try:
                 wait_until(lambda: len(server.read_stream(name)) >= 50, timeout=30, interval=0.1)
                 failed = failed_deliveries("nats", subject)
@@ -125,9 +125,9 @@ def test_a_server_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
                     message="a publish to the dead server failed",
                 )
                 assert unsent_count(database) > 0, "nothing was left to deliver at the outage"
-                server.start()
             finally:
-                back.set()
+                seen.set()
+            server.start()
             writer.join(timeout=70)
             assert not writer.is_alive()
             wait_until(lambda: unsent_count(database) == 0, timeout=60, interval=0.1)

@@ -55,10 +55,10 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
         sink="rabbitmq", rabbitmq_url=rabbitmq_server.url, sink_timeout_seconds=2.0
     )
     with running_relay(settings):
-        # The writer goes on until the node is back, so the kill always meets rows to
-        # deliver however fast the first ones drained.
-        back = threading.Event()
-        writer = SteadyWriter(database, queue, steps=30, until=back.is_set)
+        # The writer goes on until the relay saw the kill, so the kill always meets rows
+        # to deliver however fast the first ones drained.
+        seen = threading.Event()
+        writer = SteadyWriter(database, queue, steps=30, until=seen.is_set)
         try:
             wait_until(
                 lambda: len(rabbitmq_server.read_queue(queue)) >= 50, timeout=30, interval=0.2
@@ -72,9 +72,9 @@ def test_a_node_killed_mid_drain_loses_nothing_and_dead_letters_nothing(
                 message="a publish to the killed node failed",
             )
             assert unsent_count(database) > 0, "nothing was left to deliver at the kill"
-            rabbitmq_server.start()  # the same node, port and data again
         finally:
-            back.set()
+            seen.set()
+        rabbitmq_server.start()  # the same node, port and data again
         writer.join(timeout=70)
         assert not writer.is_alive()
         wait_until(lambda: unsent_count(database) == 0, timeout=90, interval=0.2)
