@@ -124,8 +124,9 @@ def migrate(settings: CommonSettings, directory: Path | None = None) -> Migrated
     read: it waits while this run is the one that applied NNNN, since replicas of that
     earlier release may still be running; a fresh database (nothing applied yet) has
     none, and takes everything at once. The migrations after a waiting one still go
-    in: this release's relays need them, and nothing a later migration does needs an
-    index dropped first (a test holds every after-rollout file to DROP statements).
+    in: this release's relays need them, and nothing a later migration does can need
+    what a waiting one does (a test holds every after-rollout file to retiring: it
+    drops and replaces, and creates no table, index, type or column).
     """
     # Those that only retire indexes go last: one that fails (its lock timeout) then
     # leaves nothing this release needs unapplied.
