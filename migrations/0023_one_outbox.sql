@@ -118,7 +118,7 @@ ALTER TABLE console_audit
         CHECK (action IN ('requeue', 'discard', 'replay', 'pause', 'resume'));
 
 COMMENT ON TABLE console_audit IS
-    'Requeues and discards made from the operators'' console, and every replay: who, when, what, how many rows.';
+    'Requeues and discards made from the operators'' console, and every replay, pause and resume: who, when, what, how many rows.';
 
 -- outbox_replay: the rows of outbox_sent of topic `by_topic` (and key `by_key`; NULL:
 -- any) sent from `sent_from` up to `sent_before` (never past now()) back into the
@@ -237,3 +237,92 @@ REVOKE EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, b
 COMMENT ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint, bigint,
                                   text, text) IS
     'Copy sent rows of a topic (and key) sent in a range from outbox_sent back into the outbox as new rows, in id order, recorded in console_audit.';
+
+-- outbox_paused_topics: the topics an operator paused (`relay pause`, the console, its
+-- API). A paused topic's rows wait in the outbox, unsent, spending no attempt: a relay
+-- that fetches one parks it (next_attempt_at 'infinity', relay/sql/drain.sql,
+-- park_paused), and the outbox_waiting_idx probe then holds every later row of its key
+-- behind it, whatever their topic, so order per key holds across the pause. Every
+-- replica reads this table at least once a second; once a topic's row is gone, the
+-- next relay to notice lets its parked rows go (unpark_resumed).
+CREATE TABLE outbox_paused_topics (
+    topic      text        PRIMARY KEY,
+    paused_by  text        NOT NULL,
+    paused_at  timestamptz NOT NULL DEFAULT now(),
+    reason     text
+);
+
+COMMENT ON TABLE outbox_paused_topics IS
+    'Topics whose rows the relay holds in the outbox until resumed (relay pause / resume).';
+
+-- outbox_pause: pause `pause_topic` (if it is not paused already) and record it in
+-- console_audit, as one statement; whether it was paused now, and since when it is.
+-- It runs as the tables' owner: the roles that pause need no write on either table.
+CREATE FUNCTION outbox_pause(pause_topic text, actor text, why text, via text,
+                             OUT paused_now boolean, OUT paused_since timestamptz,
+                             OUT audit_id bigint)
+LANGUAGE sql
+SECURITY DEFINER
+AS $$
+    WITH added AS (
+        INSERT INTO outbox_paused_topics (topic, paused_by, reason)
+        VALUES (pause_topic, actor, why)
+        ON CONFLICT (topic) DO NOTHING
+        RETURNING paused_at
+    ),
+    audit AS (
+        INSERT INTO console_audit (actor, action, target, row_count, note)
+        SELECT actor, 'pause', jsonb_build_object('topic', pause_topic, 'via', via), 0, why
+        FROM added
+        RETURNING console_audit.id
+    )
+    SELECT EXISTS (SELECT 1 FROM added),
+           coalesce((SELECT a.paused_at FROM added AS a),
+                    (SELECT p.paused_at FROM outbox_paused_topics AS p
+                      WHERE p.topic = pause_topic)),
+           (SELECT a.id FROM audit AS a)
+$$;
+
+-- outbox_resume: resume `resume_topic` (if it is paused) and record it; whether it was
+-- paused, and since when. It first takes the topic's pause lock exclusively: a settle
+-- parking rows of the topic holds it shared (park_paused), so a park either committed
+-- before the resume, and the relay that notices the resume lets its rows go, or sees
+-- the topic no longer paused and parks nothing.
+CREATE FUNCTION outbox_resume(resume_topic text, actor text, via text,
+                              OUT resumed boolean, OUT paused_since timestamptz,
+                              OUT audit_id bigint)
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock('outbox_paused_topics'::regclass::oid::integer,
+                                  hashtext(resume_topic));
+    DELETE FROM outbox_paused_topics AS p WHERE p.topic = resume_topic
+        RETURNING p.paused_at INTO paused_since;
+    resumed := FOUND;
+    IF resumed THEN
+        INSERT INTO console_audit (actor, action, target, row_count)
+        VALUES (actor, 'resume', jsonb_build_object('topic', resume_topic, 'via', via), 0)
+        RETURNING console_audit.id INTO audit_id;
+    END IF;
+END
+$$;
+
+-- As their owner, they resolve names in this schema only (then pg_temp, last), whatever
+-- the caller's search_path; and only the roles granted them may run them (grants.sql,
+-- console_grants.sql).
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION outbox_pause(text, text, text, text)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_resume(text, text, text)'
+                   ' SET search_path = %I, pg_temp', current_schema());
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_pause(text, text, text, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox_resume(text, text, text) FROM PUBLIC;
+
+COMMENT ON FUNCTION outbox_pause(text, text, text, text) IS
+    'Pause a topic: its rows wait in the outbox until outbox_resume; recorded in console_audit.';
+COMMENT ON FUNCTION outbox_resume(text, text, text) IS
+    'Resume a paused topic: the relay lets its parked rows go within a second or two; recorded in console_audit.';

@@ -43,6 +43,13 @@ GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint, bigint,
                                         text, text) TO relay;
 
+-- Paused topics: every drain reads them at least once a second (and parks their rows,
+-- an UPDATE of next_attempt_at); `relay pause` and `relay resume` change them, and
+-- record it in console_audit, through outbox_pause and outbox_resume.
+GRANT SELECT ON outbox_paused_topics TO relay;
+GRANT EXECUTE ON FUNCTION outbox_pause(text, text, text, text) TO relay;
+GRANT EXECUTE ON FUNCTION outbox_resume(text, text, text) TO relay;
+
 -- Scheduled rows: rows scheduled for later wait in outbox_scheduled,
 -- moved out and let back in through functions that move rows only; the fetch and the
 -- lag gauges read it.

@@ -342,3 +342,34 @@ def test_the_fair_share_hands_over_each_replicas_highest_shards() -> None:
     assert [s for s in held if share.surplus(s)] == [3, 4, 5]
     peers[0] = 0  # alone: everything is its share
     assert not any(share.surplus(s) for s in held) and not share.at_cap()
+
+
+def test_a_paused_topic_waits_unattempted_holds_its_keys_and_goes_on_once_resumed() -> None:
+    """A paused topic's row is parked, spending no attempt; the later row of its key in
+    another topic waits behind it; other keys flow. Within a pass of the resume (about a
+    second of the drain's clock) the row goes, before its key's later row."""
+    clock, store, sink = FakeClock(), MemoryStore(), ScriptedSink()
+    store.clock = clock
+    store.insert("k", b"k:0", topic="audit")
+    store.insert("k", b"k:1")
+    store.insert("j", b"j:0")
+    store.insert("j", b"j:1", topic="audit")
+    store.insert("j", b"j:2")
+    store.paused = {"audit"}
+    resumed_at: list[float] = []
+
+    def parked_then_resume() -> bool:
+        parked = [row.id for row in store.rows if row.next_attempt_at == float("inf")]
+        if not resumed_at and parked == [1, 4] and ("j", b"j:0") in sink.delivered:
+            assert sink.published == [("j", b"j:0")]  # nothing of k, nor j after j:1
+            assert all(row.attempts == 0 and row.last_error is None for row in store.rows)
+            store.paused.clear()
+            resumed_at.append(clock.now)
+        return not store.unsent()
+
+    drain(store, sink, clock, done=parked_then_resume)
+    assert resumed_at, "the paused rows were never parked"
+    assert sink.delivered == sink.published
+    assert per_key(sink.delivered) == {"k": [b"k:0", b"k:1"], "j": [b"j:0", b"j:1", b"j:2"]}
+    assert not store.dead()
+    assert clock.now - resumed_at[0] <= 1.5  # the next pass let them go

@@ -69,6 +69,12 @@ class SlowStore:
     def promote_due(self, limit: int) -> Promoted:
         return Promoted(0, None)
 
+    def paused_topics(self) -> frozenset[str]:
+        return frozenset()
+
+    def unpark_resumed(self) -> int:
+        return 0
+
     def interrupt(self) -> None:
         self.interrupted += 1
         self.failures.insert(0, StoreError("canceling statement due to user request"))

@@ -1,5 +1,5 @@
 """Command line: `relay run|migrate|status|check|healthcheck|dead-letter|console|purge|replay`
-(also `python -m relay`).
+and `relay pause|resume` (also `python -m relay`).
 
 Long: one small function per command plus the argument parser that names them all; a
 command's logic lives in the modules it calls (repository, lag, migrate, sinks).
@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 
 from relay import __version__
-from relay.admin import dead_letters, replay, status
+from relay.admin import dead_letters, pauses, replay, status
 from relay.admin.migrate import SchemaState, schema_state
 from relay.drain import fairness
 from relay.errors import MigrationError
@@ -258,7 +258,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(_replica_table(found.replicas))
     print()
     print(_outbox_table(found.sample, found.schema))
+    if found.paused:
+        print()
+        print(_paused_table(found.paused))
     return EXIT_OK
+
+
+def _paused_table(paused: Sequence[pauses.PausedTopic]) -> str:
+    return _table(
+        ("PAUSED TOPIC", "PAUSED BY", "SINCE", "PARKED ROWS", "REASON"),
+        [
+            (p.topic, p.paused_by, f"{p.paused_at:%Y-%m-%d %H:%M:%S%z}", p.parked_rows, p.reason)
+            for p in paused
+        ],
+    )
 
 
 def _lease_table(leases: Sequence[LeaseRow], shard_lag: status.ShardLags) -> str:
@@ -541,6 +554,43 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    """Pause a topic (relay/admin/pauses.py): its rows wait until `relay resume`."""
+    problem = pauses.topic_problem(args.topic)
+    if problem is not None:
+        print(f"relay pause: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    settings = load_settings(CommonSettings)
+    with db.connect(settings, purpose="pause") as conn:
+        done = pauses.pause(
+            conn, args.topic, actor=replay.shell_user(), via="cli", reason=args.reason
+        )
+    since = f"{done.paused_since:%Y-%m-%d %H:%M:%S%z}" if done.paused_since else "?"
+    if done.done:
+        print(
+            f"paused topic {args.topic!r} (audit entry {done.audit_id}): its rows wait in the"
+            " outbox; every relay holds them within a second or two"
+        )
+    else:
+        print(f"topic {args.topic!r} was paused already, since {since}: nothing changed")
+    return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Resume a paused topic: the relays let its rows go within a second or two."""
+    settings = load_settings(CommonSettings)
+    with db.connect(settings, purpose="pause") as conn:
+        done = pauses.resume(conn, args.topic, actor=replay.shell_user(), via="cli")
+    if not done.done:
+        print(f"topic {args.topic!r} is not paused: nothing changed")
+        return EXIT_OK
+    print(
+        f"resumed topic {args.topic!r} (audit entry {done.audit_id}): the relays send its"
+        " rows again within a second or two, in order per key"
+    )
+    return EXIT_OK
+
+
 # --- parser ---
 
 
@@ -600,6 +650,13 @@ def build_parser() -> argparse.ArgumentParser:
         " a time, each batch its own short transaction; outbox_sent is emptied a generation"
         " at a time",
     )
+    paused = add(
+        "pause", cmd_pause, "hold a topic's rows in the outbox (unsent) until `relay resume`"
+    )
+    paused.add_argument("topic", metavar="TOPIC", help="the topic (exact)")
+    paused.add_argument("--reason", help="why, for the audit trail and `relay status`")
+    resumed = add("resume", cmd_resume, "let a paused topic's rows go again")
+    resumed.add_argument("topic", metavar="TOPIC", help="the topic (exact)")
     _replay_arguments(
         add(
             "replay",

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from relay.admin.migrate import SchemaState, schema_state
+from relay.admin.pauses import PausedTopic, paused_topics
 from relay.admin.schema_options import shard_index_state
 from relay.observe import lag
 from relay.store import connection, db, repository
@@ -25,6 +26,7 @@ class Status:
     replicas: list[ReplicaRow]
     sample: lag.LagSample
     shard_lag: ShardLags
+    paused: list[PausedTopic]
 
     def as_json(self) -> dict[str, Any]:
         """`relay status --json`'s document (times stay datetimes: `json_default`)."""
@@ -40,16 +42,18 @@ class Status:
             "leases": [asdict(lease) for lease in self.leases],
             "replicas": [asdict(replica) for replica in self.replicas],
             "outbox": outbox,
+            "paused_topics": [asdict(paused) for paused in self.paused],
         }
 
 
 def read_status(conn: db.Conn, cap: int) -> Status:
-    """Leases, heartbeats, the outbox's counts (each stopping at `cap`) and the schema."""
+    """Leases, heartbeats, the outbox's counts (each stopping at `cap`), the paused
+    topics and the schema."""
     leases = repository.lease_status(conn)
     replicas = repository.replica_status(conn)
     sample = lag.measure(conn, cap)
     shards = shard_lag(conn, cap)
-    return Status(schema_state(conn), leases, replicas, sample, shards)
+    return Status(schema_state(conn), leases, replicas, sample, shards, paused_topics(conn))
 
 
 def shard_lag(conn: db.Conn, cap: int) -> ShardLags:

@@ -72,6 +72,9 @@ class Settlement:
     dead_ids: list[int] = field(default_factory=list)
     dead_attempted: list[int] = field(default_factory=list)
     dead_reasons: list[str] = field(default_factory=list)
+    # Rows of paused topics, parked unsent until their topic is resumed, and the topics.
+    paused_ids: list[int] = field(default_factory=list)
+    paused_topics: set[str] = field(default_factory=set)
     sent_text: str | None = None  # `sent` as `id_text`, when the caller has it already
 
     def retry(self, row_id: int, delay: float, error: str, *, attempted: bool = True) -> None:
@@ -85,8 +88,12 @@ class Settlement:
         self.dead_attempted.append(1 if attempted else 0)
         self.dead_reasons.append(reason)
 
+    def park(self, row_id: int, topic: str) -> None:
+        self.paused_ids.append(row_id)
+        self.paused_topics.add(topic)
+
     def __bool__(self) -> bool:
-        return bool(self.sent or self.retry_ids or self.dead_ids)
+        return bool(self.sent or self.retry_ids or self.dead_ids or self.paused_ids)
 
 
 @dataclass(frozen=True, slots=True)

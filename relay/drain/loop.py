@@ -184,7 +184,10 @@ class Drainer:
             self._nothing_to_publish(token)
             return
         self._idle.busy()
-        paced = self._pacer.admit(batch, lambda wait: self._pause(wait, token, TICK_SECONDS))
+        paced = self._pacer.admit(
+            screen.sendable(batch, self._reader.pauses.topics),
+            lambda wait: self._pause(wait, token, TICK_SECONDS),
+        )
         if not paced or self._lease.token() != token:
             return  # a wait for budget cut short, or the deadline passed: publish nothing
         unavailable = self._publish(token, batch, fetched_ns)
@@ -218,7 +221,9 @@ class Drainer:
         batch_ids = id_set(list(map(ID, batch)))
         if not self._abandon(token):
             self._reader.prefetch(*self._pipeline.unsettled(), batch_ids)
-        publishing = screen.start_publish(self._sink, batch, lambda: self._abandon(token))
+        publishing = screen.start_publish(
+            self._sink, batch, lambda: self._abandon(token), self._reader.pauses.topics
+        )
         # At most a batch of stragglers: this batch may straggle whole only if it fits.
         room = len(self._pipeline.stragglers) + len(batch) <= self._reader.limits.rows
         results = publishing.wait(leave_stragglers=room)

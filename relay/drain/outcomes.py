@@ -18,6 +18,8 @@ a database or a sink. The drain loop applies the decision: counts, logs, the set
                              endpoint: retry the row like any failure
     collateral failures   -> never the row's fault: untouched, no attempt spent
     skipped               -> untouched (its key was blocked earlier in the batch)
+    paused                -> parked: its topic is paused (relay pause); no attempt
+                             spent, its key held behind it until the topic is resumed
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def decide(
             reason = result.error or "permanent failure"
             settlement.dead(message.id, reason)
             decision.dead.append((message, reason))
+        elif outcome is Outcome.PAUSED:
+            settlement.park(message.id, message.topic)
         elif outcome is Outcome.UNAVAILABLE:
             decision.unavailable = result
     return decision

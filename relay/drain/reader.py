@@ -16,6 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from relay import failpoints
 from relay.drain.batch import BatchLimits, IdSet
+from relay.drain.pauses import Pauses
 from relay.drain.session_thread import SessionThread
 from relay.drain.sizing import BatchSizer
 from relay.lease.protocol import Shard
@@ -23,7 +24,7 @@ from relay.message import OutboxMessage
 from relay.observe import metrics
 from relay.observe.logging import get_logger
 from relay.shutdown import Shutdown
-from relay.store.port import FetchRequest, ReadStore, StoreError
+from relay.store.port import FetchRequest, Promoted, ReadStore, StoreError
 
 LeftOut = tuple[IdSet, ...]  # the rows every fetch leaves out: published, not settled
 
@@ -103,6 +104,10 @@ class Reader:
         self._after_group: str | None = None  # ... over fairness groups
         self._look_for_others_at = 0.0
         self._promote_at = 0.0  # when to look for scheduled rows that are due
+        # The topics paused (`relay pause`), as the last pass read them: their rows
+        # are parked, not published.
+        self.pauses = Pauses(shard.name, clock)
+        self._released = 0  # rows the last pass let go
 
     # --- the batches ---
 
@@ -242,7 +247,7 @@ class Reader:
         read. How many were let in."""
         if self._clock() < self._promote_at:
             return 0
-        promoted = self._on_session(self._store.promote_due, self.limits.rows)
+        promoted = self._on_session(self._pass)
         wait = min(self._poll_max, SCHEDULE_PASS_SECONDS)
         if promoted.rows >= self.limits.rows:
             wait = 0.0
@@ -251,7 +256,13 @@ class Reader:
         self._promote_at = self._clock() + wait
         if promoted.rows:
             metrics.SCHEDULED_PROMOTED.inc(promoted.rows)
-        return promoted.rows
+        return promoted.rows + self._released
+
+    def _pass(self) -> Promoted:
+        """On the reader's thread: the pauses read, the rows of a pause that is over
+        let go, the scheduled rows let in."""
+        self._released = self.pauses.refresh(self._store)
+        return self._store.promote_due(self.limits.rows)
 
     def next_due_in(self) -> float:
         """Seconds until the next look for due rows (0: now)."""

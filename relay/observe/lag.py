@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY
@@ -53,6 +53,10 @@ class LagSample:
     # due (None: none is scheduled).
     scheduled: int = 0
     next_due_in_seconds: float | None = None
+    # Rows parked for a paused topic (of the failing rows counted), and each paused
+    # topic with how many seconds it has been paused.
+    paused: int = 0
+    paused_topics: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +90,8 @@ def measure(conn: Conn, cap: int) -> LagSample:
         next_due_in_seconds=(
             None if row["next_due_in_seconds"] is None else float(row["next_due_in_seconds"])
         ),
+        paused=int(row["paused"]),
+        paused_topics={str(t): float(s) for t, s in row["paused_topics"].items()},
     )
 
 
@@ -170,6 +176,10 @@ def publish(sample: LagSample) -> None:
     metrics.OUTBOX_DEAD.set(sample.dead_lettered)
     metrics.OUTBOX_SCHEDULED.set(sample.scheduled)
     metrics.OUTBOX_COUNT_CAP.set(sample.count_cap)
+    metrics.OUTBOX_PAUSED.set(sample.paused)
+    metrics.TOPIC_PAUSED.clear()
+    for topic, seconds in sample.paused_topics.items():
+        metrics.TOPIC_PAUSED.labels(topic).set(seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,6 +114,11 @@ FETCH_SECONDS = Histogram(
     "Time to read a batch: the fetch statements, on the reader's thread.",
     buckets=LATENCY_BUCKETS,
 )
+PAUSES_SEEN = Gauge(
+    "relay_drain_paused_topics",
+    "Paused topics this replica's drain of a shard honours, as its last pass read them.",
+    ["shard"],
+)
 READ_WAIT = Counter(
     "relay_read_wait_seconds",
     "Seconds the drain loop of a lease (a shard's) waited for its reads (the read-ahead, a "
@@ -202,6 +207,15 @@ OUTBOX_DEAD = Gauge(
 OUTBOX_SCHEDULED = Gauge(
     "relay_outbox_scheduled_rows",
     "Rows scheduled for later (available_at) and not yet due: not lag (counted up to the cap).",
+)
+OUTBOX_PAUSED = Gauge(
+    "relay_outbox_paused_rows",
+    "Rows parked for a paused topic (relay pause), the first waiting row of each key.",
+)
+TOPIC_PAUSED = Gauge(
+    "relay_topic_paused_seconds",
+    "How long each paused topic (relay pause) has been paused; absent when none is.",
+    ["topic"],
 )
 SCHEDULED_PROMOTED = Counter(
     "relay_scheduled_promoted_total",

@@ -32,6 +32,9 @@ class Outcome(enum.Enum):
     # the rest of the batch was acknowledged). Its row stays unsettled and its key held;
     # the drain loop asks again (`Pending.again`) until it has an outcome.
     IN_FLIGHT = "in_flight"
+    # Never a sink's answer: the relay held the message back, its topic paused
+    # (relay/drain/screen.py). The row is parked, unsent, no attempt spent.
+    PAUSED = "paused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,7 @@ class Result:
 
 ACKED = Result(Outcome.ACKED, reached=True)
 SKIPPED = Result(Outcome.SKIPPED)
+PAUSED = Result(Outcome.PAUSED)
 IN_FLIGHT = Result(Outcome.IN_FLIGHT)
 
 

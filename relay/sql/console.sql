@@ -94,10 +94,13 @@ RETURNING id;
 -- One outbox row for its page, with at most %(preview)s bytes of its payload (and the
 -- payload's whole size), so a huge payload is never read whole into the console: a row
 -- still in the outbox, a dead letter, or a row scheduled for later, moved out until due.
+-- A row parked for a paused topic (next_attempt_at 'infinity', which Python's datetime
+-- cannot hold) shows no next attempt.
 SELECT id, message_id, topic, key, headers,
        substring(payload FROM 1 FOR %(preview)s) AS payload,
        octet_length(payload) AS payload_bytes,
-       created_at, available_at, promoted_at, attempts, next_attempt_at,
+       created_at, available_at, promoted_at, attempts,
+       nullif(next_attempt_at, 'infinity') AS next_attempt_at,
        last_error, NULL::timestamptz AS dead_lettered_at, NULL::text AS dead_letter_reason
 FROM outbox
 WHERE id = %(id)s::bigint
@@ -159,9 +162,10 @@ f.key, f.id, f.topic, f.attempts, f.next_attempt_at, f.last_error,
 extract(epoch FROM f.next_attempt_at - now())::float8 AS next_attempt_in_seconds
 
 -- fragment: blocked_keys_from
--- The failing rows, in id order, up to %(limit)s.
+-- The failing rows, in id order, up to %(limit)s (a row parked for a paused topic is
+-- not failing: the console lists paused topics apart).
 FROM outbox AS f
-WHERE f.attempts > 0 AND f.next_attempt_at IS NOT NULL
+WHERE f.attempts > 0 AND f.next_attempt_at IS NOT NULL AND f.next_attempt_at < 'infinity'
 ORDER BY f.id
 LIMIT %(limit)s
 
@@ -230,9 +234,10 @@ WHERE id = %(id)s::bigint;
 ------------------------------------------------------------------------------------
 
 -- name: console_blocked_key_count
--- Keys in backoff (their failing head rows, through outbox_waiting_idx), up to a cap.
+-- Keys in backoff (their failing head rows, through outbox_waiting_idx), up to a cap;
+-- not those parked for a paused topic.
 SELECT count(DISTINCT key) AS blocked_keys
 FROM (SELECT key
         FROM outbox
-       WHERE attempts > 0 AND next_attempt_at IS NOT NULL
+       WHERE attempts > 0 AND next_attempt_at IS NOT NULL AND next_attempt_at < 'infinity'
        LIMIT %(cap)s) AS failing;

@@ -869,3 +869,38 @@ SET attempts           = o.attempts + f.attempted,
     next_attempt_at    = NULL
 FROM unnest(%(ids)s::bigint[], %(attempted)s::int[], %(reasons)s::text[]) AS f (id, attempted, reason)
 WHERE o.id = f.id;
+
+------------------------------------------------------------------------------------
+-- Paused topics (`relay pause`, outbox_paused_topics in migrations/0100_schema.sql)
+------------------------------------------------------------------------------------
+
+-- name: paused_topics
+-- The topics paused now, read by every drain at least once a second.
+SELECT p.topic FROM outbox_paused_topics AS p;
+
+-- name: pause_lock
+-- In a settle that parks rows, before park_paused: the pause lock of each of their
+-- topics, shared (outbox_resume takes it exclusively). Its own statement, so that
+-- park_paused, the next one, reads the pauses as they are once the locks are held.
+SELECT count(pg_advisory_xact_lock_shared('outbox_paused_topics'::regclass::oid::integer,
+                                          hashtext(t.topic)))
+FROM (SELECT DISTINCT unnest(%(topics)s::text[]) AS topic ORDER BY 1) AS t;
+
+-- name: park_paused
+-- The rows of a paused topic the drain fetched, parked where they are: in the waiting
+-- index, due never, so the fetch holds the later rows of their keys behind them. No
+-- attempt is spent and last_error is left as it was. A row whose topic was resumed
+-- meanwhile is left as it is, and sent by a later fetch.
+UPDATE outbox AS o
+SET next_attempt_at = 'infinity'
+WHERE o.id = ANY(%(ids)s::bigint[])
+  AND EXISTS (SELECT 1 FROM outbox_paused_topics AS p WHERE p.topic = o.topic);
+
+-- name: unpark_resumed
+-- The rows parked for a pause that is over, let go: a walk of the small
+-- outbox_waiting_idx. Any replica may run it, the first to see a topic resumed does.
+UPDATE outbox AS o
+SET next_attempt_at = NULL
+WHERE {{waiting}}
+  AND o.next_attempt_at = 'infinity'
+  AND NOT EXISTS (SELECT 1 FROM outbox_paused_topics AS p WHERE p.topic = o.topic);

@@ -28,6 +28,9 @@
 -- of the backlog); a longer wait hidden behind more rows let in than that is missed.
 -- Ages are differences of epochs, not of timestamps: a row the app stamped 'infinity'
 -- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample.
+-- A paused topic's rows are no lag: the oldest age leaves them out of its window (they
+-- are counted as `paused`, the rows parked, and each paused topic is listed with how
+-- long it has been paused).
 WITH waiting AS MATERIALIZED (
     -- Up to %(cap)s rows that hold their key back, in outbox_waiting_idx's order (its
     -- predicate word for word): failing, or scheduled and not let in yet.
@@ -39,7 +42,7 @@ WITH waiting AS MATERIALIZED (
      LIMIT %(cap)s
 ),
 failing AS (
-    SELECT f.key, f.id FROM waiting AS f WHERE f.next_attempt_at IS NOT NULL
+    SELECT f.key, f.id, f.next_attempt_at FROM waiting AS f WHERE f.next_attempt_at IS NOT NULL
 ),
 scheduled_here AS (
     -- Scheduled rows still in the outbox (until the drain's next pass moves them out).
@@ -63,11 +66,13 @@ SELECT
         AS unsent,
     greatest(0,
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(greatest(head.created_at, head.available_at)))
-                FROM (SELECT created_at, available_at
+                FROM (SELECT created_at, available_at, topic
                         FROM outbox
                        WHERE (available_at IS NULL OR promoted_at IS NOT NULL)
                        ORDER BY id
-                       LIMIT %(age_window)s) AS head),
+                       LIMIT %(age_window)s) AS head
+               WHERE NOT EXISTS (SELECT 1 FROM outbox_paused_topics AS p
+                                  WHERE p.topic = head.topic)),
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
                 FROM scheduled_here),
              (SELECT extract(epoch FROM now()) - extract(epoch FROM min(available_at))
@@ -112,7 +117,12 @@ SELECT
           (SELECT (extract(epoch FROM min(available_at)) - extract(epoch FROM now()))::float8
              FROM outbox_scheduled
             WHERE available_at > now()))
-        AS next_due_in_seconds;
+        AS next_due_in_seconds,
+    (SELECT count(*) FROM failing WHERE next_attempt_at = 'infinity') AS paused,
+    (SELECT coalesce(jsonb_object_agg(p.topic, extract(epoch FROM now())
+                                               - extract(epoch FROM p.paused_at)), '{}')
+       FROM outbox_paused_topics AS p)
+        AS paused_topics;
 
 -- name: lag_sample_shards
 -- The backlog and oldest unsent age of each of %(shards)s shards (RELAY_SHARDS > 1):

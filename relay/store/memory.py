@@ -15,6 +15,7 @@ the loop's rules hold only across all three at once.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -73,6 +74,7 @@ class MemoryStore:
         self.clock = clock
         self.rows: list[Row] = []
         self.leases: dict[str, LeaseRow] = {}
+        self.paused: set[str] = set()  # a test pauses and resumes topics here
         self.settles = 0  # settles that committed
         self._failures = 0
         self.settles_fail_until = 0.0  # by the store's clock: every settle fails till then
@@ -215,6 +217,23 @@ class MemoryStore:
             ]
             return Promoted(len(due), min(later) if later else None)
 
+    def paused_topics(self) -> frozenset[str]:
+        with self._lock:
+            self._statement()
+            return frozenset(self.paused)
+
+    def unpark_resumed(self) -> int:
+        with self._lock:
+            self._statement()
+            resumed = [
+                row
+                for row in self.rows
+                if row.unsent and row.next_attempt_at == math.inf and row.topic not in self.paused
+            ]
+            for row in resumed:
+                row.next_attempt_at = None
+            return len(resumed)
+
     def interrupt(self) -> None:
         """A statement here never waits: nothing to cancel."""
 
@@ -260,6 +279,10 @@ class MemoryStore:
                 row = by_id[row_id]
                 row.attempts += attempted
                 row.dead_reason = reason
+            for row_id in settlement.paused_ids:
+                row = by_id[row_id]
+                if row.topic in self.paused:  # else resumed meanwhile: sent later
+                    row.next_attempt_at = math.inf
             self.settles += 1
             return datetime.fromtimestamp(now, UTC)
 

@@ -76,6 +76,14 @@ class ReadStore(Protocol):
         """Let at most `limit` scheduled rows that are due into the drain."""
         ...
 
+    def paused_topics(self) -> frozenset[str]:
+        """The topics paused now (`relay pause`), of every shard."""
+        ...
+
+    def unpark_resumed(self) -> int:
+        """Let go the rows parked for a pause that is over; how many."""
+        ...
+
     def interrupt(self) -> None:
         """From another thread: cancel the statement the session is running, if any."""
         ...

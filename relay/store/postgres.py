@@ -72,6 +72,14 @@ class PostgresReadStore:
                 set_aside=self._set_aside,
             )
 
+    def paused_topics(self) -> frozenset[str]:
+        with _failing_as_store_error(self._session):
+            return repository.paused_topics(self._session.get())
+
+    def unpark_resumed(self) -> int:
+        with _failing_as_store_error(self._session):
+            return repository.unpark_resumed(self._session.get())
+
     def interrupt(self) -> None:
         self._session.cancel()
 

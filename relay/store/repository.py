@@ -57,7 +57,7 @@ def settle(
     holder exists, and the whole transaction rolls back: a zombie marks nothing. A batch
     wholly acknowledged (the usual one) settles in one statement that does the same.
     """
-    if not (settlement.retry_ids or settlement.dead_ids):
+    if not (settlement.retry_ids or settlement.dead_ids or settlement.paused_ids):
         failpoints.hit("in_settle")
         fenced = conn.execute(
             SETTLE_ACKNOWLEDGED[sent_rows],
@@ -93,6 +93,8 @@ def settle(
                     "errors": settlement.retry_errors,
                 },
             )
+        if settlement.paused_ids:
+            park_paused(conn, settlement)
         if settlement.dead_ids:
             done = conn.execute(DEAD_LETTER[set_aside], dead)
             moved = len(settlement.dead_ids)
@@ -106,6 +108,20 @@ def settle(
         _move_large_dead_letters(conn, fence, dead)
     fenced_at: datetime = fenced["at"]
     return fenced_at
+
+
+def park_paused(conn: Conn, settlement: Settlement) -> None:
+    """Park the rows of paused topics, under their pause locks (drain.sql, pause_lock)."""
+    conn.execute(QUERIES.pause_lock, {"topics": sorted(settlement.paused_topics)})
+    conn.execute(QUERIES.park_paused, {"ids": settlement.paused_ids})
+
+
+def paused_topics(conn: Conn) -> frozenset[str]:
+    return frozenset(str(row["topic"]) for row in conn.execute(QUERIES.paused_topics))
+
+
+def unpark_resumed(conn: Conn) -> int:
+    return conn.execute(QUERIES.unpark_resumed).rowcount
 
 
 def _move_large_dead_letters(conn: Conn, fence: dict[str, object], dead: dict[str, object]) -> None:

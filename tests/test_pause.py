@@ -1,0 +1,188 @@
+"""Pausing a topic (issue 50, `relay pause` and `relay resume`), on real PostgreSQL and
+Kafka, through the commands as the runtime role (migrations/grants.sql): a paused
+topic's rows wait unsent and unattempted across a restart while another topic flows,
+per-key order holds across the pause, and the resume lets them go."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import subprocess
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client import REGISTRY
+from psycopg.rows import dict_row
+
+from tests.conftest import SettingsFactory, relay_command, relay_env
+from tests.harness.kafka import Record, TansuBroker, consume
+from tests.harness.postgres import PostgresServer
+from tests.support import insert_rows, keyed_rows, running_relay, scalar, unsent_count, wait_until
+from tests.test_console import CONSOLE_ROLE, ROLE_PASSWORD, VIEWER_ROLE, grant_console
+
+PARKED = "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+
+
+def relay(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`relay ARGS` in a process of its own, however it ends."""
+    return subprocess.run(
+        relay_command(*args),
+        env=relay_env(dsn),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def new_topic(kafka: TansuBroker, name: str) -> str:
+    topic = f"{name}-{uuid.uuid4().hex[:8]}"
+    kafka.create_topic(topic, partitions=3)
+    return topic
+
+
+def paused_seen() -> float:
+    """The paused topics this process's drain honours (relay_drain_paused_topics)."""
+    samples = [
+        s.value
+        for family in REGISTRY.collect()
+        if family.name == "relay_drain_paused_topics"
+        for s in family.samples
+    ]
+    return max(samples, default=0.0)
+
+
+def values(records: list[Record], key: str | None = None) -> list[bytes]:
+    """The records' values (of `key`), in the order read."""
+    return [r.value or b"" for r in records if key is None or r.key == key]
+
+
+def audit(dsn: str) -> list[dict[str, Any]]:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        return conn.execute(
+            "SELECT actor, action, target, row_count FROM console_audit ORDER BY id"
+        ).fetchall()
+
+
+def test_a_pause_holds_across_a_restart_while_another_topic_flows_in_order_per_key(
+    make_settings: SettingsFactory, database: str, relay_dsn: str, kafka: TansuBroker
+) -> None:
+    held, flowing = new_topic(kafka, "held"), new_topic(kafka, "flowing")
+    done = relay(relay_dsn, "pause", held, "--reason", "consumer migration")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"paused topic '{held}'")
+    again = relay(relay_dsn, "pause", held)
+    assert again.returncode == 0 and "was paused already" in again.stdout
+
+    insert_rows(database, held, keyed_rows(keys=3, per_key=5))
+    # One key in both topics: its later row, of the flowing topic, waits behind the
+    # paused one.
+    insert_rows(database, held, [("shared", b"shared:0")])
+    insert_rows(database, flowing, [("shared", b"shared:1")])
+    insert_rows(
+        database, flowing, [(f"j{k}", f"j{k}:{i}".encode()) for i in range(5) for k in range(3)]
+    )
+
+    with running_relay(make_settings()):
+        wait_until(lambda: scalar(database, PARKED) == 4, 30, message="the heads parked")
+        flowed = consume(kafka.bootstrap_servers, flowing, min_count=15)
+        assert sorted(values(flowed)) == sorted(
+            f"j{k}:{i}".encode() for i in range(5) for k in range(3)
+        )
+    # Parked where they are: unsent, no attempt spent, nothing dead-lettered; the shared
+    # key's later row still waits.
+    assert unsent_count(database) == 15 + 1 + 1
+    assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
+    assert scalar(database, "SELECT count(*) FROM outbox_dead") == 0
+
+    with running_relay(make_settings()):  # a restart: the pause is kept in the database
+        insert_rows(
+            database,
+            flowing,
+            [(f"j{k}", f"j{k}:{i}".encode()) for i in range(5, 8) for k in range(3)],
+        )
+        wait_until(
+            lambda: len(consume(kafka.bootstrap_servers, flowing, min_count=24, timeout=2)) >= 24,
+            30,
+            message="the flowing topic's new rows delivered",
+        )
+        assert unsent_count(database) == 17
+        status = relay(relay_dsn, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        [paused] = json.loads(status.stdout)["paused_topics"]
+        assert paused["topic"] == held and paused["reason"] == "consumer migration"
+        assert paused["paused_by"] == getpass.getuser() and paused["parked_rows"] == 4
+        assert held in relay(relay_dsn, "status").stdout
+
+        resumed = relay(relay_dsn, "resume", held)
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.startswith(f"resumed topic '{held}'")
+        wait_until(lambda: unsent_count(database) == 0, 30, message="the paused rows sent")
+    sent = consume(kafka.bootstrap_servers, held, min_count=16)
+    for k in range(3):
+        assert values(sent, f"k{k}") == [f"k{k}:{i}".encode() for i in range(5)]
+    assert values(sent, "shared") == [b"shared:0"]
+    assert values(consume(kafka.bootstrap_servers, flowing, min_count=25), "shared") == [
+        b"shared:1"
+    ]
+    assert relay(relay_dsn, "resume", held).stdout.startswith(f"topic '{held}' is not paused")
+    actions = [(a["action"], a["target"]["topic"], a["target"]["via"]) for a in audit(database)]
+    assert actions == [("pause", held, "cli"), ("resume", held, "cli")]
+
+
+def test_a_running_relay_honours_a_pause_at_its_next_pass_and_a_resume_too(
+    make_settings: SettingsFactory, database: str, relay_dsn: str, kafka: TansuBroker
+) -> None:
+    """Paused while the relay runs: once its drain has read the pause (its gauge says
+    so), a new row of the topic is parked, not sent; resumed, it goes."""
+    topic = new_topic(kafka, "live")
+    insert_rows(database, topic, [("a", b"a:0")])
+    with running_relay(make_settings()):
+        wait_until(lambda: unsent_count(database) == 0, 30, message="the first row sent")
+        assert relay(relay_dsn, "pause", topic).returncode == 0
+        wait_until(lambda: paused_seen() == 1, 10, message="the drain saw the pause")
+        insert_rows(database, topic, [("a", b"a:1"), ("b", b"b:0")])
+        wait_until(lambda: scalar(database, PARKED) == 2, 10, message="the new rows parked")
+        assert values(consume(kafka.bootstrap_servers, topic, min_count=1, timeout=3)) == [b"a:0"]
+        assert relay(relay_dsn, "resume", topic).returncode == 0
+        wait_until(lambda: unsent_count(database) == 0, 10, message="the rows sent once resumed")
+        wait_until(lambda: paused_seen() == 0, 10, message="the drain saw the resume")
+    assert values(consume(kafka.bootstrap_servers, topic, min_count=3), "a") == [b"a:0", b"a:1"]
+
+
+def test_a_topic_that_is_empty_is_refused(relay_dsn: str) -> None:
+    done = relay(relay_dsn, "pause", " ")
+    assert done.returncode == 2 and "the topic is empty" in done.stderr
+
+
+def test_the_console_role_pauses_through_the_functions_and_the_viewer_may_not(
+    pg: PostgresServer, database: str
+) -> None:
+    """No role writes the pause table but through outbox_pause and outbox_resume, which
+    audit; the viewer role reads the pauses and may change none."""
+    dbname = database.rsplit("/", 1)[1]
+    grant_console(pg, dbname)
+    console = pg.dsn(dbname, user=CONSOLE_ROLE, password=ROLE_PASSWORD)
+    viewer = pg.dsn(dbname, user=VIEWER_ROLE, password=ROLE_PASSWORD)
+    with psycopg.connect(console, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT paused_now FROM outbox_pause('t', 'ana', NULL, 'console')"
+        ).fetchone() == (True,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM outbox_paused_topics")
+    with psycopg.connect(viewer, autocommit=True) as conn:
+        assert conn.execute("SELECT topic, paused_by FROM outbox_paused_topics").fetchall() == [
+            ("t", "ana")
+        ]
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT outbox_resume('t', 'eve', 'console')")
+    with psycopg.connect(console, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT resumed FROM outbox_resume('t', 'ana', 'console')"
+        ).fetchone() == (True,)
+    assert [(a["actor"], a["action"]) for a in audit(database)] == [
+        ("ana", "pause"),
+        ("ana", "resume"),
+    ]
