@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 
 from relay.console import data as console_data
 from relay.console.limits import LOGIN_FAILURES
@@ -29,6 +30,7 @@ from tests.harness.postgres import PostgresServer
 from tests.harness.webhook import Delivery, Reply, WebhookServer
 from tests.support import http_get, running_relay, scalar, wait_until
 from tests.test_console import CONSOLE_ROLE, ROLE_PASSWORD, grant_console
+from tests.test_replay import keep
 
 TOKEN = "api-operator-token-0123456789"
 VIEWER_TOKEN = "api-viewer-token-0123456789"
@@ -557,3 +559,100 @@ def test_a_read_only_console_refuses_the_token_a_change_and_a_lost_database_is_5
     lost = client.get("/api/v1/status", headers=bearer)
     assert lost.status_code == 503
     assert lost.json() == {"error": "the database is unavailable or slow; try again"}
+
+
+# --- pause, resume, replay -------------------------------------------------------------
+
+
+def delivered(world: World, topic: str) -> list[Delivery]:
+    return [d for d in world.receiver.acked() if d.path.endswith("/hooks/" + topic)]
+
+
+def test_a_pause_and_a_resume_through_the_api_hold_a_topic_and_are_audited(
+    world: World,
+) -> None:
+    topic = a_topic("paused")
+    with world.client(VIEWER_TOKEN) as viewer:
+        assert viewer.post("/api/v1/pause", json={"topic": topic}).status_code == 403
+    with world.client() as api:
+        paused = api.post("/api/v1/pause", json={"topic": topic, "reason": "consumer down"})
+        assert paused.status_code == 200, paused.text
+        assert (paused.json()["topic"], paused.json()["paused"]) == (topic, True)
+        again = api.post("/api/v1/pause", json={"topic": topic})
+        assert (again.status_code, again.json()["paused"]) == (200, False)
+        [listed] = [
+            p for p in api.get("/api/v1/status").json()["paused_topics"] if p["topic"] == topic
+        ]
+        assert (listed["paused_by"], listed["reason"]) == ("api:token", "consumer down")
+        wait_until(
+            lambda: any(
+                s.value >= 1
+                for family in REGISTRY.collect()
+                if family.name == "relay_drain_paused_topics"
+                for s in family.samples
+            ),
+            timeout=10,
+            message="the relay's drain saw the pause",
+        )
+        execute(
+            world.dsn, "INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', 'held')", (topic,)
+        )
+        wait_until(
+            lambda: (
+                scalar(
+                    world.dsn,
+                    "SELECT count(*) FROM outbox WHERE topic = %s AND next_attempt_at = 'infinity'",
+                    (topic,),
+                )
+                == 1
+            ),
+            timeout=10,
+            message="the row parked",
+        )
+        assert delivered(world, topic) == []
+        resumed = api.post("/api/v1/resume", json={"topic": topic})
+        assert resumed.status_code == 200, resumed.text
+        wait_until(lambda: delivered(world, topic), timeout=10, message="the row sent once resumed")
+        not_paused = api.post("/api/v1/resume", json={"topic": topic})
+        assert not_paused.status_code == 409 and "is not paused" in not_paused.json()["error"]
+        for bad in ({}, {"topic": ""}, {"topic": 7}, {"topic": topic, "why": "x"}):
+            refused = api.post("/api/v1/pause", json=bad)
+            assert refused.status_code == 400, (bad, refused.text)
+    audit = execute(
+        world.dsn,
+        "SELECT actor, action, target FROM console_audit WHERE target->>'topic' = %s ORDER BY id",
+        (topic,),
+    )
+    assert audit == [
+        ("api:token", "pause", {"topic": topic, "via": "api"}),
+        ("api:token", "resume", {"topic": topic, "via": "api"}),
+    ]
+
+
+def test_a_replay_through_the_api_states_its_count_then_replays_exactly_those_rows(
+    world: World,
+) -> None:
+    topic = a_topic("replayed")
+    keep(world.dsn, "anchor", [(None, b"")], "3 hours")  # the history kept since then
+    keep(world.dsn, topic, [("k", b"again 0"), ("k", b"again 1")], "1 hour")
+    with world.client() as api:
+        counted = api.post("/api/v1/replay", json={"topic": topic, "since": "2h"})
+        assert counted.status_code == 200, counted.text
+        assert (counted.json()["matching"], counted.json()["replayed"]) == (2, 0)
+        assert 'send "expected": 2' in counted.json()["message"]
+        wrong = api.post("/api/v1/replay", json={"topic": topic, "since": "2h", "expected": 3})
+        assert wrong.status_code == 409, wrong.text
+        too_early = api.post("/api/v1/replay", json={"topic": topic, "since": "5h", "expected": 2})
+        assert too_early.status_code == 409 and "before the oldest row kept" in too_early.text
+        done = api.post("/api/v1/replay", json={"topic": topic, "since": "2h", "expected": 2})
+    assert done.status_code == 200, done.text
+    replay_id = done.json()["replay_id"]
+    assert done.json()["replayed"] == 2
+    wait_until(lambda: len(delivered(world, topic)) == 2, timeout=20, message="the replay sent")
+    sent = delivered(world, topic)
+    assert [d.body for d in sent] == [b"again 0", b"again 1"]
+    assert {d.headers["relay-replay"] for d in sent} == {str(replay_id)}
+    [(actor, via)] = execute(
+        world.dsn, "SELECT actor, target->>'via' FROM console_audit WHERE id = %s", (replay_id,)
+    )
+    assert (actor, via) == ("api:token", "api")

@@ -13,14 +13,27 @@ from typing import Any
 
 import psycopg
 import pytest
+from playwright.sync_api import BrowserContext
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
+from tests import test_replay
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import Record, TansuBroker, consume
 from tests.harness.postgres import PostgresServer
 from tests.support import insert_rows, keyed_rows, running_relay, scalar, unsent_count, wait_until
-from tests.test_console import CONSOLE_ROLE, ROLE_PASSWORD, VIEWER_ROLE, grant_console
+from tests.test_console import (
+    ARTIFACTS,
+    CONSOLE_ROLE,
+    ROLE_PASSWORD,
+    VIEWER_ROLE,
+    VIEWER_TOKEN,
+    grant_console,
+)
+from tests.test_replay import Console, log_in
+
+# The replay module's console process and browser, as fixtures of this module too.
+browser, console, context = test_replay.browser, test_replay.console, test_replay.context
 
 PARKED = "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
 
@@ -164,9 +177,9 @@ def test_the_console_role_pauses_through_the_functions_and_the_viewer_may_not(
     audit; the viewer role reads the pauses and may change none."""
     dbname = database.rsplit("/", 1)[1]
     grant_console(pg, dbname)
-    console = pg.dsn(dbname, user=CONSOLE_ROLE, password=ROLE_PASSWORD)
+    operator = pg.dsn(dbname, user=CONSOLE_ROLE, password=ROLE_PASSWORD)
     viewer = pg.dsn(dbname, user=VIEWER_ROLE, password=ROLE_PASSWORD)
-    with psycopg.connect(console, autocommit=True) as conn:
+    with psycopg.connect(operator, autocommit=True) as conn:
         assert conn.execute(
             "SELECT paused_now FROM outbox_pause('t', 'ana', NULL, 'console')"
         ).fetchone() == (True,)
@@ -178,7 +191,7 @@ def test_the_console_role_pauses_through_the_functions_and_the_viewer_may_not(
         ]
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("SELECT outbox_resume('t', 'eve', 'console')")
-    with psycopg.connect(console, autocommit=True) as conn:
+    with psycopg.connect(operator, autocommit=True) as conn:
         assert conn.execute(
             "SELECT resumed FROM outbox_resume('t', 'ana', 'console')"
         ).fetchone() == (True,)
@@ -186,3 +199,43 @@ def test_the_console_role_pauses_through_the_functions_and_the_viewer_may_not(
         ("ana", "pause"),
         ("ana", "resume"),
     ]
+
+
+def test_the_console_pauses_and_resumes_a_topic_and_the_viewer_may_not(
+    console: Console,
+    context: BrowserContext,
+) -> None:
+    """In a real browser: the Pauses page pauses a topic with its reason, the overview
+    says so, the viewer sees it and cannot resume, the operator resumes; both audited."""
+    topic = f"p-{uuid.uuid4().hex[:6]}"
+    page = log_in(context, console)
+    page.click("nav >> text=Pauses")
+    page.wait_for_url(console.url + "/pauses")
+    assert page.locator("#none-paused").is_visible()
+    page.fill("#pause input[name=topic]", topic)
+    page.fill("#pause input[name=reason]", "consumer migration")
+    page.click("#pause button[type=submit]")
+    page.wait_for_url(console.url + "/pauses")
+    row = page.locator("#paused tr", has_text=topic)
+    assert "consumer migration" in row.inner_text() and "token" in row.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "pauses.png"), full_page=True)
+    page.click("nav >> text=Overview")
+    assert topic in page.locator("#paused-topics").inner_text()
+
+    viewer = log_in(context.browser.new_context(), console, VIEWER_TOKEN)  # type: ignore[union-attr]
+    viewer.goto(console.url + "/pauses")
+    assert topic in viewer.locator("#paused").inner_text()
+    assert viewer.locator("#paused button").count() == 0
+    assert viewer.locator("#pause").count() == 0
+
+    page.goto(console.url + "/pauses")
+    page.locator("#paused tr", has_text=topic).locator("button").click()
+    page.wait_for_url(console.url + "/pauses")
+    assert page.locator("#paused tr", has_text=topic).count() == 0
+    assert scalar(console.dsn, "SELECT count(*) FROM outbox_paused_topics") == 0
+    actions = [
+        (a["actor"], a["action"], a["target"]["via"])
+        for a in audit(console.dsn)
+        if a["target"].get("topic") == topic
+    ]
+    assert actions == [("token", "pause", "console"), ("token", "resume", "console")]

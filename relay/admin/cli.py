@@ -15,13 +15,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 
 from relay import __version__
-from relay.admin import dead_letters, pauses, replay, status
+from relay.admin import dead_letters, pauses, replay, status, times
 from relay.admin.migrate import SchemaState, schema_state
 from relay.drain import fairness
 from relay.errors import MigrationError
@@ -34,33 +34,21 @@ from relay.store.rows import LeaseRow, ReplicaRow
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
 
 def parse_duration(text: str) -> float:
-    """`90`, `45s`, `30m`, `12h`, `7d` -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
-    return float(match[1]) * _UNIT_SECONDS[match[2]]
+    """`90`, `45s`, `30m`, `12h`, `7d` -> seconds (relay/admin/times.py)."""
+    try:
+        return times.duration_seconds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_time(text: str) -> datetime | timedelta:
-    """A replay's `--since`/`--until`: ISO 8601 (`2026-05-01T10:00:00Z`; without an offset,
-    UTC), or how long ago (`2h`, `30m`, as `parse_duration` takes them)."""
+    """A replay's `--since`/`--until`: an instant or how long ago (relay/admin/times.py)."""
     try:
-        return timedelta(seconds=parse_duration(text))
-    except argparse.ArgumentTypeError:
-        pass
-    try:
-        value = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a time: {text!r} (ISO 8601, e.g. 2026-05-01T10:00:00Z, or how long ago,"
-            " e.g. 2h, 30m)"
-        ) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return times.instant_or_ago(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:

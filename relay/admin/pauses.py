@@ -49,6 +49,8 @@ def topic_problem(topic: str) -> str | None:
         return "the topic is empty"
     if len(topic) > MAX_TOPIC_CHARS:
         return f"the topic is longer than {MAX_TOPIC_CHARS} characters"
+    if "\0" in topic:
+        return "the topic holds a NUL character"  # no PostgreSQL text can
     return None
 
 

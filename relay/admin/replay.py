@@ -24,7 +24,7 @@ from relay.store.db import Conn
 MAX_ROWS = 100_000
 
 When = datetime | timedelta  # an instant, or this long before now (the database's clock)
-Via = Literal["cli", "console"]
+Via = Literal["cli", "console", "api"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ that changes rows is audited as the pages' changes are, the actor "api:token".
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import psycopg
 from starlette.applications import Starlette
@@ -27,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from relay.admin import status
+from relay.admin import pauses, replay, status
 from relay.console import api_input, data
 from relay.console.auth import Auth, Identity
 from relay.console.limits import LoginThrottle
@@ -40,6 +41,7 @@ from relay.store import db
 log = get_logger("relay.console")
 
 PREFIX = "/api/v1"
+T = TypeVar("T")
 Handler = Callable[[Request, Identity], Awaitable[Any]]
 Runner = Callable[[Callable[[db.Conn], Any]], Awaitable[Any]]  # Console.db
 
@@ -75,6 +77,9 @@ class Api:
             Route("/dead-letters", e(self.dead_letters), methods=["GET"]),
             Route("/dead-letters/requeue", e(self.requeue, change=True), methods=["POST"]),
             Route("/dead-letters/discard", e(self.discard, change=True), methods=["POST"]),
+            Route("/pause", e(self.pause, change=True), methods=["POST"]),
+            Route("/resume", e(self.resume, change=True), methods=["POST"]),
+            Route("/replay", e(self.replay, change=True), methods=["POST"]),
         ]
 
     def application(self) -> Starlette:
@@ -241,6 +246,87 @@ class Api:
             "audit_id": done.audit_id,
             "note": done.note,
         }
+
+    async def pause(self, request: Request, caller: Identity) -> Any:
+        """Pause a topic; pausing one paused already changes nothing (and says so)."""
+        asked = await self._body(request, api_input.pause_request)
+        done: pauses.Change = await self.run(
+            lambda conn: pauses.pause(
+                conn, asked.topic, actor=caller.user, via="api", reason=asked.reason
+            )
+        )
+        return {
+            "topic": asked.topic,
+            "paused": done.done,
+            "paused_since": done.paused_since,
+            "audit_id": done.audit_id,
+        }
+
+    async def resume(self, request: Request, caller: Identity) -> Any:
+        """Resume a paused topic; one not paused is a 409, nothing changed."""
+        asked = await self._body(request, partial(api_input.pause_request, reason=False))
+        done: pauses.Change = await self.run(
+            lambda conn: pauses.resume(conn, asked.topic, actor=caller.user, via="api")
+        )
+        if not done.done:
+            raise Refused(409, f"nothing changed: topic {asked.topic!r} is not paused")
+        return {
+            "topic": asked.topic,
+            "resumed": True,
+            "paused_since": done.paused_since,
+            "audit_id": done.audit_id,
+        }
+
+    async def replay(self, request: Request, caller: Identity) -> Any:
+        """`relay replay` for scripts, with the console's confirmation: without the
+        `expected` count (or as a dry run) it answers how many rows match and replays
+        nothing; with it, it replays exactly that many, else nothing (409)."""
+        asked = await self._body(request, api_input.replay_request)
+        if self.set_aside == "mark":
+            raise Refused(409, "nothing replayed: an own table keeps its sent rows in place")
+        cap = self.settings.bulk_cap
+        try:
+            if asked.dry_run or asked.expected is None:
+                found: replay.Replay = await self.run(
+                    lambda conn: data.replay_count(conn, asked.request, cap)
+                )
+            else:
+                expected = asked.expected
+                found = await self.run(
+                    lambda conn: data.replay_apply(
+                        conn, caller.user, asked.request, expected, cap, via="api"
+                    )
+                )
+        except data.Refused as exc:
+            raise Refused(409, f"nothing replayed: {exc}", cap=cap) from None
+        except data.Changed as exc:
+            raise Refused(409, f"nothing replayed: {exc}; count again") from None
+        answer = {
+            "topic": asked.request.topic,
+            "key": asked.request.key,
+            "since": found.sent_from,
+            "until": found.sent_until,
+            "matching": found.matching,
+        }
+        if found.replay_id is None:
+            if not (asked.dry_run or found.matching == 0):
+                answer["message"] = (
+                    f'a replay states its count: send "expected": {found.matching} to replay'
+                )
+            return {**answer, "replayed": 0, "dry_run": asked.dry_run}
+        return {
+            **answer,
+            "replayed": found.replayed,
+            "replay_id": found.replay_id,
+            "first_id": found.first_id,
+            "last_id": found.last_id,
+        }
+
+    async def _body(self, request: Request, read: Callable[[object], T]) -> T:
+        try:
+            return read(api_input.parse_body(await request.body()))
+        except ValueError as exc:
+            raise Refused(400, f"bad request: {exc}") from None
 
     async def _matching(self, target: data.Target) -> list[int]:
         """The dead letters a change of `target` would touch now (409 past the cap)."""

@@ -1,8 +1,8 @@
 """What the API reads from a query string or a JSON body: a dead-letter search, a
-cursor, the rows a change names. Stricter than the forms (relay/console/forms.py): a
-name the API does not know is refused, not ignored, because a script's misspelt filter
-field would otherwise widen a change to every dead letter. A value that does not parse
-raises ValueError (the API answers 400)."""
+cursor, the rows a change names, a pause, a replay. Stricter than the forms
+(relay/console/forms.py): a name the API does not know is refused, not ignored, because
+a script's misspelt filter field would otherwise widen a change to every dead letter. A
+value that does not parse raises ValueError (the API answers 400)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relay.admin import pauses, replay, times
 from relay.console import data, forms
 
 FILTER_FIELDS = ("topic", "key", "reason", "since", "until")
@@ -129,3 +130,76 @@ def _digest(value: Any) -> str | None:
     if not isinstance(value, str) or len(value) > 64:
         raise ValueError('"digest" must be the digest a dry run answered')
     return value
+
+
+PAUSE_FIELDS = frozenset({"topic", "reason"})
+REPLAY_FIELDS = frozenset({"topic", "since", "until", "key", "expected", "dry_run"})
+
+
+@dataclass(frozen=True, slots=True)
+class PauseRequest:
+    topic: str
+    reason: str | None = None
+
+
+def pause_request(body: object, *, reason: bool = True) -> PauseRequest:
+    """`POST /api/v1/pause` (`reason` allowed) or `/resume`: `{"topic": ...}`."""
+    fields = PAUSE_FIELDS if reason else frozenset({"topic"})
+    given = _object(body, fields, '{"topic": "..."}')
+    topic = _text(given, "topic", strip=False)  # a topic is exact
+    if topic is None:
+        raise ValueError('"topic" is required')
+    problem = pauses.topic_problem(topic)
+    if problem is not None:
+        raise ValueError(problem)
+    return PauseRequest(topic, _text(given, "reason"))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequest:
+    """`POST /api/v1/replay`: `relay replay`'s fields; the count a dry run answered as
+    `expected` to replay (else nothing is replayed: the answer states the count)."""
+
+    request: replay.Request
+    expected: int | None = None
+    dry_run: bool = False
+
+
+def replay_request(body: object) -> ReplayRequest:
+    given = _object(body, REPLAY_FIELDS, '{"topic": "...", "since": "2h"}')
+    topic, since = _text(given, "topic"), _text(given, "since")
+    if topic is None or since is None:
+        raise ValueError('a replay needs "topic" and "since"')
+    until = _text(given, "until")
+    dry_run = given.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise ValueError("dry_run must be true or false")
+    asked = replay.Request(
+        topic=topic,
+        since=times.instant_or_ago(since),
+        until=None if until is None else times.instant_or_ago(until),
+        key=_text(given, "key"),
+    )
+    return ReplayRequest(asked, _expected(given.get("expected")), dry_run)
+
+
+def _object(body: object, fields: frozenset[str], shape: str) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise ValueError(f"the body must be a JSON object: {shape}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
+    return body
+
+
+def _text(given: Mapping[str, Any], name: str, *, strip: bool = True) -> str | None:
+    value = given.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name!r} must be a string")
+    if "\0" in value:
+        raise ValueError(f"{name!r} holds a NUL character")
+    if not strip:
+        return value
+    return value.strip() or None

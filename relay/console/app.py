@@ -28,7 +28,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from relay.admin import replay
+from relay.admin import pauses, replay
 from relay.console import api, data, forms, render
 from relay.console.auth import COOKIE, Auth, Identity
 from relay.console.headers import SecurityHeaders
@@ -177,11 +177,13 @@ class Console:
     async def overview(self, request: Request, identity: Identity) -> Response:
         cap = self.settings.count_cap
         found: data.Overview = await self.db(lambda conn: data.overview(conn, cap))
+        paused = await self.db(pauses.paused_topics)
         return self.page(
             request,
             "overview.html",
             identity,
             o=found,
+            paused=paused,
             cap=cap,
             rate=self.rate.rate(),
             refresh=self.settings.refresh_seconds,
@@ -411,6 +413,32 @@ class Console:
             back="/replay",
         )
 
+    # --- pauses ---
+
+    async def pauses(self, request: Request, identity: Identity) -> Response:
+        paused = await self.db(pauses.paused_topics)
+        return self.page(request, "pauses.html", identity, paused=paused)
+
+    async def pause(self, request: Request, identity: Identity) -> Response:
+        form = await request.form()
+        topic, reason = str(form.get("topic", "")), str(form.get("reason", "")).strip()
+        problem = pauses.topic_problem(topic)
+        if problem is None and "\0" in reason:
+            problem = "the reason holds a NUL character"
+        if problem is not None:
+            return PlainTextResponse(f"bad request: {problem}", status_code=400)
+        await self.db(
+            lambda conn: pauses.pause(
+                conn, topic, actor=identity.user, via="console", reason=reason or None
+            )
+        )
+        return RedirectResponse("/pauses", status_code=303)
+
+    async def resume(self, request: Request, identity: Identity) -> Response:
+        topic = str((await request.form()).get("topic", ""))
+        await self.db(lambda conn: pauses.resume(conn, topic, actor=identity.user, via="console"))
+        return RedirectResponse("/pauses", status_code=303)
+
     # --- probes ---
 
     async def healthz(self, _request: Request) -> Response:
@@ -450,6 +478,9 @@ class Console:
             Route("/replay", g(self.replay_form)),
             Route("/replay/confirm", g(self.replay_confirm, change=True), methods=["POST"]),
             Route("/replay/apply", g(self.replay_apply, change=True), methods=["POST"]),
+            Route("/pauses", g(self.pauses)),
+            Route("/pauses/pause", g(self.pause, change=True), methods=["POST"]),
+            Route("/pauses/resume", g(self.resume, change=True), methods=["POST"]),
             Route("/audit", g(self.audit)),
             Route("/audit/{entry_id:int}", g(self.audit_entry)),
             Mount(api.PREFIX, app=self.api.application()),

@@ -310,13 +310,16 @@ def replay_count(conn: db.Conn, request: replay.Request, cap: int) -> replay.Rep
 
 
 def replay_apply(
-    conn: db.Conn, actor: str, request: replay.Request, confirmed: int, cap: int
+    conn: db.Conn,
+    actor: str,
+    request: replay.Request,
+    confirmed: int,
+    cap: int,
+    via: replay.Via = "console",
 ) -> replay.Replay:
     """Replay exactly the `confirmed` count of rows, with its audit entry (one statement:
     outbox_replay), or nothing."""
-    found = replay.replay(
-        conn, request, max_rows=cap, actor=actor, via="console", expected=confirmed
-    )
+    found = replay.replay(conn, request, max_rows=cap, actor=actor, via=via, expected=confirmed)
     refused = replay.refusal(found, cap)
     if refused is not None:
         raise Refused(refused)
