@@ -174,8 +174,8 @@ def servers() -> Iterator[tuple[str, str]]:
 def bench_compare(rev: str, rows: int, batches: list[int], rounds: int) -> int:
     from bench import compare
 
-    with servers() as (dsn, bootstrap):
-        report = compare.run(dsn, bootstrap, rev, rows, batches, rounds)
+    with server_set() as (pg, dsn, bootstrap):
+        report = compare.run(pg, dsn, bootstrap, rev, rows, batches, rounds)
     save({"sink": "kafka", "compare": report})
     return 0
 

@@ -7,12 +7,15 @@ message is the PostgreSQL server's in the same window (every backend, the bench'
 polling one included, and the background processes): the relay's SQL, where CPU per
 message of the relay alone cannot see it. The same function runs
 another commit's relay (`--compare`): a `git worktree` of it is started with its own
-directory first on the import path, against the same database and broker.
+directory first on the import path, against a database its own `relay migrate` made
+(`migrate`) and the same broker.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -112,6 +115,23 @@ def worktree(rev: str) -> Iterator[Path]:
             check=False,
             capture_output=True,
         )
+
+
+def migrate(dsn: str, source: Path) -> None:
+    """`relay migrate` run from the checkout at `source` on the database at `dsn`: its
+    own migrations, for its relay to run on the schema it was written for."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update({"RELAY_DATABASE_URL": dsn, "PYTHONPATH": str(source)})
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", "migrate"],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench: relay migrate from {source} failed:\n{done.stderr}")
 
 
 def revision(rev: str, source: Path = REPO) -> str:
