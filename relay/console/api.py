@@ -13,6 +13,9 @@ change something (403 for a caller who may not). Every answer is JSON, every err
 `{"error": "..."}` (relay/console/replies.py). A change goes through `data.change`,
 which checks, changes and writes the audit row in one transaction, so every endpoint
 that changes rows is audited as the pages' changes are, the actor "api:token".
+
+Long: one short method per endpoint, in the order `routes` lists them; the reads, the
+dead-letter changes, then pause, resume and replay, which share the reading of a body.
 """
 
 from __future__ import annotations
