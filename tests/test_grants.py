@@ -11,8 +11,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay.admin import dead_letters
-from relay.drain.batch import SetAside
+from relay.admin import dead_letters, pauses
+from relay.drain.batch import SetAside, Settlement
 from relay.settings import CommonSettings, SettingsError
 from relay.sql import QUERIES
 from relay.store import db, repository
@@ -50,6 +50,8 @@ WRITES = {
     "settle_mark_sent",
     "mark_sent",
     "purge_sent",
+    "park_paused",
+    "unpark_resumed",
 }
 LEASE = "grants"
 
@@ -195,6 +197,13 @@ def _run_every_write(conn: db.Conn, ids: list[int], set_aside: SetAside) -> None
     """Row a fails once, b is dead-lettered and requeued, c settles under a held lease,
     d is acknowledged; an own table keeps c and d marked sent, then they are purged."""
     a, b, c, d = ids
+    topic = conn.execute("SELECT topic FROM outbox WHERE id = %s", (a,)).fetchone()
+    assert topic is not None
+    pauses.pause(conn, topic["topic"], actor="test", via="cli")
+    with conn.transaction():  # a parked for its topic's pause, as a settle parks it
+        repository.park_paused(conn, Settlement(paused_ids=[a], paused_topics={topic["topic"]}))
+    pauses.resume(conn, topic["topic"], actor="test", via="cli")
+    assert repository.unpark_resumed(conn) == 1
     with conn.transaction():
         conn.execute(
             QUERIES.record_failures,

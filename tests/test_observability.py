@@ -249,11 +249,13 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
     assert row is not None
     plan = json.dumps(row[0])
     # outbox_dead holds dead letters only, outbox_scheduled rows scheduled for later
-    # only: a count of them, up to the cap, may read them in order.
+    # only: a count of them, up to the cap, may read them in order; outbox_paused_topics
+    # holds a row per topic an operator paused.
     scans = {(n["Node Type"], n.get("Relation Name")) for n in plan_nodes(row[0][0]["Plan"])}
     assert {s for s in scans if s[0] in ("Seq Scan", "Bitmap Heap Scan")} <= {
         ("Seq Scan", "outbox_dead"),
         ("Seq Scan", "outbox_scheduled"),
+        ("Seq Scan", "outbox_paused_topics"),
     }, plan
     for index in (
         "outbox_pkey",

@@ -128,6 +128,8 @@ def test_status_shows_the_holder_and_check_fails_clearly_without_a_password_leak
             "count_cap": 1_000_000,
             "scheduled": 0,
             "next_due_in_seconds": None,
+            "paused": 0,
+            "paused_topics": {},
         }
         table = run_cli(env, "status").stdout.decode()
         assert table.splitlines()[0].split() == [

@@ -326,3 +326,54 @@ def test_a_mapping_that_is_not_json_names_the_variable(monkeypatch: pytest.Monke
     monkeypatch.setenv("RELAY_OUTBOX_COLUMNS", '{"topic": 1}')
     with pytest.raises(SettingsError, match=r"^RELAY_OUTBOX_COLUMNS:"):
         load_settings(CommonSettings)
+
+
+def test_a_paused_topic_of_an_own_table_waits_parked_and_goes_in_order_once_resumed(
+    make_settings: SettingsFactory,
+    debezium_table: str,
+    relay_dsn: str,
+    kafka: TansuBroker,
+) -> None:
+    """`relay pause` holds an own table's topic as it holds the relay's own outbox's:
+    the first row of each aggregate parked in the table (relay_next_attempt_at), the
+    rest behind it, nothing attempted; resumed, all of it goes, in order."""
+    database = debezium_table
+    events = f"order-{uuid.uuid4().hex[:8]}"
+    kafka.create_topic(events, partitions=3)
+    assert migrate_own_table(database).returncode == 0
+    grant_view(database)
+    paused = subprocess.run(
+        relay_command("pause", events),
+        env=relay_env(relay_dsn),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert paused.returncode == 0, paused.stderr
+    rows = [(f"agg{a}", step) for step in range(3) for a in range(4)]
+    app_insert(database, events, rows)
+    parked = (
+        "SELECT count(*) FROM inventory.outboxevent WHERE relay_next_attempt_at = 'infinity'"
+        " AND relay_attempts = 0"
+    )
+    with running_relay(make_settings(outbox_table=TABLE, lease_name="inventory")):
+        wait_until(lambda: scalar(database, parked) == 4, timeout=30, message="heads parked")
+        assert scalar(database, "SELECT count(*) FROM inventory.outboxevent") == 12
+        resumed = subprocess.run(
+            relay_command("resume", events),
+            env=relay_env(relay_dsn),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        wait_until(
+            lambda: scalar(database, "SELECT count(*) FROM inventory.outboxevent") == 0,
+            timeout=30,
+            message="the table drained once resumed",
+        )
+    records = consume(kafka.bootstrap_servers, events, min_count=12)
+    per_aggregate_order(records)
+    assert len(records) == 12
