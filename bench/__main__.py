@@ -6,6 +6,7 @@
     ./dev bench --sink http [--rows N] [--in-flight 16]     (see bench/http.py)
     ./dev bench --sink nats|rabbitmq [--rows N] [--in-flight 64]  (see bench/brokers.py)
     ./dev bench --only shards|fairness|notify|interop|baselines|rate-limits|tenants|console|pooler
+    ./dev bench --only pause [--quick]   (a paused topic beside a flowing one: bench/pause.py)
         [--quick]
     ./dev bench --only soak [--quick | --minutes M]
     ./dev bench --only without-key-index [--quick]
@@ -98,6 +99,7 @@ def main() -> int:
             "pooler",
             "soak",
             "without-key-index",
+            "pause",
         ],
         default=None,
         help="run one section alone",
@@ -137,6 +139,8 @@ def main() -> int:
         return bench_baselines(args.quick)
     if args.only == "rate-limits":
         return bench_rate_limits(args.quick)
+    if args.only == "pause":
+        return bench_pause(args.quick)
     if args.only == "pooler":
         return bench_pooler(args.quick)
     if args.only == "console":
@@ -258,6 +262,15 @@ def bench_pooler(quick: bool) -> int:
     with server_set() as (pg, dsn, bootstrap):
         report = pooler.run(pg, dsn, bootstrap, quick)
     save({"sink": "kafka", "quick": quick, "pooler": report})
+    return 0
+
+
+def bench_pause(quick: bool) -> int:
+    from bench import pause
+
+    with server_set() as (_pg, dsn, bootstrap):
+        report = pause.run(dsn, bootstrap, quick)
+    save({"sink": "kafka", "quick": quick, "pause": report})
     return 0
 
 

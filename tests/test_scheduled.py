@@ -55,8 +55,11 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
             relay.enqueue(conn, topic, "k:0", key="k", delay=DELAY)
             relay.enqueue(conn, topic, "k:1", key="k")  # behind it: waits with it
             relay.enqueue(conn, topic, "other:0", key="other")  # another key: goes now
-        due = scalar(database, "SELECT available_at FROM outbox WHERE payload = 'k:0'")
-        assert due is not None
+            # Read in the writing transaction: once committed, the drain's next pass
+            # may move the row out into outbox_scheduled at any moment.
+            row = conn.execute("SELECT available_at FROM outbox WHERE payload = 'k:0'").fetchone()
+            assert row is not None
+            due = row[0]
         wait_until(lambda: sent(database, "other:0"), timeout=20, message="the other key")
         # Until k:0 is due, by the database clock, neither row of its key goes. The
         # sample comes first and the clock with what was sent by then after it, in one
