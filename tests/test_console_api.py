@@ -580,9 +580,17 @@ def test_a_pause_and_a_resume_through_the_api_hold_a_topic_and_are_audited(
         assert (paused.json()["topic"], paused.json()["paused"]) == (topic, True)
         again = api.post("/api/v1/pause", json={"topic": topic})
         assert (again.status_code, again.json()["paused"]) == (200, False)
-        [listed] = [
-            p for p in api.get("/api/v1/status").json()["paused_topics"] if p["topic"] == topic
-        ]
+
+        def listed_pause() -> dict[str, Any] | None:
+            # A status under load may answer 503 (the console's statement timeout):
+            # asked again until it answers, within the deadline.
+            answer = api.get("/api/v1/status")
+            if answer.status_code != 200:
+                return None
+            found = [p for p in answer.json()["paused_topics"] if p["topic"] == topic]
+            return found[0] if found else None
+
+        listed = wait_until(listed_pause, timeout=30, message="the pause in the status")
         assert (listed["paused_by"], listed["reason"]) == ("api:token", "consumer down")
         wait_until(
             lambda: any(
