@@ -21,6 +21,7 @@ from relay.store import connection, db, startup_checks
 from tests.conftest import RELAY_ROLE, SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import Record, TansuBroker, consume
 from tests.support import assert_per_key_order, insert_rows, running_relay, scalar, wait_until
+from tests.test_pause import relay as relay_cli
 
 TABLE = "inventory.outboxevent"
 VIEW_SCHEMA = "relay_inventory_outboxevent"
@@ -342,14 +343,7 @@ def test_a_paused_topic_of_an_own_table_waits_parked_and_goes_in_order_once_resu
     kafka.create_topic(events, partitions=3)
     assert migrate_own_table(database).returncode == 0
     grant_view(database)
-    paused = subprocess.run(
-        relay_command("pause", events),
-        env=relay_env(relay_dsn),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    paused = relay_cli(relay_dsn, "pause", events)
     assert paused.returncode == 0, paused.stderr
     rows = [(f"agg{a}", step) for step in range(3) for a in range(4)]
     app_insert(database, events, rows)
@@ -360,14 +354,7 @@ def test_a_paused_topic_of_an_own_table_waits_parked_and_goes_in_order_once_resu
     with running_relay(make_settings(outbox_table=TABLE, lease_name="inventory")):
         wait_until(lambda: scalar(database, parked) == 4, timeout=30, message="heads parked")
         assert scalar(database, "SELECT count(*) FROM inventory.outboxevent") == 12
-        resumed = subprocess.run(
-            relay_command("resume", events),
-            env=relay_env(relay_dsn),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        resumed = relay_cli(relay_dsn, "resume", events)
         assert resumed.returncode == 0, resumed.stderr
         wait_until(
             lambda: scalar(database, "SELECT count(*) FROM inventory.outboxevent") == 0,
