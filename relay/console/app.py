@@ -176,8 +176,10 @@ class Console:
 
     async def overview(self, request: Request, identity: Identity) -> Response:
         cap = self.settings.count_cap
-        found: data.Overview = await self.db(lambda conn: data.overview(conn, cap))
-        paused = await self.db(pauses.paused_topics)
+        found: data.Overview
+        found, paused = await self.db(
+            lambda conn: (data.overview(conn, cap), pauses.paused_topics(conn))
+        )
         return self.page(
             request,
             "overview.html",
@@ -415,11 +417,11 @@ class Console:
 
     # --- pauses ---
 
-    async def pauses(self, request: Request, identity: Identity) -> Response:
+    async def pauses_page(self, request: Request, identity: Identity) -> Response:
         paused = await self.db(pauses.paused_topics)
         return self.page(request, "pauses.html", identity, paused=paused)
 
-    async def pause(self, request: Request, identity: Identity) -> Response:
+    async def pause_topic(self, request: Request, identity: Identity) -> Response:
         form = await request.form()
         topic, reason = str(form.get("topic", "")), str(form.get("reason", "")).strip()
         problem = pauses.topic_problem(topic)
@@ -434,7 +436,7 @@ class Console:
         )
         return RedirectResponse("/pauses", status_code=303)
 
-    async def resume(self, request: Request, identity: Identity) -> Response:
+    async def resume_topic(self, request: Request, identity: Identity) -> Response:
         topic = str((await request.form()).get("topic", ""))
         await self.db(lambda conn: pauses.resume(conn, topic, actor=identity.user, via="console"))
         return RedirectResponse("/pauses", status_code=303)
@@ -478,9 +480,9 @@ class Console:
             Route("/replay", g(self.replay_form)),
             Route("/replay/confirm", g(self.replay_confirm, change=True), methods=["POST"]),
             Route("/replay/apply", g(self.replay_apply, change=True), methods=["POST"]),
-            Route("/pauses", g(self.pauses)),
-            Route("/pauses/pause", g(self.pause, change=True), methods=["POST"]),
-            Route("/pauses/resume", g(self.resume, change=True), methods=["POST"]),
+            Route("/pauses", g(self.pauses_page)),
+            Route("/pauses/pause", g(self.pause_topic, change=True), methods=["POST"]),
+            Route("/pauses/resume", g(self.resume_topic, change=True), methods=["POST"]),
             Route("/audit", g(self.audit)),
             Route("/audit/{entry_id:int}", g(self.audit_entry)),
             Mount(api.PREFIX, app=self.api.application()),
