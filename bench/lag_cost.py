@@ -109,7 +109,9 @@ def main() -> None:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 # As the sampler's session plans: custom plans, no JIT, ordered walks.
                 connection.apply_settings(
-                    conn, {**connection.CUSTOM_PLANS, **connection.ORDERED_WALKS}, local=False
+                    conn,
+                    {**connection.NO_JIT, **connection.CUSTOM_PLANS, **connection.ORDERED_WALKS},
+                    local=False,
                 )
                 params = {"cap": args.cap, "age_window": AGE_WINDOW}
                 sample = conn.execute(QUERIES.lag_sample, params).fetchone()

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from prometheus_client import REGISTRY
+from psycopg import sql
 
 from relay.observe.lag import measure
 from relay.observe.metrics import OTHER_TOPIC, TOPIC_LABEL_MAX_CHARS, Health, TopicLabels
@@ -29,7 +30,9 @@ from relay.observe.server import (
     MAX_CONNECTIONS,
     MetricsServer,
 )
+from relay.settings import CommonSettings
 from relay.sql import QUERIES
+from relay.store import db
 from relay.store.connection import ORDERED_WALKS, apply_settings
 from tests.conftest import SettingsFactory, relay_env, start_relay
 from tests.harness import free_port
@@ -264,6 +267,26 @@ def test_lag_sample_reads_indexes_only_never_the_whole_table(database: str) -> N
         "outbox_scheduled_due_idx",
     ):
         assert index in plan
+
+
+def test_a_status_session_samples_the_lag_without_compiling_it(database: str) -> None:
+    """With sorts off, PostgreSQL before 18 prices lag_sample far past jit_above_cost: a
+    relay session must not JIT-compile it (half a second of CPU on every `relay status`
+    or console page, past the console's statement timeout on a busy server)."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET jit = on").format(sql.Identifier(conn.info.dbname))
+        )
+    with db.connect(CommonSettings(database_url=database), purpose="status") as conn:
+        with conn.transaction():  # as relay/observe/lag.py's measure plans it
+            apply_settings(conn, ORDERED_WALKS, local=True)
+            row = conn.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES.lag_sample,
+                {"cap": 100, "age_window": 1000},
+            ).fetchone()
+        assert row is not None
+        assert "JIT" not in row["QUERY PLAN"][0], row["QUERY PLAN"][0]["JIT"]
+        assert measure(conn, 100).unsent == 0
 
 
 def plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:

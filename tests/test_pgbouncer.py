@@ -103,6 +103,7 @@ def test_the_relay_finds_the_pooler_and_keeps_its_timeouts_per_transaction(
     with db.connect(settings, purpose="status") as conn:
         assert isinstance(conn, connection.RelayConnection) and conn.pooled
         assert conn.prepare_threshold is None  # nothing prepared: the next may meet another
+        assert conn.execute("SHOW jit").fetchone() == {"jit": "off"}
         # The timeout holds on a statement outside a transaction, and inside one.
         with pytest.raises(psycopg.errors.QueryCanceled):
             conn.execute("SELECT pg_sleep(1)")

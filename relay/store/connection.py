@@ -20,11 +20,17 @@ from relay.sql import QUERIES
 AnyConn = psycopg.Connection[Any]
 
 
+# For every relay session (relay/store/db.py, connect): no JIT. Each statement is a
+# bounded index walk of milliseconds, which compiling would cost more than it saves; and
+# with sorts off (ORDERED_WALKS) PostgreSQL before 18 prices a plan that must sort far
+# past jit_above_cost, so a statement like lag_sample was compiled on every run (about
+# 100 functions, half a second of the database's CPU, several seconds on a busy server).
+NO_JIT = {"jit": "off"}
+
 # For the drain and lag sessions: plan with the actual parameters, so the in-flight
 # exclusion is a hashed lookup, the key cursor and the shard count constants (the shard
-# indexes match); and no JIT: compiling a millisecond query would cost more than it
-# saves, on every execution.
-CUSTOM_PLANS = {"plan_cache_mode": "force_custom_plan", "jit": "off"}
+# indexes match).
+CUSTOM_PLANS = {"plan_cache_mode": "force_custom_plan"}
 
 # For the drain and lag sessions: no bitmap scans. Every statement of these sessions is
 # meant as an ordered, LIMITed index walk that stops at the batch: the primary key's in

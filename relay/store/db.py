@@ -147,6 +147,7 @@ def connect(
             "statement_timeout": f"{statement_ms}ms",
             "lock_timeout": f"{milliseconds(settings.database_lock_timeout_seconds)}ms",
             "idle_in_transaction_session_timeout": f"{idle_in_transaction_timeout_ms(settings)}ms",
+            **connection.NO_JIT,
         }
         if settings.database_synchronous_commit is not None:
             kept["synchronous_commit"] = settings.database_synchronous_commit
