@@ -272,3 +272,10 @@ def assert_no_key_overtakes_itself(
         if r.key == "K" and r.value is not None
     ]
     assert steps == list(range(300)), steps[:40]
+
+
+def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A JSON plan's node and every node under it."""
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from plan_nodes(child)

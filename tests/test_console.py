@@ -35,7 +35,7 @@ from tests.conftest import REPO, TEMPLATE_DB, relay_command, relay_env
 from tests.harness import free_port
 from tests.harness.postgres import PostgresServer
 from tests.harness.webhook import Delivery, Reply, WebhookServer
-from tests.support import http_get, running_relay, scalar, wait_until
+from tests.support import http_get, plan_nodes, running_relay, scalar, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -210,13 +210,6 @@ def dead_letter_directly(
         (topic, key, payload, None if headers is None else json.dumps(headers), reason),
     )
     return int(row[0])
-
-
-def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A JSON plan's node and every node under it."""
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from nodes(child)
 
 
 def csrf_of(page: Page) -> str:
@@ -559,10 +552,10 @@ def test_dead_letter_pages_walk_their_index(world: World, context: BrowserContex
             assert found is not None
             plan = found[0][0]["Plan"]
             # outbox_dead by its key from the cursor, never read whole and sorted.
-            walks = {n.get("Index Name") for n in nodes(plan) if n.get("Relation Name")}
+            walks = {n.get("Index Name") for n in plan_nodes(plan) if n.get("Relation Name")}
             assert walks == {"outbox_dead_pkey"}, plan
-            for sort in (n for n in nodes(plan) if n["Node Type"] == "Sort"):
-                assert all(n.get("Relation Name") != "outbox_dead" for n in nodes(sort)), plan
+            for sort in (n for n in plan_nodes(plan) if n["Node Type"] == "Sort"):
+                assert all(n.get("Relation Name") != "outbox_dead" for n in plan_nodes(sort)), plan
 
     page = log_in(context, world)
     page.goto(f"{world.url}/dead-letters?topic={topic}")

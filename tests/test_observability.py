@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -44,6 +43,7 @@ from tests.support import (
     insert_rows,
     keyed_rows,
     metric,
+    plan_nodes,
     running_relay,
     scalar,
     scrape,
@@ -287,12 +287,6 @@ def test_a_status_session_samples_the_lag_without_compiling_it(database: str) ->
         assert row is not None
         assert "JIT" not in row["QUERY PLAN"][0], row["QUERY PLAN"][0]["JIT"]
         assert measure(conn, 100).unsent == 0
-
-
-def plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from plan_nodes(child)
 
 
 def test_lag_sample_cost_follows_the_cap_not_the_number_of_failing_rows(database: str) -> None:

@@ -39,6 +39,7 @@ from tests.support import (
     dedup_by_message_id,
     insert_rows,
     keyed_rows,
+    plan_nodes,
     scalar,
     wait_until,
 )
@@ -169,9 +170,12 @@ def test_lag_per_shard_reads_each_shard_index_and_adds_up_to_the_total(database:
         conn.execute("DELETE FROM outbox WHERE id % 3 = 0")
         conn.execute("ANALYZE outbox")
         connection.keep_settings(conn, connection.CUSTOM_PLANS)
-        explain = conn.execute(
-            "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample_shards, {"shards": SHARDS, "cap": 100}
-        ).fetchone()
+        with conn.transaction():  # planned as measure_shards plans it
+            connection.apply_settings(conn, connection.ORDERED_WALKS, local=True)
+            explain = conn.execute(
+                "EXPLAIN (FORMAT JSON) " + QUERIES.lag_sample_shards,
+                {"shards": SHARDS, "cap": 100, "age_window": 100},
+            ).fetchone()
         parts = lag.measure_shards(conn, SHARDS, 1_000_000)
         capped = lag.measure_shards(conn, SHARDS, 100)
         expected = conn.execute(
@@ -183,7 +187,12 @@ def test_lag_per_shard_reads_each_shard_index_and_adds_up_to_the_total(database:
         total = lag.measure(conn, 1_000_000)
     assert explain is not None
     plan = json.dumps(explain["QUERY PLAN"])
-    assert '"Seq Scan"' not in plan, plan
+    # outbox_paused_topics holds a row per topic an operator paused.
+    scans = {
+        (n["Node Type"], n.get("Relation Name"))
+        for n in plan_nodes(explain["QUERY PLAN"][0]["Plan"])
+    }
+    assert {s for s in scans if s[0] == "Seq Scan"} <= {("Seq Scan", "outbox_paused_topics")}, plan
     assert shard_index_names(SHARDS)[0] in plan, plan
     assert [p.shard for p in parts] == list(range(SHARDS))
     assert [p.unsent for p in parts] == [int(e["unsent"]) for e in expected]
@@ -221,6 +230,34 @@ def test_the_lag_sampler_exports_each_shard_beside_the_total(
     assert sum(per_shard.values()) == 60
     assert "relay_outbox_unsent_rows 60.0" in text
     assert 'relay_outbox_shard_oldest_unsent_age_seconds{lease="default",shard="0"}' in text
+
+
+def test_a_paused_topic_is_no_shard_lag_as_it_is_no_lag(database: str) -> None:
+    """A shard's oldest age leaves a paused topic's rows out, as the outbox's does, so a
+    dashboard of shards shows no lag growing for a pause."""
+    create_shard_indexes(CommonSettings(database_url=database), SHARDS)
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, created_at)"
+            " SELECT 'held', 'k' || g, 'x', now() - interval '1 hour'"
+            " FROM generate_series(1, 200) AS g"
+        )
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, created_at)"
+            " SELECT 'flowing', 'k' || g, 'x', now() - interval '10 seconds'"
+            " FROM generate_series(1, 200) AS g"
+        )
+        connection.keep_settings(conn, connection.CUSTOM_PLANS)
+        before = lag.measure_shards(conn, SHARDS, 1_000_000)
+        conn.execute("SELECT outbox_pause('held', 'ana', NULL, 'cli')")
+        after = lag.measure_shards(conn, SHARDS, 1_000_000)
+        total = lag.measure(conn, 1_000_000)
+    assert all(p.oldest_unsent_age_seconds > 3000 for p in before), before
+    assert all(5 < p.oldest_unsent_age_seconds < 600 for p in after), after
+    assert max(p.oldest_unsent_age_seconds for p in after) == pytest.approx(
+        total.oldest_unsent_age_seconds, abs=5
+    )
+    assert sum(p.unsent for p in after) == 400  # paused rows are still unsent
 
 
 def test_without_shards_no_shard_lag_series_exist(make_settings: SettingsFactory) -> None:

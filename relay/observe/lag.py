@@ -108,8 +108,8 @@ class ShardLag:
 
 
 def shard_count_cap(cap: int, shards: int) -> int:
-    """Each shard's count stops at its part of the cap: a sample of all the shards walks
-    no more index entries than the unsharded count does."""
+    """Each shard's count (and its window for the oldest age) stops at its part of the
+    cap: a sample of all the shards walks no more index entries than the unsharded one."""
     return max(1, cap // shards)
 
 
@@ -118,7 +118,10 @@ def measure_shards(conn: Conn, shards: int, cap: int) -> list[ShardLag]:
     or the shard count is no constant and no shard index matches."""
     part = shard_count_cap(cap, shards)
     with _walking_in_order(conn):
-        rows = conn.execute(QUERIES.lag_sample_shards, {"shards": shards, "cap": part}).fetchall()
+        rows = conn.execute(
+            QUERIES.lag_sample_shards,
+            {"shards": shards, "cap": part, "age_window": shard_count_cap(AGE_WINDOW, shards)},
+        ).fetchall()
     return [
         ShardLag(
             shard=int(row["shard"]),

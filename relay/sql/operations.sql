@@ -129,6 +129,8 @@ SELECT
 -- one walk of that count's outbox_shards_N_due_idx per shard, each count stopping at
 -- %(cap)s (the cap divided among the shards, so a sample costs what it did without
 -- shards). Needs a custom plan (shard count a constant) to match the index expression.
+-- The oldest age is lag_sample's: the longest wait among the shard's first
+-- %(age_window)s rows (its part of lag_sample's window), a paused topic's rows left out.
 SELECT s.shard,
     least(%(cap)s,
           (SELECT count(*)
@@ -153,12 +155,16 @@ SELECT s.shard,
         AS unsent,
     coalesce(
         greatest(0,
-                 (SELECT extract(epoch FROM now()) - extract(epoch FROM greatest(o.created_at, o.available_at))
-                    FROM outbox AS o
-                   WHERE (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
-                     AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
-                   ORDER BY o.id
-                   LIMIT 1),
+                 (SELECT extract(epoch FROM now())
+                         - extract(epoch FROM min(greatest(head.created_at, head.available_at)))
+                    FROM (SELECT o.created_at, o.available_at, o.topic
+                            FROM outbox AS o
+                           WHERE (o.available_at IS NULL OR o.promoted_at IS NOT NULL)
+                             AND outbox_shard(o.key, o.id, %(shards)s::integer) = s.shard
+                           ORDER BY o.id
+                           LIMIT %(age_window)s) AS head
+                   WHERE NOT EXISTS (SELECT 1 FROM outbox_paused_topics AS p
+                                      WHERE p.topic = head.topic)),
                  (SELECT extract(epoch FROM now()) - extract(epoch FROM o.available_at)
                     FROM outbox AS o
                    WHERE o.available_at IS NOT NULL AND o.promoted_at IS NULL
