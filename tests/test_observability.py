@@ -21,8 +21,14 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg import sql
 
-from relay.observe.lag import measure
-from relay.observe.metrics import OTHER_TOPIC, TOPIC_LABEL_MAX_CHARS, Health, TopicLabels
+from relay.observe.lag import LagSample, measure, publish
+from relay.observe.metrics import (
+    OTHER_TOPIC,
+    TOPIC_LABEL_MAX_CHARS,
+    TOPIC_PAUSED,
+    Health,
+    TopicLabels,
+)
 from relay.observe.server import (
     CONNECTION_TIMEOUT_SECONDS,
     HANDLER_THREADS,
@@ -387,6 +393,32 @@ def test_a_leader_whose_database_freezes_drops_the_lease_gauge_and_readiness_in_
 
 
 # --- the topic label cap (RELAY_METRICS_TOPIC_LABELS) ---
+
+
+@pytest.mark.unit
+def test_a_paused_topics_series_stays_until_it_is_resumed_and_then_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each sample sets the paused topics' series before it removes a resumed one's, so
+    no scrape meets a still-paused topic without its series."""
+
+    def paused(topic: str) -> float | None:
+        return REGISTRY.get_sample_value("relay_topic_paused_seconds", {"topic": topic})
+
+    removed: list[tuple[str, float | None]] = []
+    real_remove = TOPIC_PAUSED.remove
+
+    def remove(topic: str) -> None:  # what a scrape would see just before the removal
+        removed.append((topic, paused("still")))
+        real_remove(topic)
+
+    monkeypatch.setattr(TOPIC_PAUSED, "remove", remove)
+    publish(LagSample(0, 0.0, 0, 0, 100, paused_topics={"gone": 5.0, "still": 1.0}))
+    publish(LagSample(0, 0.0, 0, 0, 100, paused_topics={"still": 2.0}))
+    assert (paused("gone"), paused("still")) == (None, 2.0)
+    assert removed == [("gone", 2.0)]
+    publish(LagSample(0, 0.0, 0, 0, 100))
+    assert paused("still") is None
 
 
 @pytest.mark.unit

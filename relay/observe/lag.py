@@ -172,6 +172,11 @@ SHARD_LAG = ShardLagCollector()
 REGISTRY.register(SHARD_LAG)
 
 
+# The topics relay_topic_paused_seconds has a series for: a resumed topic's is removed
+# after the new values are set, never cleared first (a scrape between would miss them).
+_PAUSED_SERIES: set[str] = set()
+
+
 def publish(sample: LagSample) -> None:
     metrics.OUTBOX_UNSENT.set(sample.unsent)
     metrics.OUTBOX_OLDEST_AGE.set(sample.oldest_unsent_age_seconds)
@@ -180,9 +185,12 @@ def publish(sample: LagSample) -> None:
     metrics.OUTBOX_SCHEDULED.set(sample.scheduled)
     metrics.OUTBOX_COUNT_CAP.set(sample.count_cap)
     metrics.OUTBOX_PAUSED.set(sample.paused)
-    metrics.TOPIC_PAUSED.clear()
     for topic, seconds in sample.paused_topics.items():
         metrics.TOPIC_PAUSED.labels(topic).set(seconds)
+    for resumed in _PAUSED_SERIES - sample.paused_topics.keys():
+        metrics.TOPIC_PAUSED.remove(resumed)
+    _PAUSED_SERIES.clear()
+    _PAUSED_SERIES.update(sample.paused_topics)
 
 
 @dataclass(frozen=True, slots=True)
