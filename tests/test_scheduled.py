@@ -60,17 +60,18 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
             row = conn.execute("SELECT available_at FROM outbox WHERE payload = 'k:0'").fetchone()
             assert row is not None
             due = row[0]
-        wait_until(lambda: sent(database, "other:0"), timeout=20, message="the other key")
         # Until k:0 is due, by the database clock, neither row of its key goes. The
         # sample comes first and the clock with what was sent by then after it, in one
         # statement (one snapshot): when that still reads early, the sample was taken
-        # before the row was due.
+        # before the row was due. The first sample follows the commit at once, so the
+        # window is watched however long the other key's row takes on a busy machine.
         waited = 0
         while True:
             sample = lag.measure(sampler, 100)
             snapshot = sampler.execute(
                 "SELECT now() < %s - interval '100 ms' AS early, EXISTS (SELECT FROM"
-                " outbox_sent WHERE payload IN ('k:0', 'k:1')) AS sent_any",
+                " outbox_sent WHERE payload IN ('k:0', 'k:1')) AS sent_any,"
+                " EXISTS (SELECT FROM outbox_sent WHERE payload = 'other:0') AS other_sent",
                 (due,),
             ).fetchone()
             assert snapshot is not None
@@ -78,10 +79,14 @@ def test_a_scheduled_row_waits_for_its_time_and_holds_back_its_key(
                 break
             assert not snapshot["sent_any"]
             assert sample.scheduled == 1 and sample.next_due_in_seconds is not None
-            assert sample.unsent == 1  # k:1, held back; the scheduled row is not lag
+            # k:1, held back, and other:0 until it is sent (the sample is read before the
+            # snapshot: it may still count a row the snapshot sees sent); the scheduled
+            # row is no lag.
+            assert sample.unsent in ((1, 2) if snapshot["other_sent"] else (2,)), sample
             waited += 1
             time.sleep(0.05)
-        assert waited > 0, "the other key's row took longer than the delay: nothing shown"
+        assert waited > 0, "the row was due before the first sample: nothing shown"
+        wait_until(lambda: sent(database, "other:0"), timeout=20, message="the other key")
         wait_until(
             lambda: sent(database, "k:0") and sent(database, "k:1"),
             timeout=DELAY + 10,
