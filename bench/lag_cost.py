@@ -110,7 +110,7 @@ def main() -> None:
                 # As the sampler's session plans: custom plans, no JIT, ordered walks.
                 connection.apply_settings(
                     conn,
-                    {**connection.NO_JIT, **connection.CUSTOM_PLANS, **connection.ORDERED_WALKS},
+                    {**connection.CUSTOM_PLANS, **connection.ORDERED_WALKS},
                     local=False,
                 )
                 params = {"cap": args.cap, "age_window": AGE_WINDOW}

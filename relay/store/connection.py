@@ -29,8 +29,9 @@ NO_JIT = {"jit": "off"}
 
 # For the drain and lag sessions: plan with the actual parameters, so the in-flight
 # exclusion is a hashed lookup, the key cursor and the shard count constants (the shard
-# indexes match).
-CUSTOM_PLANS = {"plan_cache_mode": "force_custom_plan"}
+# indexes match); without JIT, which a session of a test or a benchmark that plans as
+# the drain does (these settings alone) would otherwise compile on every call.
+CUSTOM_PLANS = {"plan_cache_mode": "force_custom_plan", **NO_JIT}
 
 # For the drain and lag sessions: no bitmap scans. Every statement of these sessions is
 # meant as an ordered, LIMITed index walk that stops at the batch: the primary key's in
