@@ -29,12 +29,13 @@ GRANT EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bi
                                         text, text) TO relay_console;
 -- Pause and resume: shown, and changed (with the audit entry) through outbox_pause and
 -- outbox_resume, which write outbox_paused_topics and console_audit only.
-GRANT SELECT ON outbox_paused_topics TO relay_console;
+GRANT SELECT ON outbox_paused_topics, outbox_paused TO relay_console;
 GRANT EXECUTE ON FUNCTION outbox_pause(text, text, text, text) TO relay_console;
 GRANT EXECUTE ON FUNCTION outbox_resume(text, text, text) TO relay_console;
 
 -- relay_console_viewer: a console run with RELAY_CONSOLE_READ_ONLY=true (people who
 -- may look but not requeue). It reads; it cannot change a row even if asked to.
 GRANT SELECT ON outbox, leases, lease_groups, replicas, schema_migrations, console_audit,
-    outbox_dead, outbox_dead_letters, outbox_scheduled, outbox_paused_topics
+    outbox_dead, outbox_dead_letters, outbox_scheduled, outbox_paused_topics,
+    outbox_paused
     TO relay_console_viewer;

@@ -43,10 +43,15 @@ GRANT EXECUTE ON FUNCTION outbox_requeue(bigint[], text, boolean) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_replay(text, text, timestamptz, timestamptz, bigint, bigint,
                                         text, text) TO relay;
 
--- Paused topics: every drain reads them at least once a second (and parks their rows,
--- an UPDATE of next_attempt_at); `relay pause` and `relay resume` change them, and
--- record it in console_audit, through outbox_pause and outbox_resume.
-GRANT SELECT ON outbox_paused_topics TO relay;
+-- Paused topics: every drain reads them at least once a second, and holds their rows
+-- in outbox_paused (through functions that move rows only, and that the fetch reads)
+-- or parks one in place (an UPDATE of next_attempt_at); `relay pause` and `relay
+-- resume` change them, and record it in console_audit, through outbox_pause and
+-- outbox_resume.
+GRANT SELECT ON outbox_paused_topics, outbox_paused TO relay;
+GRANT EXECUTE ON FUNCTION outbox_hold_paused(text[], bigint, integer, bigint[],
+                                             int8multirange, integer, integer) TO relay;
+GRANT EXECUTE ON FUNCTION outbox_release_paused(integer) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_pause(text, text, text, text) TO relay;
 GRANT EXECUTE ON FUNCTION outbox_resume(text, text, text) TO relay;
 

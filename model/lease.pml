@@ -281,8 +281,8 @@ inline release(l) {
  * statement; with RELAY_FAIRNESS=off, fetch_head's windows in one REPEATABLE READ
  * snapshot, so the same one view; the rows it reads are only ever settled under a
  * fence, so a stale read costs a duplicate, never more):
- *   sql: drain.sql fetch_head sha256:64d7729167faccf2
- *   sql: drain.sql fetch_batch sha256:161557ef0d2735cf
+ *   sql: drain.sql fetch_head sha256:7655fb1b4e0e74ed
+ *   sql: drain.sql fetch_batch sha256:6b7855121426556a
  * unsent, in this lane's shard, not in flight here (`in_flight`, by id or span), not
  * in a backoff (`ready`), and the first such row of its key: an earlier unsent row of the key is
  * fetched first, one in a backoff holds it back (`ready`), one in flight here without

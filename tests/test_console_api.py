@@ -609,13 +609,13 @@ def test_a_pause_and_a_resume_through_the_api_hold_a_topic_and_are_audited(
             lambda: (
                 scalar(
                     world.dsn,
-                    "SELECT count(*) FROM outbox WHERE topic = %s AND next_attempt_at = 'infinity'",
+                    "SELECT count(*) FROM outbox_paused WHERE topic = %s",
                     (topic,),
                 )
                 == 1
             ),
             timeout=10,
-            message="the row parked",
+            message="the row held",
         )
         assert delivered(world, topic) == []
         resumed = api.post("/api/v1/resume", json={"topic": topic})

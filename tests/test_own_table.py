@@ -77,7 +77,7 @@ def grant_view(database: str, schema: str = VIEW_SCHEMA) -> None:
         )
         conn.execute(
             f"GRANT SELECT ON {schema}.outbox_dead_letters, {schema}.outbox_dead,"
-            f" {schema}.outbox_scheduled TO {RELAY_ROLE}"
+            f" {schema}.outbox_scheduled, {schema}.outbox_paused TO {RELAY_ROLE}"
         )
 
 

@@ -17,6 +17,11 @@ from playwright.sync_api import BrowserContext
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
+from relay.drain.batch import BatchLimits, id_set
+from relay.store import fetch as store_fetch
+from relay.store.port import FetchRequest
+from relay.store.postgres import drain_session_setup
+from relay.store.repository import release_paused
 from tests import test_replay
 from tests.conftest import SettingsFactory, relay_command, relay_env
 from tests.harness.kafka import Record, TansuBroker, consume
@@ -35,7 +40,11 @@ from tests.test_replay import Console, log_in
 # The replay module's console process and browser, as fixtures of this module too.
 browser, console, context = test_replay.browser, test_replay.console, test_replay.context
 
-PARKED = "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+# The rows held for a pause: moved out into outbox_paused, or parked in place.
+HELD = (
+    "SELECT (SELECT count(*) FROM outbox_paused)"
+    " + (SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity')"
+)
 
 
 def relay(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -99,14 +108,16 @@ def test_a_pause_holds_across_a_restart_while_another_topic_flows_in_order_per_k
     )
 
     with running_relay(make_settings()):
-        wait_until(lambda: scalar(database, PARKED) == 4, 30, message="the heads parked")
+        wait_until(lambda: scalar(database, HELD) == 16, 30, message="the paused rows held")
         flowed = consume(kafka.bootstrap_servers, flowing, min_count=15)
         assert sorted(values(flowed)) == sorted(
             f"j{k}:{i}".encode() for i in range(5) for k in range(3)
         )
-    # Parked where they are: unsent, no attempt spent, nothing dead-lettered; the shared
-    # key's later row still waits.
-    assert unsent_count(database) == 15 + 1 + 1
+    # Held out of the outbox: unsent, no attempt spent, nothing dead-lettered; the shared
+    # key's later row still waits in the outbox, behind its held row.
+    assert scalar(database, "SELECT count(*) FROM outbox_paused WHERE topic = %s", (held,)) == 16
+    assert unsent_count(database) == 1
+    assert scalar(database, "SELECT max(attempts) FROM outbox_paused") == 0
     assert scalar(database, "SELECT max(attempts) FROM outbox") == 0
     assert scalar(database, "SELECT count(*) FROM outbox_dead") == 0
 
@@ -121,18 +132,19 @@ def test_a_pause_holds_across_a_restart_while_another_topic_flows_in_order_per_k
             30,
             message="the flowing topic's new rows delivered",
         )
-        assert unsent_count(database) == 17
+        assert unsent_count(database) == 1 and scalar(database, HELD) == 16
         status = relay(relay_dsn, "status", "--json")
         assert status.returncode == 0, status.stderr
         [paused] = json.loads(status.stdout)["paused_topics"]
         assert paused["topic"] == held and paused["reason"] == "consumer migration"
-        assert paused["paused_by"] == getpass.getuser() and paused["parked_rows"] == 4
+        assert paused["paused_by"] == getpass.getuser() and paused["held_rows"] == 16
         assert held in relay(relay_dsn, "status").stdout
 
         resumed = relay(relay_dsn, "resume", held)
         assert resumed.returncode == 0, resumed.stderr
         assert resumed.stdout.startswith(f"resumed topic '{held}'")
         wait_until(lambda: unsent_count(database) == 0, 30, message="the paused rows sent")
+        assert scalar(database, HELD) == 0
     sent = consume(kafka.bootstrap_servers, held, min_count=16)
     for k in range(3):
         assert values(sent, f"k{k}") == [f"k{k}:{i}".encode() for i in range(5)]
@@ -149,7 +161,7 @@ def test_a_running_relay_honours_a_pause_at_its_next_pass_and_a_resume_too(
     make_settings: SettingsFactory, database: str, relay_dsn: str, kafka: TansuBroker
 ) -> None:
     """Paused while the relay runs: once its drain has read the pause (its gauge says
-    so), a new row of the topic is parked, not sent; resumed, it goes."""
+    so), a new row of the topic is held, not sent; resumed, it goes."""
     topic = new_topic(kafka, "live")
     insert_rows(database, topic, [("a", b"a:0")])
     with running_relay(make_settings()):
@@ -157,7 +169,7 @@ def test_a_running_relay_honours_a_pause_at_its_next_pass_and_a_resume_too(
         assert relay(relay_dsn, "pause", topic).returncode == 0
         wait_until(lambda: paused_seen() == 1, 10, message="the drain saw the pause")
         insert_rows(database, topic, [("a", b"a:1"), ("b", b"b:0")])
-        wait_until(lambda: scalar(database, PARKED) == 2, 10, message="the new rows parked")
+        wait_until(lambda: scalar(database, HELD) == 2, 10, message="the new rows held")
         assert values(consume(kafka.bootstrap_servers, topic, min_count=1, timeout=3)) == [b"a:0"]
         assert relay(relay_dsn, "resume", topic).returncode == 0
         wait_until(lambda: unsent_count(database) == 0, 10, message="the rows sent once resumed")
@@ -239,3 +251,56 @@ def test_the_console_pauses_and_resumes_a_topic_and_the_viewer_may_not(
         if a["target"].get("topic") == topic
     ]
     assert actions == [("token", "pause", "console"), ("token", "resume", "console")]
+
+
+ROW = "id, message_id, topic, key, payload, headers, created_at, attempts, last_error, tenant"
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "in-order"])
+def test_a_fetch_holds_a_paused_topics_rows_out_and_a_release_brings_them_back_unchanged(
+    database: str, fair: bool
+) -> None:
+    """The fetch moves every row of a paused topic it meets at the head, and those past
+    it over its walk, into outbox_paused, and hands over only the rows that may go: not a
+    later row of a key held there, whatever its topic, nor a row in flight moved. Once
+    the topic is resumed, a release puts them back under their ids, as they were, with
+    the column the app added."""
+    with psycopg.connect(database, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("ALTER TABLE outbox ADD COLUMN tenant text")
+        conn.execute(
+            "INSERT INTO outbox (topic, key, payload, headers, tenant, attempts, last_error)"
+            " SELECT CASE WHEN g % 2 = 0 THEN 'held' ELSE 'flowing' END,"
+            "        CASE WHEN g % 2 = 0 THEN 'h' ELSE 'f' END || (g / 2 % 5),"
+            "        convert_to('row ' || g, 'UTF8'), jsonb_build_object('n', g::text),"
+            "        't' || g, g % 3, CASE WHEN g % 3 > 0 THEN 'was failing' END"
+            " FROM generate_series(0, 99) AS g"
+        )
+        insert_rows(database, "held", [("shared", b"shared:0")])
+        insert_rows(database, "flowing", [("shared", b"shared:1")])
+        conn.execute("SELECT outbox_pause('held', 'test', NULL, 'cli')")
+        before = conn.execute(
+            f"SELECT {ROW} FROM outbox WHERE topic = 'held' ORDER BY id"
+        ).fetchall()
+        in_flight = before[3]["id"]
+        drain_session_setup(conn)
+        limits = BatchLimits(rows=20, bytes=8 << 20, per_key=20, fair=fair)
+        ask = FetchRequest(limits, (id_set([in_flight]),), paused=frozenset({"held"}))
+        fetched = store_fetch.fetch(conn, ask, hold=True)
+
+        assert fetched.messages and {m.topic for m in fetched.messages} == {"flowing"}
+        assert "shared" not in {m.key for m in fetched.messages}
+        kept = ROW.replace("tenant", "extra->>'tenant' AS tenant")
+        held = conn.execute(f"SELECT {kept} FROM outbox_paused ORDER BY id").fetchall()
+        assert held == [r for r in before if r["id"] != in_flight]
+        left = conn.execute("SELECT id FROM outbox WHERE topic = 'held'").fetchall()
+        assert [r["id"] for r in left] == [in_flight]
+
+        assert release_paused(conn, 5000) == (0, False)  # still paused: nothing goes
+        conn.execute("SELECT outbox_resume('held', 'test', 'cli')")
+        assert release_paused(conn, 30) == (30, True)
+        assert release_paused(conn, 5000) == (len(before) - 1 - 30, False)
+        after = conn.execute(
+            f"SELECT {ROW} FROM outbox WHERE topic = 'held' ORDER BY id"
+        ).fetchall()
+        assert after == before
+        assert scalar(database, "SELECT count(*) FROM outbox_paused") == 0

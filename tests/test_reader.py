@@ -75,6 +75,9 @@ class SlowStore:
     def unpark_resumed(self) -> int:
         return 0
 
+    def release_paused(self, limit: int) -> tuple[int, bool]:
+        return 0, False
+
     def interrupt(self) -> None:
         self.interrupted += 1
         self.failures.insert(0, StoreError("canceling statement due to user request"))

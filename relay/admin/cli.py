@@ -254,9 +254,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _paused_table(paused: Sequence[pauses.PausedTopic]) -> str:
     return _table(
-        ("PAUSED TOPIC", "PAUSED BY", "SINCE", "PARKED ROWS", "REASON"),
+        ("PAUSED TOPIC", "PAUSED BY", "SINCE", "HELD ROWS", "REASON"),
         [
-            (p.topic, p.paused_by, f"{p.paused_at:%Y-%m-%d %H:%M:%S%z}", p.parked_rows, p.reason)
+            (p.topic, p.paused_by, f"{p.paused_at:%Y-%m-%d %H:%M:%S%z}", p.held_rows, p.reason)
             for p in paused
         ],
     )

@@ -40,7 +40,7 @@ class PausedTopic:
     paused_by: str
     paused_at: datetime
     reason: str | None
-    parked_rows: int  # rows parked where they are (the first of each key's wait)
+    held_rows: int  # rows held: in outbox_paused, or parked in place (the first of a key)
 
 
 def topic_problem(topic: str) -> str | None:

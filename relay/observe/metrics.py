@@ -114,6 +114,11 @@ FETCH_SECONDS = Histogram(
     "Time to read a batch: the fetch statements, on the reader's thread.",
     buckets=LATENCY_BUCKETS,
 )
+PAUSED_ROWS_HELD = Counter(
+    "relay_drain_paused_rows_held",
+    "Rows of paused topics the drain moved out of the outbox into outbox_paused, to wait "
+    "there until their topic is resumed.",
+)
 PAUSES_SEEN = Gauge(
     "relay_drain_paused_topics",
     "Paused topics this replica's drain of a shard honours, as its last pass read them.",
@@ -210,7 +215,8 @@ OUTBOX_SCHEDULED = Gauge(
 )
 OUTBOX_PAUSED = Gauge(
     "relay_outbox_paused_rows",
-    "Rows parked for a paused topic (relay pause), the first waiting row of each key.",
+    "Rows held for a paused topic (relay pause): moved out into outbox_paused, or parked in "
+    "place (an own table's: the first waiting row of each key). Counted up to the cap.",
 )
 TOPIC_PAUSED = Gauge(
     "relay_topic_paused_seconds",

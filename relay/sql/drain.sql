@@ -65,8 +65,10 @@ coalesce(octet_length(o.payload), 0) + coalesce(octet_length(o.topic), 0)
 -- Whether a row may be sent now: it is not waiting out a retry backoff, its key is not
 -- in %(held)s (the relay holds a key back while an earlier row of it is in flight, say
 -- in a sick partition), and no earlier row of its key is waiting: neither in a backoff
--- nor scheduled and not yet let in, whether still in the outbox (one probe of the tiny
--- outbox_waiting_idx) or moved out into outbox_scheduled (one probe of its key). Each
+-- (or parked for a paused topic) nor scheduled and not yet let in, whether still in
+-- the outbox (one probe of the tiny outbox_waiting_idx) or moved out into
+-- outbox_scheduled (one probe of its key), nor held for a paused topic in
+-- outbox_paused (one probe of its key). Each
 -- per-row probe is asked only if the statement's one look there (an InitPlan, run once)
 -- found any row at all: with nothing failing and nothing scheduled, as usual, a batch
 -- costs no probe per row. (An own table's outbox_scheduled is an empty stand-in.)
@@ -109,6 +111,19 @@ AND ((SELECT anything_parked.available_at
          FROM outbox_scheduled AS parked
          WHERE parked.key = o.key
            AND parked.id < o.id
+     ))
+-- Nor held out of the outbox for a paused topic (outbox_paused, by its index on (key,
+-- id); an own table's is an empty stand-in). Its look is the last entry of the primary
+-- key, the high end as above.
+AND ((SELECT anything_held.id
+      FROM outbox_paused AS anything_held
+      ORDER BY anything_held.id DESC
+      LIMIT 1) IS NULL
+     OR NOT EXISTS (
+         SELECT 1
+         FROM outbox_paused AS held
+         WHERE held.key = o.key
+           AND held.id < o.id
      ))
 
 -- fragment: unsendable
@@ -886,8 +901,24 @@ SELECT count(pg_advisory_xact_lock_shared('outbox_paused_topics'::regclass::oid:
                                           hashtext(t.topic)))
 FROM (SELECT DISTINCT unnest(%(topics)s::text[]) AS topic ORDER BY 1) AS t;
 
+-- name: hold_paused
+-- The rows of paused topics %(topics)s among the first %(walk)s the drain may take from
+-- id %(from_id)s on, moved out into outbox_paused (the function, migrations/
+-- 0100_schema.sql, runs as the tables' owner); the rows in flight and other shards' are
+-- left where they are. How many moved. Needs no fence: a row held is right whoever
+-- holds it.
+SELECT outbox_hold_paused(%(topics)s::text[], %(from_id)s::bigint, %(walk)s::integer,
+                          %(in_flight)s::bigint[], %(in_flight_ranges)s::int8multirange,
+                          %(shards)s::integer, %(shard)s::integer) AS held;
+
+-- name: release_paused
+-- Up to %(limit)s held rows of topics resumed back into the outbox, by id; `more`: rows
+-- of a resumed topic are left, for the next pass at once.
+SELECT r.released, r.more FROM outbox_release_paused(%(limit)s::integer) AS r;
+
 -- name: park_paused
--- The rows of a paused topic the drain fetched, parked where they are: in the waiting
+-- The rows of a paused topic the drain fetched and could not hold in outbox_paused (an
+-- own table's, or a row too large to move), parked where they are: in the waiting
 -- index, due never, so the fetch holds the later rows of their keys behind them. No
 -- attempt is spent and last_error is left as it was. A row whose topic was resumed
 -- meanwhile is left as it is, and sent by a later fetch.

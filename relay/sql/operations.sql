@@ -29,8 +29,8 @@
 -- Ages are differences of epochs, not of timestamps: a row the app stamped 'infinity'
 -- or '-infinity' gives an age of 0 or +Infinity instead of failing every sample.
 -- A paused topic's rows are no lag: the oldest age leaves them out of its window (they
--- are counted as `paused`, the rows parked, and each paused topic is listed with how
--- long it has been paused).
+-- are counted as `paused`, the rows held in outbox_paused and those parked in place,
+-- and each paused topic is listed with how long it has been paused).
 WITH waiting AS MATERIALIZED (
     -- Up to %(cap)s rows that hold their key back, in outbox_waiting_idx's order (its
     -- predicate word for word): failing, or scheduled and not let in yet.
@@ -118,7 +118,11 @@ SELECT
              FROM outbox_scheduled
             WHERE available_at > now()))
         AS next_due_in_seconds,
-    (SELECT count(*) FROM failing WHERE next_attempt_at = 'infinity') AS paused,
+    least(%(cap)s,
+          (SELECT count(*) FROM failing WHERE next_attempt_at = 'infinity')
+          + (SELECT count(*)  -- held out of the outbox, walked by its primary key
+               FROM (SELECT 1 FROM outbox_paused ORDER BY id LIMIT %(cap)s) AS held_rows))
+        AS paused,
     (SELECT coalesce(jsonb_object_agg(p.topic, extract(epoch FROM now())
                                                - extract(epoch FROM p.paused_at)), '{}')
        FROM outbox_paused_topics AS p)

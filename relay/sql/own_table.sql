@@ -168,10 +168,11 @@ SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
 FROM {view}
 WHERE false
 
--- name: own_table_scheduled_stand_in
--- An empty outbox_scheduled for the table, whose scheduled rows stay in it until due:
--- the fetch's probe "an earlier row of my key is moved out" and the lag gauges read it
--- and find nothing here, never the relay's own outbox's rows.
+-- name: own_table_moved_out_stand_in
+-- An empty outbox_scheduled for the table, whose scheduled rows stay in it until due,
+-- and an empty outbox_paused, as its paused topics' rows are parked in it: the fetch's
+-- probes "an earlier row of my key is moved out", the lag gauges and the pauses' counts
+-- read them and find nothing here, never the relay's own outbox's rows.
 CREATE OR REPLACE VIEW {stand_in} AS
 SELECT id, message_id, topic, key, payload, headers, created_at, available_at,
        attempts, last_error
@@ -179,7 +180,7 @@ FROM {view}
 WHERE false
 
 -- name: own_table_dead_letters_readers
--- Whoever may read the table's view when this runs may read the two above: the roles
+-- Whoever may read the table's view when this runs may read the views above: the roles
 -- an earlier release's grants name need no new grant (grantee 0 is PUBLIC). Grants made
 -- on the view later must name them too (docs/howto/own-tables.md).
 DO $readers$
@@ -194,7 +195,8 @@ BEGIN
         EXECUTE 'GRANT SELECT ON ' || to_regclass({dead_view_name})::text || ', '
                 || to_regclass({marked_name})::text || ', '
                 || to_regclass({stand_in_name})::text || ', '
-                || to_regclass({scheduled_name})::text || ' TO '
+                || to_regclass({scheduled_name})::text || ', '
+                || to_regclass({paused_name})::text || ' TO '
                 || CASE WHEN reader = 0 THEN 'PUBLIC' ELSE reader::regrole::text END;
     END LOOP;
 END

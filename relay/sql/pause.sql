@@ -20,14 +20,17 @@ FROM outbox_resume(%(topic)s::text, %(actor)s::text, %(via)s::text) AS r;
 
 -- name: paused_topic_list
 -- Every paused topic, who paused it, since when and why, and how many of its rows are
--- parked (each the first waiting row of its key; the later rows of those keys wait
--- behind them and are not counted): `relay status`, the console, the API.
+-- held: moved into outbox_paused (each by its index on (topic, id)), or parked in the
+-- outbox (an own table's: each the first waiting row of its key; the later rows of
+-- those keys wait behind them and are not counted). The rows a drain has not met yet
+-- are not counted either: `relay status`, the console, the API.
 SELECT p.topic, p.paused_by, p.paused_at, p.reason,
        (SELECT count(*)
           FROM outbox AS o
          WHERE (o.next_attempt_at IS NOT NULL
                 OR (o.available_at IS NOT NULL AND o.promoted_at IS NULL))
            AND o.next_attempt_at = 'infinity'
-           AND o.topic = p.topic) AS parked_rows
+           AND o.topic = p.topic)
+       + (SELECT count(*) FROM outbox_paused AS h WHERE h.topic = p.topic) AS held_rows
 FROM outbox_paused_topics AS p
 ORDER BY p.paused_at, p.topic;

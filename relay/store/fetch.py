@@ -13,13 +13,18 @@ from psycopg.rows import RowMaker, tuple_row
 
 from relay.drain.batch import BatchLimits, IdSet
 from relay.message import KEY, READY, OutboxMessage
+from relay.observe import metrics
 from relay.sql import QUERIES
 from relay.store.db import Conn
 from relay.store.port import Fetched, FetchRequest
 
 
-def fetch(conn: Conn, request: FetchRequest, *, shards: int = 1, shard: int = 0) -> Fetched:
-    """`request` as the fetch statements take it."""
+def fetch(
+    conn: Conn, request: FetchRequest, *, shards: int = 1, shard: int = 0, hold: bool = False
+) -> Fetched:
+    """`request` as the fetch statements take it. `hold`: the rows of its paused topics
+    met at the head move out into outbox_paused (the relay's own outbox; an own table's
+    are parked in place by the settle)."""
     ids, ranges = left_out_literals(request.left_out)
     return fetch_batch(
         conn,
@@ -32,6 +37,7 @@ def fetch(conn: Conn, request: FetchRequest, *, shards: int = 1, shard: int = 0)
         shard=shard,
         after_group=request.after_group,
         in_flight_ranges=ranges,
+        paused=request.paused if hold else frozenset(),
     )
 
 
@@ -62,6 +68,7 @@ def fetch_batch(
     shard: int = 0,
     after_group: str | None = None,
     in_flight_ranges: str = "{}",
+    paused: frozenset[str] = frozenset(),
 ) -> Fetched:
     """The next batch (docs/concepts/delivery-guarantees.md, "Fair across keys, at a bounded cost").
 
@@ -80,6 +87,8 @@ def fetch_batch(
     `shards`, `shard`: with more than one shard, only that shard's rows.
     With `limits.group` (RELAY_FAIRNESS_GROUP), a full head is shared out too: groups
     past it may wait. `after_group`: where the round over groups starts.
+    `paused`: topics whose rows met in the head are held out of the outbox before the
+    batch is made (`hold_paused`), so the head is fetched again without them.
     """
     params: dict[str, Any] = {
         "shards": shards,
@@ -93,13 +102,14 @@ def fetch_batch(
         "after": None,
     }
     if not limits.fair:
-        return Fetched(_fetch_in_order(conn, limits, params))
+        return Fetched(_fetch_in_order(conn, limits, params, paused))
     # Messages made from each row in C (OutboxMessage is a named tuple whose fields
     # are the columns, see _MAKE_MESSAGE): this runs for every row the relay moves.
     # Binary results: numbers, booleans and the payload's bytes arrive as they are,
     # with no text to parse (bytea as text would be hex, twice the bytes).
     with conn.cursor(row_factory=_messages, binary=True) as cur:
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
+        head = _held_first(conn, cur, head, paused, params)
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
             return Fetched(_within_bytes(head))
     group = limits.group
@@ -126,6 +136,55 @@ def fetch_batch(
     return Fetched([_MAKE_MESSAGE(row[:-2]) for row in rows], walked_to, walked_group, True, alone)
 
 
+# How far past the head's first paused row one hold walks, in heads: a paused backlog
+# interleaved with other rows leaves this many heads free of it per move. And how many
+# holds one fetch runs while the head it reads again still starts with paused rows (a
+# backlog of them ahead of the rest): a fetch that handed over nothing would make the
+# drain wait out its idle poll before the next.
+HOLD_HEADS = 8
+HOLDS_A_FETCH = 8
+
+
+def _held_first(
+    conn: Conn,
+    cur: Any,
+    head: list[OutboxMessage],
+    paused: frozenset[str],
+    params: dict[str, Any],
+) -> list[OutboxMessage]:
+    """`head`, or once the rows of `paused` topics in it are held (`hold_paused`, up to
+    HOLDS_A_FETCH times while the head read again holds more), the head read again."""
+    for _ in range(HOLDS_A_FETCH if paused else 0):
+        if not hold_paused(conn, head, paused, params):
+            break
+        head = cur.execute(QUERIES.fetch_head, params).fetchall()
+    return head
+
+
+def hold_paused(
+    conn: Conn, head: Sequence[OutboxMessage], paused: frozenset[str], params: dict[str, Any]
+) -> bool:
+    """Move the rows of `paused` topics out into outbox_paused, from the first of them in
+    `head` on, over HOLD_HEADS heads' worth of rows (drain.sql, hold_paused): a paused
+    backlog is then walked past once, not by every fetch. Whether any moved."""
+    first = next((m.id for m in head if m.topic in paused), None)
+    if first is None:
+        return False
+    row = conn.execute(
+        QUERIES.hold_paused,
+        {
+            **params,
+            "topics": sorted(paused),
+            "from_id": first,
+            "walk": HOLD_HEADS * params["limit"],
+        },
+    ).fetchone()
+    held = 0 if row is None else int(row["held"])
+    if held:
+        metrics.PAUSED_ROWS_HELD.inc(held)
+    return held > 0
+
+
 # tuple.__new__ with the class: the named tuple made in C from psycopg's row tuple
 # (namedtuple's own _make is a Python function around the same call). The columns are
 # the fields, in order: tests/test_fetch.py pins both statements' projections.
@@ -139,7 +198,9 @@ WINDOWS_IN_ORDER = 4
 WINDOWS_WHILE_EMPTY = 16
 
 
-def _fetch_in_order(conn: Conn, limits: BatchLimits, params: dict[str, Any]) -> list[OutboxMessage]:
+def _fetch_in_order(
+    conn: Conn, limits: BatchLimits, params: dict[str, Any], paused: frozenset[str]
+) -> list[OutboxMessage]:
     """RELAY_FAIRNESS=off: first in, first out, by fetch_head alone (the primary key's
     walk; no key index read): the ready rows in id order up to the bounds, and where
     the sink sends a key's rows one at a time (`limits.fill` False) each key's first
@@ -155,6 +216,10 @@ def _fetch_in_order(conn: Conn, limits: BatchLimits, params: dict[str, Any]) -> 
     read-only REPEATABLE READ transaction. A cut (bytes, the cap, room) stops the walk:
     the rows it left must go before any later row of their key."""
     with conn.cursor(row_factory=_messages, binary=True) as cur:
+        if paused:  # the paused topics' rows held first, as the fair fetch holds them
+            _held_first(
+                conn, cur, cur.execute(QUERIES.fetch_head, params).fetchall(), paused, params
+            )
         batch, walk_on = _walk(cur, limits, params, 1)
         if not walk_on:
             return batch

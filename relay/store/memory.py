@@ -234,6 +234,10 @@ class MemoryStore:
                 row.next_attempt_at = None
             return len(resumed)
 
+    def release_paused(self, limit: int) -> tuple[int, bool]:
+        """Nothing is held out of this store: its paused rows are parked in place."""
+        return 0, False
+
     def interrupt(self) -> None:
         """A statement here never waits: nothing to cancel."""
 

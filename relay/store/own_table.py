@@ -90,9 +90,11 @@ def statements(
     )
     out.append(sql.SQL(QUERIES.own_table_dead_stand_in).format(stand_in=stand_in, view=marked))
     scheduled = sql.Identifier(schema, "outbox_scheduled")
-    out.append(
-        sql.SQL(QUERIES.own_table_scheduled_stand_in).format(stand_in=scheduled, view=marked)
-    )
+    paused = sql.Identifier(schema, "outbox_paused")
+    for moved_out in (scheduled, paused):
+        out.append(
+            sql.SQL(QUERIES.own_table_moved_out_stand_in).format(stand_in=moved_out, view=marked)
+        )
     out.append(
         sql.SQL(QUERIES.own_table_dead_letters_readers).format(
             view_name=sql.Literal(view.as_string(None)),
@@ -100,6 +102,7 @@ def statements(
             marked_name=sql.Literal(marked.as_string(None)),
             stand_in_name=sql.Literal(stand_in.as_string(None)),
             scheduled_name=sql.Literal(scheduled.as_string(None)),
+            paused_name=sql.Literal(paused.as_string(None)),
         )
     )
     if not layout.id_indexed:

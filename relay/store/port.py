@@ -54,7 +54,8 @@ class FetchRequest:
     `left_out` (the rows published and not settled) and the `held` keys; a key blocked
     by an earlier waiting row skipped. `after_key`: where the round over keys starts (a
     key's hash); with `limits.group`, fair across groups first, from `after_group`.
-    `share_busy_keys`: look past a head that one key fills for others to share with."""
+    `share_busy_keys`: look past a head that one key fills for others to share with.
+    `paused`: the paused topics, whose rows the store holds out of the drain."""
 
     limits: BatchLimits
     left_out: tuple[IdSet, ...] = ()
@@ -62,6 +63,7 @@ class FetchRequest:
     after_key: int | None = None
     after_group: str | None = None
     share_busy_keys: bool = True
+    paused: frozenset[str] = frozenset()
 
 
 class ReadStore(Protocol):
@@ -82,6 +84,11 @@ class ReadStore(Protocol):
 
     def unpark_resumed(self) -> int:
         """Let go the rows parked for a pause that is over; how many."""
+        ...
+
+    def release_paused(self, limit: int) -> tuple[int, bool]:
+        """Move up to `limit` rows held out of the outbox for a pause that is over back
+        into it; how many, and whether more are left."""
         ...
 
     def interrupt(self) -> None:

@@ -39,7 +39,8 @@ def _failing_as_store_error(session: db.Session) -> Iterator[None]:
 
 class PostgresReadStore:
     """Used on the reader's thread alone (relay/drain/reader.py), but for `interrupt`.
-    `set_aside`: whether rows scheduled for later move out of the outbox."""
+    `set_aside`: whether rows scheduled for later, and those of paused topics, move out
+    of the outbox."""
 
     def __init__(self, connect: Callable[[], db.Conn], shard: Shard, set_aside: SetAside) -> None:
         self._connect = connect
@@ -59,7 +60,11 @@ class PostgresReadStore:
     def fetch(self, request: FetchRequest) -> Fetched:
         with _failing_as_store_error(self._session):
             return fetch.fetch(
-                self._session.get(), request, shards=self._shard.shards, shard=self._shard.shard
+                self._session.get(),
+                request,
+                shards=self._shard.shards,
+                shard=self._shard.shard,
+                hold=self._set_aside == "move",
             )
 
     def promote_due(self, limit: int) -> Promoted:
@@ -79,6 +84,12 @@ class PostgresReadStore:
     def unpark_resumed(self) -> int:
         with _failing_as_store_error(self._session):
             return repository.unpark_resumed(self._session.get())
+
+    def release_paused(self, limit: int) -> tuple[int, bool]:
+        if self._set_aside != "move":
+            return 0, False  # an own table holds nothing out of it
+        with _failing_as_store_error(self._session):
+            return repository.release_paused(self._session.get(), limit)
 
     def interrupt(self) -> None:
         self._session.cancel()

@@ -124,6 +124,13 @@ def unpark_resumed(conn: Conn) -> int:
     return conn.execute(QUERIES.unpark_resumed).rowcount
 
 
+def release_paused(conn: Conn, limit: int) -> tuple[int, bool]:
+    """Up to `limit` held rows of resumed topics back into the outbox; and whether
+    more are left."""
+    row = conn.execute(QUERIES.release_paused, {"limit": limit}).fetchone()
+    return (0, False) if row is None else (int(row["released"]), bool(row["more"]))
+
+
 def _move_large_dead_letters(conn: Conn, fence: dict[str, object], dead: dict[str, object]) -> None:
     """The dead letters the settle left in the outbox for their size, moved out in a
     fenced transaction of their own without a statement timeout. Fenced out meanwhile:
