@@ -3,7 +3,7 @@ from the store on each pass for scheduled rows (at least once a second), so ever
 replica and shard honours a pause or a resume within about a second.
 
 A paused topic's rows met at the head of the outbox are held out of it, in
-outbox_paused (relay/store/fetch.py), or parked where they are (an own table's, or one
+outbox_paused (relay/store/hold.py), or parked where they are (an own table's, or one
 too large to move: relay/drain/screen.py, then the settle), never published; a resume
 only deletes the pause, and the first drain to see it gone lets its rows go. That is
 also done at a drain's first pass and every UNPARK_EVERY_SECONDS: a replica that held

@@ -220,16 +220,10 @@ class Reader:
         # where it stopped at once (a few rounds) rather than idle-wait between them.
         for _ in range(4):
             share = self._clock() >= self._look_for_others_at
-            ask = FetchRequest(
-                limits,
-                left_out,
-                held,
-                self._after_key,
-                self._after_group,
-                share,
-                self.pauses.topics,
+            rounds = (self._after_key, self._after_group, share)
+            fetched = self._store.fetch(
+                FetchRequest(limits, left_out, held, *rounds, self.pauses.topics)
             )
-            fetched = self._store.fetch(ask)
             if fetched.fair:  # a head that needed no sharing says nothing of the round
                 self._after_key = fetched.walked_to
                 self._after_group = fetched.walked_group

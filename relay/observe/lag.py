@@ -53,13 +53,17 @@ class LagSample:
     # due (None: none is scheduled).
     scheduled: int = 0
     next_due_in_seconds: float | None = None
-    # Rows parked for a paused topic (of the failing rows counted), and each paused
+    # Rows held for a paused topic (moved out, or parked in place), and each paused
     # topic with how many seconds it has been paused.
     paused: int = 0
     paused_topics: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counts, for `relay status --json`'s `outbox`: the paused topics are its
+        own `paused_topics`, with who paused them and since when."""
+        counts = asdict(self)
+        del counts["paused_topics"]
+        return counts
 
 
 @contextmanager

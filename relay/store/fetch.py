@@ -13,9 +13,9 @@ from psycopg.rows import RowMaker, tuple_row
 
 from relay.drain.batch import BatchLimits, IdSet
 from relay.message import KEY, READY, OutboxMessage
-from relay.observe import metrics
 from relay.sql import QUERIES
 from relay.store.db import Conn
+from relay.store.hold import held_first
 from relay.store.port import Fetched, FetchRequest
 
 
@@ -109,7 +109,7 @@ def fetch_batch(
     # with no text to parse (bytea as text would be hex, twice the bytes).
     with conn.cursor(row_factory=_messages, binary=True) as cur:
         head = cur.execute(QUERIES.fetch_head, params).fetchall()
-        head = _held_first(conn, cur, head, paused, params)
+        head = held_first(conn, cur, head, paused, params)
         if not _needs_sharing(head, limits, share_busy_keys or not limits.fill):
             return Fetched(_within_bytes(head))
     group = limits.group
@@ -134,55 +134,6 @@ def fetch_batch(
         and ids == [m.id for m in head[: len(ids)] if m.ready]
     )
     return Fetched([_MAKE_MESSAGE(row[:-2]) for row in rows], walked_to, walked_group, True, alone)
-
-
-# How far past the head's first paused row one hold walks, in heads: a paused backlog
-# interleaved with other rows leaves this many heads free of it per move. And how many
-# holds one fetch runs while the head it reads again still starts with paused rows (a
-# backlog of them ahead of the rest): a fetch that handed over nothing would make the
-# drain wait out its idle poll before the next.
-HOLD_HEADS = 8
-HOLDS_A_FETCH = 8
-
-
-def _held_first(
-    conn: Conn,
-    cur: Any,
-    head: list[OutboxMessage],
-    paused: frozenset[str],
-    params: dict[str, Any],
-) -> list[OutboxMessage]:
-    """`head`, or once the rows of `paused` topics in it are held (`hold_paused`, up to
-    HOLDS_A_FETCH times while the head read again holds more), the head read again."""
-    for _ in range(HOLDS_A_FETCH if paused else 0):
-        if not hold_paused(conn, head, paused, params):
-            break
-        head = cur.execute(QUERIES.fetch_head, params).fetchall()
-    return head
-
-
-def hold_paused(
-    conn: Conn, head: Sequence[OutboxMessage], paused: frozenset[str], params: dict[str, Any]
-) -> bool:
-    """Move the rows of `paused` topics out into outbox_paused, from the first of them in
-    `head` on, over HOLD_HEADS heads' worth of rows (drain.sql, hold_paused): a paused
-    backlog is then walked past once, not by every fetch. Whether any moved."""
-    first = next((m.id for m in head if m.topic in paused), None)
-    if first is None:
-        return False
-    row = conn.execute(
-        QUERIES.hold_paused,
-        {
-            **params,
-            "topics": sorted(paused),
-            "from_id": first,
-            "walk": HOLD_HEADS * params["limit"],
-        },
-    ).fetchone()
-    held = 0 if row is None else int(row["held"])
-    if held:
-        metrics.PAUSED_ROWS_HELD.inc(held)
-    return held > 0
 
 
 # tuple.__new__ with the class: the named tuple made in C from psycopg's row tuple
@@ -217,7 +168,7 @@ def _fetch_in_order(
     the rows it left must go before any later row of their key."""
     with conn.cursor(row_factory=_messages, binary=True) as cur:
         if paused:  # the paused topics' rows held first, as the fair fetch holds them
-            _held_first(
+            held_first(
                 conn, cur, cur.execute(QUERIES.fetch_head, params).fetchall(), paused, params
             )
         batch, walk_on = _walk(cur, limits, params, 1)
