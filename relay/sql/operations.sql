@@ -218,7 +218,9 @@ SELECT name, shards FROM lease_groups ORDER BY name;
 -- The runtime role's grants to move rows out of the outbox and back (grants.sql): the
 -- rows a settle gives up on into outbox_dead, without which every settle with a dead
 -- letter in it fails and the drain publishes that batch again and again; rows
--- scheduled for later into outbox_scheduled and back when due, without which every pass of the schedule fails. NULL: a function is missing.
+-- scheduled for later into outbox_scheduled and back when due, without which every
+-- pass of the schedule fails; a paused topic's rows into outbox_paused and back, and
+-- the fetch's read of it, without which every fetch fails. NULL: a function is missing.
 SELECT has_function_privilege(
            to_regprocedure('outbox_dead_letter(bigint[], integer[], text[])'), 'EXECUTE')
        AND has_function_privilege(
@@ -226,6 +228,12 @@ SELECT has_function_privilege(
        AND has_function_privilege(
            to_regprocedure('outbox_let_in(integer, integer, integer)'), 'EXECUTE')
        AND has_table_privilege(to_regclass('outbox_scheduled'), 'SELECT')
+       AND has_function_privilege(
+           to_regprocedure('outbox_hold_paused(text[], bigint, integer, bigint[],'
+                           ' int8multirange, integer, integer)'), 'EXECUTE')
+       AND has_function_privilege(
+           to_regprocedure('outbox_release_paused(integer)'), 'EXECUTE')
+       AND has_table_privilege(to_regclass('outbox_paused'), 'SELECT')
        AS can_move;
 
 -- name: dead_letter_list

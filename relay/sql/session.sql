@@ -45,17 +45,20 @@ SELECT to_regclass(quote_ident(%(schema)s) || '.outbox') IS NOT NULL AS view_exi
            AS view_reads_table,
        obj_description(to_regclass(quote_ident(%(schema)s) || '.outbox'), 'pg_class')
            AS layout,
-       -- Where this release reads the table's dead letters and scheduled rows
-       -- (own_table.sql): the views it finds before the relay's own tables.
+       -- Where this release reads the table's dead letters, scheduled rows and paused
+       -- topics' rows (own_table.sql): the views it finds before the relay's own tables.
        to_regclass(quote_ident(%(schema)s) || '.outbox_dead_letters') IS NOT NULL
        AND to_regclass(quote_ident(%(schema)s) || '.outbox_dead') IS NOT NULL
        AND to_regclass(quote_ident(%(schema)s) || '.outbox_scheduled') IS NOT NULL
+       AND to_regclass(quote_ident(%(schema)s) || '.outbox_paused') IS NOT NULL
            AS dead_letter_views,
        coalesce(has_table_privilege(
                     to_regclass(quote_ident(%(schema)s) || '.outbox_dead_letters'), 'SELECT')
                 AND has_table_privilege(
                     to_regclass(quote_ident(%(schema)s) || '.outbox_dead'), 'SELECT')
                 AND has_table_privilege(
-                    to_regclass(quote_ident(%(schema)s) || '.outbox_scheduled'), 'SELECT'),
+                    to_regclass(quote_ident(%(schema)s) || '.outbox_scheduled'), 'SELECT')
+                AND has_table_privilege(
+                    to_regclass(quote_ident(%(schema)s) || '.outbox_paused'), 'SELECT'),
                 false)
            AS dead_letter_views_readable;

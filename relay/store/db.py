@@ -208,15 +208,16 @@ def read_own_table(conn: Conn, settings: CommonSettings) -> str:
     if not check["dead_letter_views"]:
         raise SettingsError(
             "RELAY_OUTBOX_TABLE",
-            f"{schema} lacks the views outbox_dead_letters, outbox_dead and"
-            " outbox_scheduled, through which this release reads the table's dead letters"
-            " and scheduled rows: run `relay migrate --own-table` again",
+            f"{schema} lacks the views outbox_dead_letters, outbox_dead, outbox_scheduled"
+            " and outbox_paused, through which this release reads the table's dead letters,"
+            " scheduled rows and paused topics' rows: run `relay migrate --own-table` again",
         )
     if not check["dead_letter_views_readable"]:
         raise SettingsError(
             "RELAY_OUTBOX_TABLE",
-            f"the role may not read {schema}.outbox_dead_letters, {schema}.outbox_dead and"
-            f" {schema}.outbox_scheduled: grant SELECT on them, as on the view outbox"
+            f"the role may not read {schema}.outbox_dead_letters, {schema}.outbox_dead,"
+            f" {schema}.outbox_scheduled and {schema}.outbox_paused: grant SELECT on them,"
+            " as on the view outbox"
             " (docs/howto/own-tables.md)",
         )
     row = conn.execute(QUERIES.own_table_search_path, {"schema": schema}).fetchone()

@@ -145,9 +145,10 @@ def dead_letters(conn: db.Conn, _settings: Settings) -> None:
     if row is not None and row["can_move"] is False:
         raise SettingsError(
             "RELAY_DATABASE_URL",
-            "the role may not move dead letters and scheduled rows out of the outbox: run"
-            " migrations/grants.sql again (EXECUTE on outbox_dead_letter,"
-            " outbox_park_scheduled and outbox_let_in, SELECT on outbox_scheduled)",
+            "the role may not move dead letters, scheduled rows and paused topics' rows"
+            " out of the outbox: run migrations/grants.sql again (EXECUTE on"
+            " outbox_dead_letter, outbox_park_scheduled, outbox_let_in, outbox_hold_paused"
+            " and outbox_release_paused, SELECT on outbox_scheduled and outbox_paused)",
         )
 
 
